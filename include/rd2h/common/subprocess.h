@@ -1,0 +1,53 @@
+// Subprocess: a child process with pipes to its stdin and stdout, owned by RAII. The
+// destructor kills and reaps a child that is still running, so no process outlives its owner.
+#pragma once
+
+#include <sys/types.h>
+
+#include <chrono>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "rd2h/common/status.h"
+
+namespace rd2h {
+
+class Subprocess {
+ public:
+  // Starts argv[0] (a path) with `argv`. stdout is piped back unless `inherit_stdout`.
+  static Expected<Subprocess> spawn(const std::vector<std::string>& argv,
+                                    bool inherit_stdout = false);
+
+  Subprocess(Subprocess&& other) noexcept;
+  Subprocess& operator=(Subprocess&& other) noexcept;
+  Subprocess(const Subprocess&) = delete;
+  Subprocess& operator=(const Subprocess&) = delete;
+  ~Subprocess();
+
+  pid_t pid() const { return pid_; }
+  // The next line of the child's stdout, without the newline; an error on EOF or timeout.
+  Expected<std::string> read_line(std::chrono::milliseconds timeout);
+  // Everything the child writes to stdout until it closes it, bounded by `timeout`.
+  Expected<std::string> read_all(std::chrono::milliseconds timeout);
+  // Closes the child's stdin (the conventional "you may exit now").
+  void close_stdin();
+  void kill(int signal);
+  // The exit status (as from waitpid) once the child exits, or a timeout error.
+  Expected<int> wait(std::chrono::milliseconds timeout);
+
+ private:
+  Subprocess() = default;
+  void reset();
+
+  pid_t pid_ = -1;
+  int stdin_fd_ = -1;
+  int stdout_fd_ = -1;
+  std::string buffered_;
+  std::optional<int> exit_status_;
+};
+
+// The path of the running executable.
+std::string self_executable();
+
+}  // namespace rd2h

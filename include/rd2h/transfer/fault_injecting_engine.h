@@ -1,0 +1,62 @@
+// FaultInjectingEngine: wraps a real TransferEngine and makes chosen batch reads fail, the
+// way a broken link or peer would, so tests exercise failure paths over real transports.
+#pragma once
+
+#include <chrono>
+#include <memory>
+#include <mutex>
+
+#include "rd2h/transfer/transfer_engine.h"
+
+namespace rd2h::transfer {
+
+enum class FaultPoint {
+  kBeforeRead,  // the batch fails without reading anything
+  kAfterRead,   // the batch reads, then reports failure (a completion flipped to an error)
+};
+
+class FaultInjectingEngine final : public TransferEngine {
+ public:
+  explicit FaultInjectingEngine(std::shared_ptr<TransferEngine> inner) : inner_(std::move(inner)) {}
+
+  // The next `count` batch reads fail with `status` at `point`.
+  void fail_next_reads(int count, Status status, FaultPoint point = FaultPoint::kBeforeRead);
+  // Every batch read first sleeps `delay` (a slow link); zero turns it off.
+  void delay_reads(std::chrono::milliseconds delay);
+  int injected_failures() const;
+
+  std::string_view backend_name() const override { return inner_->backend_name(); }
+  const EngineConfig& config() const override { return inner_->config(); }
+  const std::string& session_id() const override { return inner_->session_id(); }
+  Status register_memory(void* addr, size_t length) override {
+    return inner_->register_memory(addr, length);
+  }
+  Expected<MemoryRegion> allocate_memory(size_t length) override {
+    return inner_->allocate_memory(length);
+  }
+  Status unregister_memory(void* addr) override { return inner_->unregister_memory(addr); }
+  Expected<std::vector<std::byte>> export_metadata() const override {
+    return inner_->export_metadata();
+  }
+  Expected<std::string> connect(std::span<const std::byte> peer_metadata) override {
+    return inner_->connect(peer_metadata);
+  }
+  Status disconnect(std::string_view session) override { return inner_->disconnect(session); }
+  Expected<SessionInfo> session_info(std::string_view session) const override {
+    return inner_->session_info(session);
+  }
+  Status batch_read_sync(std::string_view session, std::span<const uintptr_t> local,
+                         std::span<const uintptr_t> remote,
+                         std::span<const size_t> length) override;
+
+ private:
+  std::shared_ptr<TransferEngine> inner_;
+  mutable std::mutex mu_;
+  int pending_failures_ = 0;
+  Status failure_status_;
+  FaultPoint failure_point_ = FaultPoint::kBeforeRead;
+  std::chrono::milliseconds delay_{0};
+  int injected_ = 0;
+};
+
+}  // namespace rd2h::transfer

@@ -1,0 +1,102 @@
+// TransferEngine: moves byte ranges from a peer's registered memory into local registered
+// memory with one-sided reads. It plays the role MemFabric's transfer engine plays in the
+// spec and knows nothing of layers, requests or KV. Implementations: UCX (create_ucx_engine)
+// and a fault-injecting decorator for tests; a MemFabric backend fits the same interface.
+#pragma once
+
+#include <chrono>
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+#include <span>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "rd2h/common/status.h"
+
+namespace rd2h::transfer {
+
+inline constexpr int kTransferEngineInterfaceVersion = 1;
+
+enum class Role { kPrefill, kDecode };
+std::string_view to_string(Role role);
+Expected<Role> parse_role(std::string_view text);  // "prefill" | "decode"
+
+// Which medium the engine may use. kAuto lets the backend choose (UCX: RDMA where present,
+// shared memory for co-located peers, TCP otherwise); UCX_* environment variables apply.
+enum class Transport { kShm, kTcp, kAuto };
+std::string_view to_string(Transport transport);
+Expected<Transport> parse_transport(std::string_view text);  // "shm" | "tcp" | "auto"
+
+struct EngineConfig {
+  Role role = Role::kPrefill;
+  int device_id = 0;
+  std::string hostname;  // advertised host; empty means this machine's hostname
+  Transport transport = Transport::kAuto;
+  // Bound on one batch_read_sync; a dead or silent peer turns into an error by then.
+  std::chrono::milliseconds read_timeout{5000};
+  // Bound on connect(), including the first exchange with the peer.
+  std::chrono::milliseconds connect_timeout{5000};
+};
+
+struct MemoryRegion {
+  void* addr = nullptr;
+  size_t length = 0;
+};
+
+struct SessionInfo {
+  std::string session_id;  // the peer's session id, as connect() returned it
+  std::string transport;   // transports the backend really uses for reads, e.g. "posix"
+  bool colocated = false;  // the peer runs on this host
+  bool broken = false;     // a failure was seen; reads fail until connect() again
+  std::string broken_reason;
+};
+
+class TransferEngine {
+ public:
+  virtual ~TransferEngine() = default;
+
+  virtual std::string_view backend_name() const = 0;
+  virtual const EngineConfig& config() const = 0;
+  // This engine's session id: what a peer's connect() returns for it (the spec's p_session).
+  virtual const std::string& session_id() const = 0;
+
+  // Registers caller-owned memory for reads by peers and as a read destination.
+  // Zero-length and overlapping ranges are errors.
+  virtual Status register_memory(void* addr, size_t length) = 0;
+  // Allocates registered memory owned by the engine (freed by unregister_memory or the
+  // engine's destruction). Shared-memory peers read it without this process's help.
+  virtual Expected<MemoryRegion> allocate_memory(size_t length) = 0;
+  // Unregisters a range by its start address; frees it when the engine allocated it.
+  virtual Status unregister_memory(void* addr) = 0;
+
+  // Opaque bytes a peer passes to connect(): how to reach this engine and every region
+  // registered at the time of the call.
+  virtual Expected<std::vector<std::byte>> export_metadata() const = 0;
+  // Connects to the peer that exported `peer_metadata` and returns its session id.
+  // Connecting to a live session again returns it unchanged; a broken session is rebuilt.
+  virtual Expected<std::string> connect(std::span<const std::byte> peer_metadata) = 0;
+  virtual Status disconnect(std::string_view session) = 0;
+  virtual Expected<SessionInfo> session_info(std::string_view session) const = 0;
+
+  // Reads remote[i] .. remote[i]+length[i] of the peer into local[i] for every i, and returns
+  // when all reads are done (ok), or on the first error, or when read_timeout runs out.
+  // Every range is checked before any read is posted: a batch with a remote range outside
+  // the peer's exported regions or a local range outside local registrations reads nothing.
+  // A transport failure, a dead peer or a timeout marks the session broken.
+  virtual Status batch_read_sync(std::string_view session, std::span<const uintptr_t> local,
+                                 std::span<const uintptr_t> remote,
+                                 std::span<const size_t> length) = 0;
+};
+
+Expected<std::unique_ptr<TransferEngine>> create_ucx_engine(const EngineConfig& config);
+
+// The process-wide engine. The first call creates it; a later call with the same role,
+// device id, hostname and transport returns the same engine; a call that differs in any of
+// them is an error naming the value that differs.
+Expected<std::shared_ptr<TransferEngine>> bind_process_engine(const EngineConfig& config);
+// Drops the process-wide binding; the engine is destroyed once no caller holds it.
+void unbind_process_engine();
+
+}  // namespace rd2h::transfer

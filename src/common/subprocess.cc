@@ -1,0 +1,161 @@
+#include "rd2h/common/subprocess.h"
+
+#include <fcntl.h>
+#include <poll.h>
+#include <signal.h>
+#include <spawn.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <cstring>
+#include <thread>
+
+#include "rd2h/common/deadline.h"
+
+extern char** environ;
+
+namespace rd2h {
+
+Expected<Subprocess> Subprocess::spawn(const std::vector<std::string>& argv, bool inherit_stdout) {
+  if (argv.empty()) return invalid_argument("spawn: empty argv");
+  int in_pipe[2], out_pipe[2] = {-1, -1};
+  if (::pipe2(in_pipe, O_CLOEXEC) != 0) return internal_error("pipe2 failed");
+  if (!inherit_stdout && ::pipe2(out_pipe, O_CLOEXEC) != 0) {
+    ::close(in_pipe[0]);
+    ::close(in_pipe[1]);
+    return internal_error("pipe2 failed");
+  }
+  posix_spawn_file_actions_t actions;
+  posix_spawn_file_actions_init(&actions);
+  posix_spawn_file_actions_adddup2(&actions, in_pipe[0], STDIN_FILENO);
+  if (!inherit_stdout) posix_spawn_file_actions_adddup2(&actions, out_pipe[1], STDOUT_FILENO);
+
+  std::vector<char*> args;
+  for (const auto& a : argv) args.push_back(const_cast<char*>(a.c_str()));
+  args.push_back(nullptr);
+  pid_t pid = -1;
+  int rc = ::posix_spawn(&pid, argv[0].c_str(), &actions, nullptr, args.data(), environ);
+  posix_spawn_file_actions_destroy(&actions);
+  ::close(in_pipe[0]);
+  if (out_pipe[1] >= 0) ::close(out_pipe[1]);
+  if (rc != 0) {
+    ::close(in_pipe[1]);
+    if (out_pipe[0] >= 0) ::close(out_pipe[0]);
+    return internal_error("cannot start " + argv[0] + ": " + std::strerror(rc));
+  }
+  Subprocess p;
+  p.pid_ = pid;
+  p.stdin_fd_ = in_pipe[1];
+  p.stdout_fd_ = out_pipe[0];
+  return p;
+}
+
+Subprocess::Subprocess(Subprocess&& other) noexcept { *this = std::move(other); }
+
+Subprocess& Subprocess::operator=(Subprocess&& other) noexcept {
+  if (this != &other) {
+    reset();
+    pid_ = std::exchange(other.pid_, -1);
+    stdin_fd_ = std::exchange(other.stdin_fd_, -1);
+    stdout_fd_ = std::exchange(other.stdout_fd_, -1);
+    buffered_ = std::move(other.buffered_);
+    exit_status_ = std::exchange(other.exit_status_, std::nullopt);
+  }
+  return *this;
+}
+
+Subprocess::~Subprocess() { reset(); }
+
+void Subprocess::reset() {
+  if (pid_ > 0 && !exit_status_) {
+    ::kill(pid_, SIGKILL);
+    int status = 0;
+    ::waitpid(pid_, &status, 0);  // SIGKILL cannot be ignored: this returns promptly
+  }
+  if (stdin_fd_ >= 0) ::close(stdin_fd_);
+  if (stdout_fd_ >= 0) ::close(stdout_fd_);
+  pid_ = stdin_fd_ = stdout_fd_ = -1;
+  exit_status_.reset();
+}
+
+Expected<std::string> Subprocess::read_line(std::chrono::milliseconds timeout) {
+  Deadline deadline(timeout);
+  for (;;) {
+    auto nl = buffered_.find('\n');
+    if (nl != std::string::npos) {
+      std::string line = buffered_.substr(0, nl);
+      buffered_.erase(0, nl + 1);
+      return line;
+    }
+    if (stdout_fd_ < 0) return failed_precondition("child stdout is not piped");
+    pollfd p{stdout_fd_, POLLIN, 0};
+    int r = ::poll(&p, 1, deadline.remaining_ms());
+    if (r < 0 && errno == EINTR) continue;
+    if (r == 0) return timeout_error("no line from child " + std::to_string(pid_) + " within " +
+                                     std::to_string(timeout.count()) + " ms");
+    char buf[4096];
+    ssize_t n = ::read(stdout_fd_, buf, sizeof(buf));
+    if (n < 0 && errno == EINTR) continue;
+    if (n <= 0) return failed_precondition("child " + std::to_string(pid_) + " closed its output");
+    buffered_.append(buf, static_cast<size_t>(n));
+  }
+}
+
+Expected<std::string> Subprocess::read_all(std::chrono::milliseconds timeout) {
+  Deadline deadline(timeout);
+  for (;;) {
+    if (stdout_fd_ < 0) return failed_precondition("child stdout is not piped");
+    pollfd p{stdout_fd_, POLLIN, 0};
+    int r = ::poll(&p, 1, deadline.remaining_ms());
+    if (r < 0 && errno == EINTR) continue;
+    if (r == 0) return timeout_error("child " + std::to_string(pid_) + " still writing after " +
+                                     std::to_string(timeout.count()) + " ms");
+    char buf[4096];
+    ssize_t n = ::read(stdout_fd_, buf, sizeof(buf));
+    if (n < 0 && errno == EINTR) continue;
+    if (n <= 0) return std::exchange(buffered_, {});
+    buffered_.append(buf, static_cast<size_t>(n));
+  }
+}
+
+void Subprocess::close_stdin() {
+  if (stdin_fd_ >= 0) ::close(stdin_fd_);
+  stdin_fd_ = -1;
+}
+
+void Subprocess::kill(int signal) {
+  if (pid_ > 0 && !exit_status_) ::kill(pid_, signal);
+}
+
+Expected<int> Subprocess::wait(std::chrono::milliseconds timeout) {
+  if (exit_status_) return *exit_status_;
+  if (pid_ <= 0) return failed_precondition("no child");
+  Deadline deadline(timeout);
+  // waitpid has no timeout; poll it with a short back-off, bounded by the deadline.
+  auto pause = std::chrono::microseconds(100);
+  for (;;) {
+    int status = 0;
+    pid_t r = ::waitpid(pid_, &status, WNOHANG);
+    if (r == pid_) {
+      exit_status_ = status;
+      return status;
+    }
+    if (r < 0 && errno != EINTR) return internal_error("waitpid failed");
+    if (deadline.expired()) {
+      return timeout_error("child " + std::to_string(pid_) + " did not exit within " +
+                           std::to_string(timeout.count()) + " ms");
+    }
+    std::this_thread::sleep_for(pause);
+    pause = std::min(pause * 2, std::chrono::microseconds(20000));
+  }
+}
+
+std::string self_executable() {
+  char buf[4096];
+  ssize_t n = ::readlink("/proc/self/exe", buf, sizeof(buf) - 1);
+  if (n <= 0) return {};
+  return std::string(buf, static_cast<size_t>(n));
+}
+
+}  // namespace rd2h

@@ -1,0 +1,79 @@
+#include "rd2h/transfer/transfer_engine.h"
+
+#include <mutex>
+
+namespace rd2h::transfer {
+
+std::string_view to_string(Role role) {
+  return role == Role::kPrefill ? "prefill" : "decode";
+}
+
+Expected<Role> parse_role(std::string_view text) {
+  if (text == "prefill") return Role::kPrefill;
+  if (text == "decode") return Role::kDecode;
+  return invalid_argument("role '" + std::string(text) + "' is not one of prefill, decode");
+}
+
+std::string_view to_string(Transport transport) {
+  switch (transport) {
+    case Transport::kShm: return "shm";
+    case Transport::kTcp: return "tcp";
+    case Transport::kAuto: return "auto";
+  }
+  return "unknown";
+}
+
+Expected<Transport> parse_transport(std::string_view text) {
+  if (text == "shm") return Transport::kShm;
+  if (text == "tcp") return Transport::kTcp;
+  if (text == "auto") return Transport::kAuto;
+  return invalid_argument("transport '" + std::string(text) + "' is not one of shm, tcp, auto");
+}
+
+namespace {
+
+std::mutex g_process_engine_mu;
+std::shared_ptr<TransferEngine> g_process_engine;
+
+}  // namespace
+
+Expected<std::shared_ptr<TransferEngine>> bind_process_engine(const EngineConfig& config) {
+  std::lock_guard lock(g_process_engine_mu);
+  if (g_process_engine) {
+    const EngineConfig& bound = g_process_engine->config();
+    auto differs = [](std::string_view what, auto have, auto want) {
+      return failed_precondition("the process-wide transfer engine is bound to " +
+                                 std::string(what) + " " + have + "; cannot bind it to " + want);
+    };
+    if (bound.role != config.role) {
+      return differs("role", std::string(to_string(bound.role)),
+                     std::string(to_string(config.role)));
+    }
+    if (bound.device_id != config.device_id) {
+      return differs("device id", std::to_string(bound.device_id),
+                     std::to_string(config.device_id));
+    }
+    if (!config.hostname.empty() && bound.hostname != config.hostname) {
+      return differs("hostname", bound.hostname, config.hostname);
+    }
+    if (bound.transport != config.transport) {
+      return differs("transport", std::string(to_string(bound.transport)),
+                     std::string(to_string(config.transport)));
+    }
+    return g_process_engine;
+  }
+  auto engine = create_ucx_engine(config);
+  if (!engine) return engine.status();
+  g_process_engine = std::shared_ptr<TransferEngine>(std::move(*engine));
+  return g_process_engine;
+}
+
+void unbind_process_engine() {
+  std::shared_ptr<TransferEngine> released;
+  {
+    std::lock_guard lock(g_process_engine_mu);
+    released = std::move(g_process_engine);
+  }
+}
+
+}  // namespace rd2h::transfer

@@ -1,0 +1,732 @@
+// UCX backend of TransferEngine.
+//
+// One ucp context per engine. A "server" worker, whose address is exported, is progressed
+// by the engine's own progress thread (event-driven: it sleeps on the worker's event fd),
+// so peers' reads are served without the application's help. Each session has a worker of
+// its own, progressed by the thread that reads on it: reads on different sessions do not
+// contend, and a failed session is torn down by destroying its worker, which cancels
+// whatever it had in flight without touching other sessions.
+//
+// Failure detection: UCX's shared-memory transports do not support peer error handling,
+// and asking for it makes UCX fall back to TCP. So endpoints to co-located peers use no
+// error handling and the session watches the peer process through a pidfd; endpoints to
+// remote peers (or over TCP) use UCP_ERR_HANDLING_MODE_PEER. Every batch has a deadline.
+#include <sys/epoll.h>
+#include <sys/eventfd.h>
+#include <ucp/api/ucp.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cstdio>
+#include <cstring>
+#include <map>
+#include <mutex>
+#include <random>
+#include <set>
+#include <shared_mutex>
+#include <thread>
+#include <unordered_map>
+
+#include "peer_liveness.h"
+#include "rd2h/common/deadline.h"
+#include "rd2h/transfer/transfer_engine.h"
+#include "ucx_metadata.h"
+
+namespace rd2h::transfer {
+
+namespace {
+
+std::string hex(uint64_t v) {
+  char buf[32];
+  std::snprintf(buf, sizeof(buf), "0x%llx", static_cast<unsigned long long>(v));
+  return buf;
+}
+
+std::string range_text(uint64_t addr, uint64_t len) {
+  return "[" + hex(addr) + ", +" + std::to_string(len) + ")";
+}
+
+Status ucs_error(std::string_view what, ucs_status_t st) {
+  return transport_error(std::string(what) + ": " + ucs_status_string(st));
+}
+
+std::string local_hostname() {
+  char buf[256] = {};
+  if (::gethostname(buf, sizeof(buf) - 1) != 0) return "localhost";
+  return buf;
+}
+
+// The transports an endpoint's RMA lanes really use, read from UCX's own description of
+// the endpoint (UCX 1.13 has no query for it). Lines look like
+//   "#  lane[1]:  3:posix/memory.0 md[2] ... rma_bw#0"
+std::string endpoint_rma_transports(ucp_ep_h ep) {
+  char* text = nullptr;
+  size_t size = 0;
+  FILE* f = ::open_memstream(&text, &size);
+  if (f == nullptr) return "unknown";
+  ucp_ep_print_info(ep, f);
+  std::fclose(f);
+  std::string info(text, size);
+  std::free(text);
+
+  std::set<std::string> rma, all;
+  size_t pos = 0;
+  while (pos < info.size()) {
+    size_t end = info.find('\n', pos);
+    if (end == std::string::npos) end = info.size();
+    std::string line = info.substr(pos, end - pos);
+    pos = end + 1;
+    if (line.find("lane[") == std::string::npos) continue;
+    auto slash = line.find('/');
+    if (slash == std::string::npos) continue;
+    auto start = line.rfind(':', slash);
+    if (start == std::string::npos) continue;
+    std::string tl = line.substr(start + 1, slash - start - 1);
+    tl.erase(0, tl.find_first_not_of(' '));
+    if (tl.empty()) continue;
+    all.insert(tl);
+    if (line.find("rma") != std::string::npos) rma.insert(tl);
+  }
+  const auto& chosen = rma.empty() ? all : rma;
+  std::string out;
+  for (const auto& tl : chosen) {
+    if (!out.empty()) out += ",";
+    out += tl;
+  }
+  return out.empty() ? "unknown" : out;
+}
+
+struct LocalRegistration {
+  uint64_t length = 0;
+  ucp_mem_h memh = nullptr;
+  std::vector<std::byte> packed_rkey;
+  bool engine_owned = false;
+};
+
+// Progress state of one batch. Lives on the reading thread's stack; UCX callbacks of this
+// batch only run inside ucp_worker_progress/ucp_worker_destroy called by that thread.
+struct BatchState {
+  size_t outstanding = 0;
+  ucs_status_t first_error = UCS_OK;
+};
+
+void on_read_done(void* request, ucs_status_t status, void* user_data) {
+  auto* batch = static_cast<BatchState*>(user_data);
+  --batch->outstanding;
+  if (status != UCS_OK && batch->first_error == UCS_OK) batch->first_error = status;
+  ucp_request_free(request);
+}
+
+class UcxEngine;
+
+struct Session {
+  std::mutex mu;  // serialises reads and teardown on this session
+  std::string id;
+  UcxMetadata peer;
+  bool colocated = false;
+  ucp_err_handling_mode_t err_mode = UCP_ERR_HANDLING_MODE_NONE;
+  std::string transport = "unknown";
+
+  ucp_worker_h worker = nullptr;
+  ucp_ep_h ep = nullptr;
+  std::vector<ucp_rkey_h> rkeys;  // parallel to peer.regions
+  ProcessWatch watch;
+
+  std::atomic<bool> broken{false};
+  std::string broken_reason;     // written under mu before `broken` is set
+  ucs_status_t ep_error = UCS_OK;  // set by the error handler, on the reading thread
+
+  ~Session() { release(); }
+
+  // Destroys this session's UCX objects. Anything in flight is cancelled with the worker.
+  void release() {
+    for (auto rkey : rkeys) ucp_rkey_destroy(rkey);
+    rkeys.clear();
+    if (worker != nullptr) {
+      if (ep != nullptr) {
+        ucp_request_param_t p{};
+        p.op_attr_mask = UCP_OP_ATTR_FIELD_FLAGS;
+        p.flags = err_mode == UCP_ERR_HANDLING_MODE_PEER ? UCP_EP_CLOSE_FLAG_FORCE : 0;
+        void* req = ucp_ep_close_nbx(ep, &p);
+        // A graceful close to a dead peer may never finish; give it a short bounded chance
+        // and let the worker's destruction discard the rest.
+        Deadline d(std::chrono::milliseconds(100));
+        while (UCS_PTR_IS_PTR(req) && ucp_request_check_status(req) == UCS_INPROGRESS &&
+               !d.expired()) {
+          ucp_worker_progress(worker);
+        }
+        if (UCS_PTR_IS_PTR(req)) ucp_request_free(req);
+        ep = nullptr;
+      }
+      ucp_worker_destroy(worker);
+      worker = nullptr;
+    }
+  }
+
+  void mark_broken(const Status& why) {
+    if (!broken.load()) {
+      broken_reason = why.to_string();
+      broken.store(true);
+    }
+  }
+};
+
+void on_endpoint_error(void* arg, ucp_ep_h /*ep*/, ucs_status_t status) {
+  auto* s = static_cast<Session*>(arg);
+  if (s->ep_error == UCS_OK) s->ep_error = status;
+}
+
+class UcxEngine final : public TransferEngine {
+ public:
+  explicit UcxEngine(EngineConfig config) : config_(std::move(config)) {
+    if (config_.hostname.empty()) config_.hostname = local_hostname();
+    identity_ = HostIdentity::of_this_process();
+    std::random_device rd;
+    uint64_t nonce = (static_cast<uint64_t>(rd()) << 32) | rd();
+    session_id_ = "ucx:" + config_.hostname + ":" + std::to_string(identity_.pid) + ":" +
+                  hex(nonce).substr(2);
+  }
+
+  ~UcxEngine() override { shutdown(); }
+
+  Status init() {
+    ucp_config_t* cfg = nullptr;
+    ucs_status_t st = ucp_config_read(nullptr, nullptr, &cfg);
+    if (st != UCS_OK) return ucs_error("ucp_config_read", st);
+    const char* tls = nullptr;
+    if (config_.transport == Transport::kShm) tls = "sm";
+    if (config_.transport == Transport::kTcp) tls = "tcp";
+    if (tls != nullptr) {
+      st = ucp_config_modify(cfg, "TLS", tls);
+      if (st != UCS_OK) {
+        ucp_config_release(cfg);
+        return ucs_error("setting UCX transports", st);
+      }
+    }
+    ucp_params_t params{};
+    params.field_mask = UCP_PARAM_FIELD_FEATURES | UCP_PARAM_FIELD_MT_WORKERS_SHARED;
+    params.features = UCP_FEATURE_RMA | UCP_FEATURE_WAKEUP;
+    params.mt_workers_shared = 1;
+    st = ucp_init(&params, cfg, &context_);
+    ucp_config_release(cfg);
+    if (st != UCS_OK) {
+      context_ = nullptr;
+      return ucs_error("ucp_init (transport " + std::string(to_string(config_.transport)) + ")",
+                       st);
+    }
+
+    auto server = create_worker();
+    if (!server) return server.status().with_context("creating the serving worker");
+    server_worker_ = *server;
+    ucp_worker_attr_t attr{};
+    attr.field_mask = UCP_WORKER_ATTR_FIELD_ADDRESS;
+    st = ucp_worker_query(server_worker_, &attr);
+    if (st != UCS_OK) return ucs_error("ucp_worker_query", st);
+    const auto* a = reinterpret_cast<const std::byte*>(attr.address);
+    server_address_.assign(a, a + attr.address_length);
+    ucp_worker_release_address(server_worker_, attr.address);
+
+    RD2H_RETURN_IF_ERROR(start_progress_thread());
+    return Status::ok();
+  }
+
+  std::string_view backend_name() const override { return "ucx"; }
+  const EngineConfig& config() const override { return config_; }
+  const std::string& session_id() const override { return session_id_; }
+
+  Status register_memory(void* addr, size_t length) override {
+    return add_registration(addr, length, /*allocate=*/false).status();
+  }
+
+  Expected<MemoryRegion> allocate_memory(size_t length) override {
+    return add_registration(nullptr, length, /*allocate=*/true);
+  }
+
+  Status unregister_memory(void* addr) override {
+    std::unique_lock lock(regs_mu_);
+    auto it = regs_.find(reinterpret_cast<uintptr_t>(addr));
+    if (it == regs_.end()) {
+      return not_found("no registration starts at " + hex(reinterpret_cast<uintptr_t>(addr)));
+    }
+    ucs_status_t st = ucp_mem_unmap(context_, it->second.memh);
+    regs_.erase(it);
+    if (st != UCS_OK) return ucs_error("ucp_mem_unmap", st);
+    return Status::ok();
+  }
+
+  Expected<std::vector<std::byte>> export_metadata() const override {
+    UcxMetadata m;
+    m.session_id = session_id_;
+    m.hostname = config_.hostname;
+    m.transport = std::string(to_string(config_.transport));
+    m.identity = identity_;
+    m.worker_address = server_address_;
+    std::shared_lock lock(regs_mu_);
+    for (const auto& [base, reg] : regs_) {
+      m.regions.push_back({base, reg.length, reg.packed_rkey});
+    }
+    return encode_ucx_metadata(m);
+  }
+
+  Expected<std::string> connect(std::span<const std::byte> peer_metadata) override {
+    auto decoded = decode_ucx_metadata(peer_metadata);
+    if (!decoded) return decoded.status();
+    UcxMetadata peer = std::move(*decoded);
+
+    std::lock_guard connect_lock(connect_mu_);
+    {
+      std::lock_guard lock(sessions_mu_);
+      auto it = sessions_.find(peer.session_id);
+      if (it != sessions_.end() && !it->second->broken.load() &&
+          same_regions(it->second->peer, peer)) {
+        return peer.session_id;
+      }
+    }
+    auto session = std::make_shared<Session>();
+    RD2H_RETURN_IF_ERROR(open_session(*session, std::move(peer)));
+    std::string id = session->id;
+    std::lock_guard lock(sessions_mu_);
+    sessions_[id] = std::move(session);  // a replaced session is released with its last user
+    return id;
+  }
+
+  Status disconnect(std::string_view session) override {
+    std::shared_ptr<Session> s;
+    {
+      std::lock_guard lock(sessions_mu_);
+      auto it = sessions_.find(std::string(session));
+      if (it == sessions_.end()) return not_found("no session " + std::string(session));
+      s = std::move(it->second);
+      sessions_.erase(it);
+    }
+    std::lock_guard lock(s->mu);
+    s->release();
+    return Status::ok();
+  }
+
+  Expected<SessionInfo> session_info(std::string_view session) const override {
+    auto s = find_session(session);
+    if (!s) return not_found("no session " + std::string(session));
+    std::lock_guard lock(s->mu);
+    SessionInfo info;
+    info.session_id = s->id;
+    info.transport = s->transport;
+    info.colocated = s->colocated;
+    info.broken = s->broken.load();
+    info.broken_reason = s->broken_reason;
+    return info;
+  }
+
+  Status batch_read_sync(std::string_view session, std::span<const uintptr_t> local,
+                         std::span<const uintptr_t> remote,
+                         std::span<const size_t> length) override {
+    if (local.size() != remote.size() || local.size() != length.size()) {
+      return invalid_argument("batch_read_sync: " + std::to_string(local.size()) +
+                              " local addresses, " + std::to_string(remote.size()) +
+                              " remote addresses and " + std::to_string(length.size()) +
+                              " lengths; they must match");
+    }
+    auto s = find_session(session);
+    if (!s) return not_found("batch_read_sync: no session " + std::string(session));
+    std::lock_guard session_lock(s->mu);
+    if (s->broken.load()) {
+      return failed_precondition("session " + s->id + " is broken (" + s->broken_reason +
+                                 "); connect again to read");
+    }
+    // Held for the whole batch so no local registration disappears under a read.
+    std::shared_lock regs_lock(regs_mu_);
+
+    std::vector<ucp_mem_h> local_memh(local.size());
+    std::vector<ucp_rkey_h> rkey(local.size());
+    std::vector<uint64_t> remote_addr(local.size());
+    for (size_t i = 0; i < local.size(); ++i) {
+      if (length[i] == 0) continue;
+      std::string op = "read " + std::to_string(i) + ": ";
+      if (local[i] + length[i] < local[i] || remote[i] + length[i] < remote[i]) {
+        return out_of_range(op + "length " + std::to_string(length[i]) + " wraps the address space");
+      }
+      auto memh = find_local(local[i], length[i]);
+      if (memh == nullptr) {
+        return out_of_range(op + "local range " + range_text(local[i], length[i]) +
+                            " is not inside one local registration");
+      }
+      local_memh[i] = memh;
+      auto region = find_remote(*s, remote[i], length[i]);
+      if (region < 0) {
+        return out_of_range(op + "remote range " + range_text(remote[i], length[i]) +
+                            " is not inside one region exported by " + s->id);
+      }
+      rkey[i] = s->rkeys[static_cast<size_t>(region)];
+      remote_addr[i] = remote[i];
+    }
+
+    if (s->watch.exited()) return fail_session(*s, peer_dead("peer " + s->id + " has exited"));
+
+    Deadline deadline(config_.read_timeout);
+    BatchState batch;
+    ucp_request_param_t param{};
+    param.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA |
+                         UCP_OP_ATTR_FIELD_MEMH;
+    param.cb.send = on_read_done;
+    param.user_data = &batch;
+    ucs_status_t post_error = UCS_OK;
+    for (size_t i = 0; i < local.size(); ++i) {
+      if (length[i] == 0) continue;
+      param.memh = local_memh[i];
+      void* req = ucp_get_nbx(s->ep, reinterpret_cast<void*>(local[i]), length[i],
+                              remote_addr[i], rkey[i], &param);
+      if (req == nullptr) continue;
+      if (UCS_PTR_IS_ERR(req)) {
+        post_error = UCS_PTR_STATUS(req);
+        break;
+      }
+      ++batch.outstanding;
+    }
+
+    // Busy-polls: this thread exists to drive its reads. Liveness is checked once a
+    // millisecond, not on every spin.
+    auto next_check = Deadline::Clock::now();
+    while (batch.outstanding > 0) {
+      ucp_worker_progress(s->worker);
+      auto now = Deadline::Clock::now();
+      if (now < next_check) continue;
+      next_check = now + std::chrono::milliseconds(1);
+      if (s->ep_error != UCS_OK) break;
+      if (s->watch.exited()) {
+        return fail_session(*s, peer_dead("peer " + s->id + " exited during a batch of " +
+                                          std::to_string(local.size()) + " reads"));
+      }
+      if (deadline.expired()) {
+        return fail_session(*s, timeout_error(
+            "batch of " + std::to_string(local.size()) + " reads from " + s->id + " took longer than " +
+            std::to_string(config_.read_timeout.count()) + " ms; " +
+            std::to_string(batch.outstanding) + " still in flight"));
+      }
+    }
+    if (s->ep_error != UCS_OK) {
+      return fail_session(*s, peer_dead("connection to " + s->id + " failed: " +
+                                        ucs_status_string(s->ep_error)));
+    }
+    if (post_error != UCS_OK) {
+      return fail_session(*s, ucs_error("posting a read to " + s->id, post_error));
+    }
+    if (batch.first_error != UCS_OK) {
+      return fail_session(*s, ucs_error("read from " + s->id, batch.first_error));
+    }
+    if (s->watch.exited()) {
+      return fail_session(*s, peer_dead("peer " + s->id + " exited before the batch completed"));
+    }
+    return Status::ok();
+  }
+
+ private:
+  Expected<ucp_worker_h> create_worker() {
+    ucp_worker_params_t wp{};
+    wp.field_mask = UCP_WORKER_PARAM_FIELD_THREAD_MODE;
+    wp.thread_mode = UCS_THREAD_MODE_SERIALIZED;
+    ucp_worker_h w = nullptr;
+    ucs_status_t st = ucp_worker_create(context_, &wp, &w);
+    if (st != UCS_OK) return ucs_error("ucp_worker_create", st);
+    return w;
+  }
+
+  Expected<MemoryRegion> add_registration(void* addr, size_t length, bool allocate) {
+    if (length == 0) return invalid_argument("cannot register a zero-length range");
+    if (!allocate && addr == nullptr) return invalid_argument("cannot register a null address");
+    auto base = reinterpret_cast<uintptr_t>(addr);
+    if (!allocate && base + length < base) {
+      return invalid_argument("range " + range_text(base, length) + " wraps the address space");
+    }
+
+    std::unique_lock lock(regs_mu_);
+    if (!allocate) {
+      if (auto conflict = overlapping(base, length)) {
+        return already_exists("range " + range_text(base, length) +
+                              " overlaps registered range " +
+                              range_text(conflict->first, conflict->second.length));
+      }
+    }
+
+    ucp_mem_map_params_t mp{};
+    mp.field_mask = UCP_MEM_MAP_PARAM_FIELD_ADDRESS | UCP_MEM_MAP_PARAM_FIELD_LENGTH |
+                    UCP_MEM_MAP_PARAM_FIELD_FLAGS;
+    mp.address = addr;
+    mp.length = length;
+    mp.flags = allocate ? UCP_MEM_MAP_ALLOCATE : 0;
+    ucp_mem_h memh = nullptr;
+    ucs_status_t st = ucp_mem_map(context_, &mp, &memh);
+    if (st != UCS_OK) {
+      return ucs_error((allocate ? "allocating " : "registering ") + range_text(base, length), st);
+    }
+    ucp_mem_attr_t attr{};
+    attr.field_mask = UCP_MEM_ATTR_FIELD_ADDRESS | UCP_MEM_ATTR_FIELD_LENGTH;
+    st = ucp_mem_query(memh, &attr);
+    if (st != UCS_OK) {
+      ucp_mem_unmap(context_, memh);
+      return ucs_error("ucp_mem_query", st);
+    }
+    void* rkey_buf = nullptr;
+    size_t rkey_size = 0;
+    st = ucp_rkey_pack(context_, memh, &rkey_buf, &rkey_size);
+    if (st != UCS_OK) {
+      ucp_mem_unmap(context_, memh);
+      return ucs_error("ucp_rkey_pack", st);
+    }
+    LocalRegistration reg;
+    reg.memh = memh;
+    reg.engine_owned = allocate;
+    // Expose exactly what the caller asked for, even if UCX rounded the allocation up.
+    reg.length = length;
+    const auto* rb = static_cast<const std::byte*>(rkey_buf);
+    reg.packed_rkey.assign(rb, rb + rkey_size);
+    ucp_rkey_buffer_release(rkey_buf);
+
+    uintptr_t actual = reinterpret_cast<uintptr_t>(attr.address);
+    if (allocate && overlapping(actual, length)) {
+      // Cannot happen for fresh memory unless a caller registered a range it did not own.
+      ucp_mem_unmap(context_, memh);
+      return internal_error("allocated memory " + range_text(actual, length) +
+                            " overlaps an existing registration");
+    }
+    regs_.emplace(actual, std::move(reg));
+    return MemoryRegion{reinterpret_cast<void*>(actual), length};
+  }
+
+  // The registration overlapping [base, base+len), if any. Caller holds regs_mu_.
+  const std::pair<const uintptr_t, LocalRegistration>* overlapping(uintptr_t base,
+                                                                   size_t len) const {
+    auto it = regs_.lower_bound(base + len);  // first registration starting at or after end
+    if (it == regs_.begin()) return nullptr;
+    --it;
+    if (it->first + it->second.length > base) return &*it;
+    return nullptr;
+  }
+
+  // The local memory handle covering the whole range, or null. Caller holds regs_mu_.
+  ucp_mem_h find_local(uintptr_t addr, size_t len) const {
+    auto it = regs_.upper_bound(addr);
+    if (it == regs_.begin()) return nullptr;
+    --it;
+    if (addr + len > it->first + it->second.length) return nullptr;
+    return it->second.memh;
+  }
+
+  static int64_t find_remote(const Session& s, uint64_t addr, uint64_t len) {
+    const auto& regions = s.peer.regions;
+    auto it = std::upper_bound(regions.begin(), regions.end(), addr,
+                               [](uint64_t a, const ExportedRegion& r) { return a < r.base; });
+    if (it == regions.begin()) return -1;
+    --it;
+    if (addr + len > it->base + it->length) return -1;
+    return it - regions.begin();
+  }
+
+  static bool same_regions(const UcxMetadata& a, const UcxMetadata& b) {
+    if (a.worker_address != b.worker_address || a.regions.size() != b.regions.size()) return false;
+    for (size_t i = 0; i < a.regions.size(); ++i) {
+      if (a.regions[i].base != b.regions[i].base || a.regions[i].length != b.regions[i].length ||
+          a.regions[i].packed_rkey != b.regions[i].packed_rkey) {
+        return false;
+      }
+    }
+    return true;
+  }
+
+  std::shared_ptr<Session> find_session(std::string_view id) const {
+    std::lock_guard lock(sessions_mu_);
+    auto it = sessions_.find(std::string(id));
+    return it == sessions_.end() ? nullptr : it->second;
+  }
+
+  // Marks the session broken, cancels its in-flight reads, and returns `why`.
+  // Caller holds s.mu.
+  static Status fail_session(Session& s, Status why) {
+    s.mark_broken(why);
+    s.release();
+    return why;
+  }
+
+  Status open_session(Session& s, UcxMetadata peer) {
+    s.id = peer.session_id;
+    s.colocated = identity_.same_host_as(peer.identity);
+    if (config_.transport == Transport::kShm && !s.colocated) {
+      return unreachable("peer " + s.id + " runs on host " + peer.hostname +
+                         ", but shared memory reaches only peers on this host (" +
+                         config_.hostname + "); use transport tcp or auto");
+    }
+    if (s.colocated) {
+      auto watch = ProcessWatch::open(peer.identity.pid, peer.identity.start_time);
+      if (!watch) return watch.status().with_context("connecting to " + s.id);
+      s.watch = std::move(*watch);
+    }
+    // Peer error handling would force UCX off shared memory, so it is used only where the
+    // peer is reached over a network transport; co-located peers are watched by pidfd.
+    bool network = config_.transport == Transport::kTcp || !s.colocated;
+    s.err_mode = network ? UCP_ERR_HANDLING_MODE_PEER : UCP_ERR_HANDLING_MODE_NONE;
+
+    auto worker = create_worker();
+    if (!worker) return worker.status().with_context("connecting to " + s.id);
+    s.worker = *worker;
+
+    ucp_ep_params_t ep{};
+    ep.field_mask = UCP_EP_PARAM_FIELD_REMOTE_ADDRESS | UCP_EP_PARAM_FIELD_ERR_HANDLING_MODE;
+    ep.address = reinterpret_cast<const ucp_address_t*>(peer.worker_address.data());
+    ep.err_mode = s.err_mode;
+    if (s.err_mode == UCP_ERR_HANDLING_MODE_PEER) {
+      ep.field_mask |= UCP_EP_PARAM_FIELD_ERR_HANDLER;
+      ep.err_handler.cb = on_endpoint_error;
+      ep.err_handler.arg = &s;
+    }
+    ucs_status_t st = ucp_ep_create(s.worker, &ep, &s.ep);
+    if (st != UCS_OK) {
+      s.ep = nullptr;
+      return unreachable("cannot reach peer " + s.id + " (it serves over " + peer.transport +
+                         ", this engine uses " + std::string(to_string(config_.transport)) +
+                         "): " + ucs_status_string(st));
+    }
+    for (size_t i = 0; i < peer.regions.size(); ++i) {
+      ucp_rkey_h rkey = nullptr;
+      st = ucp_ep_rkey_unpack(s.ep, peer.regions[i].packed_rkey.data(), &rkey);
+      if (st != UCS_OK) {
+        return invalid_metadata("region " + std::to_string(i) + " of peer " + s.id +
+                                ": its rkey does not unpack: " + ucs_status_string(st));
+      }
+      s.rkeys.push_back(rkey);
+    }
+
+    // A flush completes once the endpoint is wired up with the peer: an unreachable peer
+    // fails here, within connect_timeout, rather than on the first read.
+    ucp_request_param_t fp{};
+    void* req = ucp_ep_flush_nbx(s.ep, &fp);
+    Deadline deadline(config_.connect_timeout);
+    Status result = Status::ok();
+    if (UCS_PTR_IS_ERR(req)) {
+      result = unreachable("cannot reach peer " + s.id + ": " +
+                           ucs_status_string(UCS_PTR_STATUS(req)));
+    } else if (req != nullptr) {
+      while (ucp_request_check_status(req) == UCS_INPROGRESS) {
+        ucp_worker_progress(s.worker);
+        if (s.watch.exited()) {
+          result = peer_dead("peer " + s.id + " exited while connecting");
+          break;
+        }
+        if (deadline.expired()) {
+          result = unreachable("peer " + s.id + " did not answer within " +
+                               std::to_string(config_.connect_timeout.count()) + " ms");
+          break;
+        }
+      }
+      if (result.is_ok()) {
+        st = ucp_request_check_status(req);
+        if (st != UCS_OK) {
+          result = unreachable("cannot reach peer " + s.id + ": " + ucs_status_string(st));
+        }
+      }
+      ucp_request_free(req);
+    }
+    if (result.is_ok() && s.ep_error != UCS_OK) {
+      result = unreachable("cannot reach peer " + s.id + ": " + ucs_status_string(s.ep_error));
+    }
+    if (!result.is_ok()) return result;
+    s.transport = endpoint_rma_transports(s.ep);
+    s.peer = std::move(peer);
+    return Status::ok();
+  }
+
+  Status start_progress_thread() {
+    ucs_status_t st = ucp_worker_get_efd(server_worker_, &worker_efd_);
+    if (st != UCS_OK) return ucs_error("ucp_worker_get_efd", st);
+    stop_fd_ = ::eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK);
+    epoll_fd_ = ::epoll_create1(EPOLL_CLOEXEC);
+    if (stop_fd_ < 0 || epoll_fd_ < 0) return internal_error("cannot create the progress thread's fds");
+    epoll_event ev{};
+    ev.events = EPOLLIN;
+    ev.data.fd = worker_efd_;
+    if (::epoll_ctl(epoll_fd_, EPOLL_CTL_ADD, worker_efd_, &ev) != 0) {
+      return internal_error("epoll_ctl(worker fd) failed");
+    }
+    ev.data.fd = stop_fd_;
+    if (::epoll_ctl(epoll_fd_, EPOLL_CTL_ADD, stop_fd_, &ev) != 0) {
+      return internal_error("epoll_ctl(stop fd) failed");
+    }
+    progress_thread_ = std::thread([this] { progress_loop(); });
+    return Status::ok();
+  }
+
+  void progress_loop() {
+    while (!stopping_.load(std::memory_order_acquire)) {
+      while (ucp_worker_progress(server_worker_) != 0) {
+      }
+      ucs_status_t st = ucp_worker_arm(server_worker_);
+      if (st == UCS_ERR_BUSY) continue;  // events arrived meanwhile: progress again
+      epoll_event events[2];
+      // The timeout only bounds how long a missed wakeup could stall serving.
+      ::epoll_wait(epoll_fd_, events, 2, 100);
+    }
+  }
+
+  void shutdown() {
+    if (progress_thread_.joinable()) {
+      stopping_.store(true, std::memory_order_release);
+      uint64_t one = 1;
+      [[maybe_unused]] auto n = ::write(stop_fd_, &one, sizeof(one));
+      progress_thread_.join();
+    }
+    {
+      std::lock_guard lock(sessions_mu_);
+      sessions_.clear();
+    }
+    for (auto& [base, reg] : regs_) ucp_mem_unmap(context_, reg.memh);
+    regs_.clear();
+    if (server_worker_ != nullptr) ucp_worker_destroy(server_worker_);
+    server_worker_ = nullptr;
+    if (context_ != nullptr) ucp_cleanup(context_);
+    context_ = nullptr;
+    if (epoll_fd_ >= 0) ::close(epoll_fd_);
+    if (stop_fd_ >= 0) ::close(stop_fd_);
+    epoll_fd_ = stop_fd_ = -1;
+  }
+
+  EngineConfig config_;
+  HostIdentity identity_;
+  std::string session_id_;
+
+  ucp_context_h context_ = nullptr;
+  ucp_worker_h server_worker_ = nullptr;
+  std::vector<std::byte> server_address_;
+
+  mutable std::shared_mutex regs_mu_;
+  std::map<uintptr_t, LocalRegistration> regs_;
+
+  std::mutex connect_mu_;  // one connect at a time, so two callers do not race to open one peer
+  mutable std::mutex sessions_mu_;
+  std::unordered_map<std::string, std::shared_ptr<Session>> sessions_;
+
+  std::thread progress_thread_;
+  std::atomic<bool> stopping_{false};
+  int worker_efd_ = -1;
+  int stop_fd_ = -1;
+  int epoll_fd_ = -1;
+};
+
+}  // namespace
+
+Expected<std::unique_ptr<TransferEngine>> create_ucx_engine(const EngineConfig& config) {
+  if (config.read_timeout.count() <= 0) {
+    return invalid_argument("read_timeout must be positive, got " +
+                            std::to_string(config.read_timeout.count()) + " ms");
+  }
+  if (config.connect_timeout.count() <= 0) {
+    return invalid_argument("connect_timeout must be positive, got " +
+                            std::to_string(config.connect_timeout.count()) + " ms");
+  }
+  if (config.device_id < 0) {
+    return invalid_argument("device id must be >= 0, got " + std::to_string(config.device_id));
+  }
+  auto engine = std::make_unique<UcxEngine>(config);
+  RD2H_RETURN_IF_ERROR(engine->init().with_context("UCX transfer engine"));
+  return std::unique_ptr<TransferEngine>(std::move(engine));
+}
+
+}  // namespace rd2h::transfer

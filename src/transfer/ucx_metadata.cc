@@ -1,0 +1,143 @@
+#include "ucx_metadata.h"
+
+#include <cstring>
+
+#include "rd2h/common/bytes.h"
+
+namespace rd2h::transfer {
+
+namespace {
+
+std::string hex(uint64_t v) {
+  char buf[32];
+  std::snprintf(buf, sizeof(buf), "0x%llx", static_cast<unsigned long long>(v));
+  return buf;
+}
+
+
+}  // namespace
+
+std::vector<std::byte> encode_ucx_metadata(const UcxMetadata& meta) {
+  ByteWriter w;
+  w.raw(kUcxMetadataMagic, sizeof(kUcxMetadataMagic));
+  w.u32(kUcxMetadataVersion);
+  w.str(meta.session_id);
+  w.str(meta.hostname);
+  w.str(meta.transport);
+  w.str(meta.identity.boot_id);
+  w.u64(meta.identity.pid_namespace);
+  w.u32(static_cast<uint32_t>(meta.identity.pid));
+  w.u64(meta.identity.start_time);
+  w.bytes(meta.worker_address);
+  w.u32(static_cast<uint32_t>(meta.regions.size()));
+  for (const auto& r : meta.regions) {
+    w.u64(r.base);
+    w.u64(r.length);
+    w.bytes(r.packed_rkey);
+  }
+  return w.take();
+}
+
+Expected<UcxMetadata> decode_ucx_metadata(std::span<const std::byte> bytes) {
+  ByteReader r(bytes);
+  auto magic = r.raw("magic", sizeof(kUcxMetadataMagic));
+  if (!magic) return magic.status().with_context("UCX engine metadata");
+  if (std::memcmp(magic->data(), kUcxMetadataMagic, sizeof(kUcxMetadataMagic)) != 0) {
+    return invalid_metadata("UCX engine metadata: bad magic (not metadata exported by rd2h's "
+                            "UCX engine)");
+  }
+  auto version = r.u32("version");
+  if (!version) return version.status().with_context("UCX engine metadata");
+  if (*version != kUcxMetadataVersion) {
+    return invalid_metadata("UCX engine metadata: version " + std::to_string(*version) +
+                            " is not supported (this engine reads version " +
+                            std::to_string(kUcxMetadataVersion) + ")");
+  }
+
+  auto fail = [](const Status& s) { return s.with_context("UCX engine metadata"); };
+  UcxMetadata m;
+  {
+    auto v = r.str("session_id", kMaxMetadataString);
+    if (!v) return fail(v.status());
+    m.session_id = std::move(*v);
+  }
+  {
+    auto v = r.str("hostname", kMaxMetadataString);
+    if (!v) return fail(v.status());
+    m.hostname = std::move(*v);
+  }
+  {
+    auto v = r.str("transport", kMaxMetadataString);
+    if (!v) return fail(v.status());
+    m.transport = std::move(*v);
+  }
+  {
+    auto v = r.str("boot_id", kMaxMetadataString);
+    if (!v) return fail(v.status());
+    m.identity.boot_id = std::move(*v);
+  }
+  {
+    auto v = r.u64("pid_namespace");
+    if (!v) return fail(v.status());
+    m.identity.pid_namespace = *v;
+  }
+  {
+    auto v = r.u32("pid");
+    if (!v) return fail(v.status());
+    m.identity.pid = static_cast<int32_t>(*v);
+  }
+  {
+    auto v = r.u64("start_time");
+    if (!v) return fail(v.status());
+    m.identity.start_time = *v;
+  }
+  {
+    auto v = r.bytes("worker_address", kMaxWorkerAddress);
+    if (!v) return fail(v.status());
+    if (v->empty()) return invalid_metadata("UCX engine metadata: empty worker address");
+    m.worker_address.assign(v->begin(), v->end());
+  }
+  if (m.session_id.empty()) return invalid_metadata("UCX engine metadata: empty session id");
+
+  auto count = r.u32("region_count");
+  if (!count) return fail(count.status());
+  // Each region takes at least 20 bytes, so a count the bytes cannot hold is rejected before
+  // anything is allocated for it.
+  if (*count > kMaxRegions || *count > r.remaining() / 20) {
+    return invalid_metadata("UCX engine metadata: region count " + std::to_string(*count) +
+                            " does not fit in the " + std::to_string(r.remaining()) +
+                            " bytes left (limit " + std::to_string(kMaxRegions) + ")");
+  }
+  m.regions.reserve(*count);
+  for (uint32_t i = 0; i < *count; ++i) {
+    ExportedRegion region;
+    auto base = r.u64("region base");
+    if (!base) return fail(base.status());
+    auto len = r.u64("region length");
+    if (!len) return fail(len.status());
+    auto rkey = r.bytes("region rkey", kMaxPackedRkey);
+    if (!rkey) return fail(rkey.status());
+    region.base = *base;
+    region.length = *len;
+    region.packed_rkey.assign(rkey->begin(), rkey->end());
+    std::string where = "UCX engine metadata: region " + std::to_string(i) + " [" +
+                        hex(region.base) + ", +" + std::to_string(region.length) + ")";
+    if (region.length == 0) return invalid_metadata(where + " is empty");
+    if (region.base + region.length < region.base) return invalid_metadata(where + " wraps");
+    if (region.packed_rkey.empty()) return invalid_metadata(where + " has no rkey");
+    if (!m.regions.empty()) {
+      const auto& prev = m.regions.back();
+      if (region.base < prev.base + prev.length) {
+        return invalid_metadata(where + " is unsorted or overlaps the previous region");
+      }
+    }
+    m.regions.push_back(std::move(region));
+  }
+  if (!r.at_end()) {
+    return invalid_metadata("UCX engine metadata: " + std::to_string(r.remaining()) +
+                            " trailing bytes");
+  }
+  return m;
+}
+
+}  // namespace rd2h::transfer

@@ -1,0 +1,41 @@
+// The UCX engine's exported metadata: how to reach a peer engine and what it exposes.
+// Encoded with rd2h's bounded little-endian format; decoding validates everything a
+// connect() relies on, so garbage or truncated bytes fail with a message, never a crash.
+#pragma once
+
+#include <cstdint>
+#include <span>
+#include <string>
+#include <vector>
+
+#include "peer_liveness.h"
+#include "rd2h/common/status.h"
+
+namespace rd2h::transfer {
+
+inline constexpr char kUcxMetadataMagic[8] = {'R', 'D', '2', 'H', 'U', 'C', 'X', 'M'};
+inline constexpr uint32_t kUcxMetadataVersion = 1;
+inline constexpr size_t kMaxMetadataString = 4096;
+inline constexpr size_t kMaxWorkerAddress = 1 << 20;
+inline constexpr size_t kMaxPackedRkey = 1 << 16;
+inline constexpr size_t kMaxRegions = 1 << 16;
+
+struct ExportedRegion {
+  uint64_t base = 0;
+  uint64_t length = 0;
+  std::vector<std::byte> packed_rkey;
+};
+
+struct UcxMetadata {
+  std::string session_id;
+  std::string hostname;
+  std::string transport;  // the exporter's configured transport, for error messages
+  HostIdentity identity;
+  std::vector<std::byte> worker_address;
+  std::vector<ExportedRegion> regions;  // sorted by base, disjoint
+};
+
+std::vector<std::byte> encode_ucx_metadata(const UcxMetadata& meta);
+Expected<UcxMetadata> decode_ucx_metadata(std::span<const std::byte> bytes);
+
+}  // namespace rd2h::transfer

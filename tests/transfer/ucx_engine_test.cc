@@ -1,0 +1,421 @@
+// The UCX engine against a real peer process, over shared memory and TCP on loopback.
+#include <gtest/gtest.h>
+#include <signal.h>
+
+#include <algorithm>
+#include <atomic>
+#include <condition_variable>
+#include <cstdlib>
+#include <cstring>
+#include <numeric>
+#include <random>
+#include <thread>
+
+#include "rd2h/common/deadline.h"
+#include "rd2h/common/pattern.h"
+#include "rd2h/transfer/fault_injecting_engine.h"
+#include "rd2h/transfer/transfer_engine.h"
+#include "transfer/peer_process.h"
+
+namespace rd2h::transfer {
+namespace {
+
+using namespace std::chrono_literals;
+using rd2h::testing::PeerProcess;
+using rd2h::testing::start_peer;
+
+constexpr auto kReadTimeout = 2000ms;
+
+std::unique_ptr<TransferEngine> make_engine(Transport transport) {
+  EngineConfig cfg;
+  cfg.role = Role::kDecode;
+  cfg.transport = transport;
+  cfg.read_timeout = kReadTimeout;
+  cfg.connect_timeout = 5000ms;
+  auto e = create_ucx_engine(cfg);
+  EXPECT_TRUE(e) << e.status().to_string();
+  return e ? std::move(*e) : nullptr;
+}
+
+// Local destination memory, registered with the engine (caller-owned or engine-allocated).
+struct Destination {
+  TransferEngine* engine = nullptr;
+  std::byte* base = nullptr;
+  size_t size = 0;
+  void* owned = nullptr;
+
+  Destination(TransferEngine& e, size_t bytes, bool allocate) : engine(&e), size(bytes) {
+    if (allocate) {
+      auto r = e.allocate_memory(bytes);
+      EXPECT_TRUE(r) << r.status().to_string();
+      base = static_cast<std::byte*>(r->addr);
+    } else {
+      owned = std::aligned_alloc(4096, bytes);
+      base = static_cast<std::byte*>(owned);
+      EXPECT_TRUE(e.register_memory(base, bytes).is_ok());
+    }
+    std::memset(base, 0xab, bytes);
+  }
+  ~Destination() {
+    EXPECT_TRUE(engine->unregister_memory(base).is_ok());
+    std::free(owned);
+  }
+  bool untouched() const {
+    return std::all_of(base, base + size, [](std::byte b) { return b == std::byte{0xab}; });
+  }
+};
+
+// Reads source blocks `src[i]` into destination blocks `dst[i]`.
+Status read_blocks(TransferEngine& e, const std::string& session, const PeerProcess& peer,
+                   const Destination& dst, const std::vector<size_t>& src_blocks,
+                   const std::vector<size_t>& dst_blocks) {
+  std::vector<uintptr_t> local, remote;
+  std::vector<size_t> len;
+  for (size_t i = 0; i < src_blocks.size(); ++i) {
+    local.push_back(reinterpret_cast<uintptr_t>(dst.base) + dst_blocks[i] * peer.block);
+    remote.push_back(peer.base + src_blocks[i] * peer.block);
+    len.push_back(peer.block);
+  }
+  return e.batch_read_sync(session, local, remote, len);
+}
+
+struct Case {
+  Transport transport;
+  const char* memory;  // how the source holds its region: "alloc" or "register"
+  bool allocate_destination;
+};
+
+class EndToEnd : public ::testing::TestWithParam<Case> {};
+
+TEST_P(EndToEnd, RandomNonContiguousBlocksArriveByteExact) {
+  const Case c = GetParam();
+  const std::string transport(to_string(c.transport));
+  auto peer = start_peer(transport, c.memory, 64 * 1024 + 24, 48, 1000);
+  ASSERT_TRUE(peer) << peer.status().to_string();
+  auto engine = make_engine(c.transport);
+  ASSERT_TRUE(engine);
+  auto session = engine->connect(peer->metadata);
+  ASSERT_TRUE(session) << session.status().to_string();
+
+  auto info = engine->session_info(*session);
+  ASSERT_TRUE(info);
+  EXPECT_TRUE(info->colocated);
+  if (c.transport == Transport::kTcp) {
+    EXPECT_EQ(info->transport, "tcp");
+  } else {
+    EXPECT_EQ(info->transport.find("tcp"), std::string::npos)
+        << "shared-memory session fell back to " << info->transport;
+  }
+
+  Destination dst(*engine, peer->block * 32, c.allocate_destination);
+  std::mt19937 rng(7);
+  for (int round = 0; round < 4; ++round) {
+    std::vector<size_t> src(peer->blocks), dst_blocks(32);
+    std::iota(src.begin(), src.end(), 0);
+    std::shuffle(src.begin(), src.end(), rng);
+    src.resize(12);
+    std::iota(dst_blocks.begin(), dst_blocks.end(), 0);
+    std::shuffle(dst_blocks.begin(), dst_blocks.end(), rng);
+    dst_blocks.resize(12);
+    std::memset(dst.base, 0xab, dst.size);
+    ASSERT_TRUE(read_blocks(*engine, *session, *peer, dst, src, dst_blocks).is_ok());
+    for (size_t i = 0; i < src.size(); ++i) {
+      auto bad = find_pattern_mismatch(dst.base + dst_blocks[i] * peer->block, peer->block,
+                                       peer->key + src[i]);
+      ASSERT_FALSE(bad) << "source block " << src[i] << " byte " << *bad;
+    }
+    // Blocks not read into keep their old bytes.
+    for (size_t b = 0; b < 32; ++b) {
+      if (std::find(dst_blocks.begin(), dst_blocks.end(), b) != dst_blocks.end()) continue;
+      const std::byte* p = dst.base + b * peer->block;
+      ASSERT_TRUE(std::all_of(p, p + peer->block, [](std::byte x) { return x == std::byte{0xab}; }))
+          << "destination block " << b << " was written";
+    }
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    Transports, EndToEnd,
+    ::testing::Values(Case{Transport::kShm, "alloc", false}, Case{Transport::kShm, "register", true},
+                      Case{Transport::kTcp, "alloc", true}, Case{Transport::kTcp, "register", false},
+                      Case{Transport::kAuto, "alloc", false}),
+    [](const auto& info) {
+      return std::string(to_string(info.param.transport)) + "_" + info.param.memory + "_into_" +
+             (info.param.allocate_destination ? "allocated" : "registered");
+    });
+
+class Engine : public ::testing::TestWithParam<Transport> {
+ protected:
+  void SetUp() override {
+    auto p = start_peer(std::string(to_string(GetParam())), "alloc", 4096, 16, 1);
+    ASSERT_TRUE(p) << p.status().to_string();
+    peer_ = std::make_unique<PeerProcess>(std::move(*p));
+    engine_ = make_engine(GetParam());
+    ASSERT_TRUE(engine_);
+    auto s = engine_->connect(peer_->metadata);
+    ASSERT_TRUE(s) << s.status().to_string();
+    session_ = *s;
+  }
+
+  std::unique_ptr<PeerProcess> peer_;
+  std::unique_ptr<TransferEngine> engine_;
+  std::string session_;
+};
+
+TEST_P(Engine, RemoteRangePastTheRegionIsRejectedAndNothingIsRead) {
+  Destination dst(*engine_, 8192, false);
+  const uintptr_t end = peer_->base + peer_->block * peer_->blocks;
+  std::vector<uintptr_t> local{reinterpret_cast<uintptr_t>(dst.base),
+                               reinterpret_cast<uintptr_t>(dst.base) + 4096};
+  std::vector<uintptr_t> remote{peer_->base, end - 4095};  // the second runs one byte past
+  std::vector<size_t> len{4096, 4096};
+  Status st = engine_->batch_read_sync(session_, local, remote, len);
+  ASSERT_EQ(st.code(), StatusCode::kOutOfRange) << st.to_string();
+  char want[32];
+  std::snprintf(want, sizeof(want), "0x%llx", static_cast<unsigned long long>(end - 4095));
+  EXPECT_NE(st.message().find("read 1"), std::string::npos) << st.message();
+  EXPECT_NE(st.message().find(want), std::string::npos) << st.message();
+  EXPECT_NE(st.message().find("remote range"), std::string::npos) << st.message();
+  EXPECT_TRUE(dst.untouched());
+  // A rejected batch does not break the session.
+  EXPECT_TRUE(engine_->batch_read_sync(session_, std::span(local).first(1),
+                                       std::span(remote).first(1), std::span(len).first(1))
+                  .is_ok());
+  EXPECT_FALSE(find_pattern_mismatch(dst.base, 4096, peer_->key));
+}
+
+TEST_P(Engine, LocalRangeOutsideRegistrationsIsRejectedAndNothingIsRead) {
+  Destination dst(*engine_, 8192, true);
+  std::vector<uintptr_t> local{reinterpret_cast<uintptr_t>(dst.base),
+                               reinterpret_cast<uintptr_t>(dst.base) + 8192 - 100};
+  std::vector<uintptr_t> remote{peer_->base, peer_->base + 4096};
+  std::vector<size_t> len{4096, 4096};
+  Status st = engine_->batch_read_sync(session_, local, remote, len);
+  ASSERT_EQ(st.code(), StatusCode::kOutOfRange) << st.to_string();
+  EXPECT_NE(st.message().find("local range"), std::string::npos) << st.message();
+  EXPECT_TRUE(dst.untouched());
+}
+
+TEST_P(Engine, MismatchedArraysAreRejected) {
+  Destination dst(*engine_, 4096, false);
+  std::vector<uintptr_t> local{reinterpret_cast<uintptr_t>(dst.base)};
+  std::vector<uintptr_t> remote{peer_->base, peer_->base + 8};
+  std::vector<size_t> len{8};
+  Status st = engine_->batch_read_sync(session_, local, remote, len);
+  EXPECT_EQ(st.code(), StatusCode::kInvalidArgument) << st.to_string();
+  EXPECT_TRUE(dst.untouched());
+}
+
+TEST_P(Engine, UnknownSessionIsNotFound) {
+  std::vector<uintptr_t> a{0};
+  std::vector<size_t> l{8};
+  EXPECT_EQ(engine_->batch_read_sync("ucx:nobody:1:0", a, a, l).code(), StatusCode::kNotFound);
+}
+
+TEST_P(Engine, ReconnectingALiveSessionReturnsTheSameId) {
+  auto again = engine_->connect(peer_->metadata);
+  ASSERT_TRUE(again);
+  EXPECT_EQ(*again, session_);
+}
+
+TEST_P(Engine, PeerKilledBetweenReadsFailsTheNextReadWithinTheTimeout) {
+  Destination dst(*engine_, 4096, false);
+  std::vector<uintptr_t> local{reinterpret_cast<uintptr_t>(dst.base)};
+  std::vector<uintptr_t> remote{peer_->base};
+  std::vector<size_t> len{4096};
+  ASSERT_TRUE(engine_->batch_read_sync(session_, local, remote, len).is_ok());
+
+  peer_->process.kill(SIGKILL);
+  ASSERT_TRUE(peer_->process.wait(10s));
+  auto started = Deadline::Clock::now();
+  Status st = engine_->batch_read_sync(session_, local, remote, len);
+  auto took = Deadline::Clock::now() - started;
+  EXPECT_FALSE(st.is_ok());
+  EXPECT_TRUE(st.code() == StatusCode::kPeerDead || st.code() == StatusCode::kTimeout)
+      << st.to_string();
+  EXPECT_LE(took, kReadTimeout + 1s);
+
+  auto info = engine_->session_info(session_);
+  ASSERT_TRUE(info);
+  EXPECT_TRUE(info->broken);
+  EXPECT_EQ(engine_->batch_read_sync(session_, local, remote, len).code(),
+            StatusCode::kFailedPrecondition);
+
+  // The engine still serves other sessions.
+  auto other = start_peer(std::string(to_string(GetParam())), "alloc", 4096, 4, 500);
+  ASSERT_TRUE(other) << other.status().to_string();
+  auto s2 = engine_->connect(other->metadata);
+  ASSERT_TRUE(s2) << s2.status().to_string();
+  remote[0] = other->base + 4096;
+  ASSERT_TRUE(engine_->batch_read_sync(*s2, local, remote, len).is_ok());
+  EXPECT_FALSE(find_pattern_mismatch(dst.base, 4096, 501));
+}
+
+TEST_P(Engine, ConnectingToAnExitedPeerFails) {
+  auto meta = peer_->metadata;
+  ASSERT_TRUE(engine_->disconnect(session_).is_ok());
+  peer_->process.kill(SIGKILL);
+  ASSERT_TRUE(peer_->process.wait(10s));
+  auto s = engine_->connect(meta);
+  ASSERT_FALSE(s);
+  EXPECT_TRUE(s.status().code() == StatusCode::kPeerDead ||
+              s.status().code() == StatusCode::kUnreachable)
+      << s.status().to_string();
+}
+
+TEST_P(Engine, FaultInjectedFailureReadsNothingThenReadsResume) {
+  auto shared = std::shared_ptr<TransferEngine>(std::move(engine_));
+  FaultInjectingEngine faulty(shared);
+  Destination dst(faulty, 4096, false);
+  std::vector<uintptr_t> local{reinterpret_cast<uintptr_t>(dst.base)};
+  std::vector<uintptr_t> remote{peer_->base + 3 * 4096};
+  std::vector<size_t> len{4096};
+  faulty.fail_next_reads(1, transport_error("link down"));
+  Status st = faulty.batch_read_sync(session_, local, remote, len);
+  EXPECT_EQ(st.code(), StatusCode::kTransport);
+  EXPECT_EQ(st.message(), "link down");
+  EXPECT_TRUE(dst.untouched());
+  EXPECT_EQ(faulty.injected_failures(), 1);
+  ASSERT_TRUE(faulty.batch_read_sync(session_, local, remote, len).is_ok());
+  EXPECT_FALSE(find_pattern_mismatch(dst.base, 4096, peer_->key + 3));
+}
+
+INSTANTIATE_TEST_SUITE_P(Transports, Engine, ::testing::Values(Transport::kShm, Transport::kTcp),
+                         [](const auto& info) { return std::string(to_string(info.param)); });
+
+// A reader loops over large batches while the peer is killed under it.
+class KilledDuringReads : public ::testing::TestWithParam<Transport> {};
+
+TEST_P(KilledDuringReads, ReaderGetsAnErrorWithinTheTimeout) {
+  const size_t block = 1 << 20, blocks = 64;
+  auto peer = start_peer(std::string(to_string(GetParam())), "alloc", block, blocks, 3);
+  ASSERT_TRUE(peer) << peer.status().to_string();
+  auto engine = make_engine(GetParam());
+  ASSERT_TRUE(engine);
+  auto session = engine->connect(peer->metadata);
+  ASSERT_TRUE(session) << session.status().to_string();
+  Destination dst(*engine, block * blocks, true);
+
+  std::vector<uintptr_t> local, remote;
+  std::vector<size_t> len;
+  for (size_t i = 0; i < blocks; ++i) {
+    local.push_back(reinterpret_cast<uintptr_t>(dst.base) + i * block);
+    remote.push_back(peer->base + ((i * 7) % blocks) * block);
+    len.push_back(block);
+  }
+
+  std::mutex mu;
+  std::condition_variable cv;
+  int successes = 0;
+  Status last;
+  Deadline::Clock::time_point failed_at;
+  std::thread reader([&] {
+    Deadline give_up(60s);
+    while (!give_up.expired()) {
+      Status st = engine->batch_read_sync(*session, local, remote, len);
+      std::lock_guard lock(mu);
+      if (!st.is_ok()) {
+        last = st;
+        failed_at = Deadline::Clock::now();
+        break;
+      }
+      ++successes;
+      cv.notify_all();
+    }
+    cv.notify_all();
+  });
+  {
+    std::unique_lock lock(mu);
+    ASSERT_TRUE(cv.wait_for(lock, 30s, [&] { return successes > 0 || !last.is_ok(); }));
+  }
+  peer->process.kill(SIGKILL);
+  auto killed_at = Deadline::Clock::now();
+  reader.join();
+  ASSERT_FALSE(last.is_ok()) << "reads kept succeeding after the peer was killed";
+  EXPECT_TRUE(last.code() == StatusCode::kPeerDead || last.code() == StatusCode::kTimeout ||
+              last.code() == StatusCode::kTransport)
+      << last.to_string();
+  EXPECT_LE(failed_at - killed_at, kReadTimeout + 1s) << last.to_string();
+  auto info = engine->session_info(*session);
+  ASSERT_TRUE(info);
+  EXPECT_TRUE(info->broken);
+}
+
+INSTANTIATE_TEST_SUITE_P(Transports, KilledDuringReads,
+                         ::testing::Values(Transport::kShm, Transport::kTcp),
+                         [](const auto& info) { return std::string(to_string(info.param)); });
+
+class Registration : public ::testing::Test {
+ protected:
+  std::unique_ptr<TransferEngine> engine_ = make_engine(Transport::kShm);
+};
+
+TEST_F(Registration, ZeroLengthIsRejected) {
+  char buf[64];
+  Status st = engine_->register_memory(buf, 0);
+  EXPECT_EQ(st.code(), StatusCode::kInvalidArgument);
+  EXPECT_NE(st.message().find("zero-length"), std::string::npos);
+  EXPECT_FALSE(engine_->allocate_memory(0));
+}
+
+TEST_F(Registration, OverlappingRangesAreRejected) {
+  std::vector<char> buf(16384);
+  ASSERT_TRUE(engine_->register_memory(buf.data() + 4096, 4096).is_ok());
+  for (auto [offset, length] : {std::pair<size_t, size_t>{0, 4097}, {8191, 10}, {4096, 1},
+                                {5000, 100}, {0, 16384}}) {
+    Status st = engine_->register_memory(buf.data() + offset, length);
+    EXPECT_EQ(st.code(), StatusCode::kAlreadyExists) << offset << "+" << length;
+    EXPECT_NE(st.message().find("overlaps"), std::string::npos) << st.message();
+  }
+  EXPECT_TRUE(engine_->register_memory(buf.data(), 4096).is_ok());         // adjacent below
+  EXPECT_TRUE(engine_->register_memory(buf.data() + 8192, 4096).is_ok());  // adjacent above
+  EXPECT_TRUE(engine_->unregister_memory(buf.data()).is_ok());
+  EXPECT_TRUE(engine_->unregister_memory(buf.data() + 4096).is_ok());
+  EXPECT_TRUE(engine_->unregister_memory(buf.data() + 8192).is_ok());
+}
+
+TEST_F(Registration, UnregisteringAnUnknownAddressIsNotFound) {
+  char buf[64];
+  EXPECT_EQ(engine_->unregister_memory(buf).code(), StatusCode::kNotFound);
+}
+
+TEST_F(Registration, ExportedMetadataListsRegions) {
+  auto a = engine_->allocate_memory(1 << 20);
+  ASSERT_TRUE(a);
+  auto meta = engine_->export_metadata();
+  ASSERT_TRUE(meta);
+  EXPECT_GT(meta->size(), 64u);
+  EXPECT_TRUE(engine_->unregister_memory(a->addr).is_ok());
+}
+
+TEST_F(Registration, GarbageAndTruncatedMetadataAreConnectErrors) {
+  std::vector<std::byte> garbage(100, std::byte{7});
+  auto s = engine_->connect(garbage);
+  ASSERT_FALSE(s);
+  EXPECT_EQ(s.status().code(), StatusCode::kInvalidMetadata);
+
+  auto a = engine_->allocate_memory(4096);
+  ASSERT_TRUE(a);
+  auto meta = engine_->export_metadata();
+  ASSERT_TRUE(meta);
+  for (size_t n : {size_t{0}, size_t{7}, size_t{20}, meta->size() / 2, meta->size() - 1}) {
+    auto t = engine_->connect(std::span(meta->data(), n));
+    ASSERT_FALSE(t) << "prefix of " << n;
+    EXPECT_EQ(t.status().code(), StatusCode::kInvalidMetadata);
+  }
+  EXPECT_TRUE(engine_->unregister_memory(a->addr).is_ok());
+}
+
+TEST(EngineConfig, BadValuesAreRejected) {
+  EngineConfig cfg;
+  cfg.read_timeout = 0ms;
+  auto e = create_ucx_engine(cfg);
+  ASSERT_FALSE(e);
+  EXPECT_NE(e.status().message().find("read_timeout"), std::string::npos);
+  EXPECT_FALSE(parse_transport("rdma"));
+  EXPECT_NE(parse_transport("rdma").status().message().find("rdma"), std::string::npos);
+  EXPECT_FALSE(parse_role("router"));
+}
+
+}  // namespace
+}  // namespace rd2h::transfer
