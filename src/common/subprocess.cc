@@ -7,6 +7,7 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cerrno>
 #include <cstring>
 #include <thread>
@@ -17,7 +18,8 @@ extern char** environ;
 
 namespace rd2h {
 
-Expected<Subprocess> Subprocess::spawn(const std::vector<std::string>& argv, bool inherit_stdout) {
+Expected<Subprocess> Subprocess::spawn(const std::vector<std::string>& argv, bool inherit_stdout,
+                                       const std::vector<std::string>& extra_env) {
   if (argv.empty()) return invalid_argument("spawn: empty argv");
   int in_pipe[2], out_pipe[2] = {-1, -1};
   if (::pipe2(in_pipe, O_CLOEXEC) != 0) return internal_error("pipe2 failed");
@@ -34,8 +36,18 @@ Expected<Subprocess> Subprocess::spawn(const std::vector<std::string>& argv, boo
   std::vector<char*> args;
   for (const auto& a : argv) args.push_back(const_cast<char*>(a.c_str()));
   args.push_back(nullptr);
+  std::vector<char*> env;
+  for (const auto& e : extra_env) env.push_back(const_cast<char*>(e.c_str()));
+  for (char** e = environ; *e != nullptr; ++e) {
+    std::string_view var(*e);
+    auto name = var.substr(0, var.find('=') + 1);
+    bool overridden = std::any_of(extra_env.begin(), extra_env.end(),
+                                  [&](const std::string& x) { return x.rfind(name, 0) == 0; });
+    if (!overridden) env.push_back(*e);
+  }
+  env.push_back(nullptr);
   pid_t pid = -1;
-  int rc = ::posix_spawn(&pid, argv[0].c_str(), &actions, nullptr, args.data(), environ);
+  int rc = ::posix_spawn(&pid, argv[0].c_str(), &actions, nullptr, args.data(), env.data());
   posix_spawn_file_actions_destroy(&actions);
   ::close(in_pipe[0]);
   if (out_pipe[1] >= 0) ::close(out_pipe[1]);

@@ -15,9 +15,11 @@ namespace rd2h {
 
 class Subprocess {
  public:
-  // Starts argv[0] (a path) with `argv`. stdout is piped back unless `inherit_stdout`.
+  // Starts argv[0] (a path) with `argv` and this process's environment plus `extra_env`
+  // ("NAME=value", overriding). stdout is piped back unless `inherit_stdout`.
   static Expected<Subprocess> spawn(const std::vector<std::string>& argv,
-                                    bool inherit_stdout = false);
+                                    bool inherit_stdout = false,
+                                    const std::vector<std::string>& extra_env = {});
 
   Subprocess(Subprocess&& other) noexcept;
   Subprocess& operator=(Subprocess&& other) noexcept;

@@ -1,0 +1,270 @@
+#include "bench_engine.h"
+
+#include <sys/socket.h>
+#include <netinet/in.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <fstream>
+#include <numeric>
+#include <optional>
+#include <random>
+#include <sstream>
+#include <thread>
+
+#include "pd_read.h"
+#include "rd2h/common/deadline.h"
+#include "rd2h/common/pattern.h"
+
+namespace rd2h::tools {
+
+namespace {
+
+using namespace std::chrono_literals;
+using Clock = std::chrono::steady_clock;
+
+std::string size_text(uint64_t b) {
+  if (b % (1 << 20) == 0) return std::to_string(b >> 20) + " MiB";
+  if (b % (1 << 10) == 0) return std::to_string(b >> 10) + " KiB";
+  return std::to_string(b) + " B";
+}
+
+// Runs `batch` until at least min_seconds and min_batches have passed; returns GB/s.
+template <typename F>
+Expected<double> measure(const BenchEngineOptions& o, uint64_t bytes_per_batch, F&& batch) {
+  uint64_t bytes = 0;
+  uint32_t n = 0;
+  auto start = Clock::now();
+  double elapsed = 0;
+  while (n < o.min_batches || elapsed < o.min_seconds) {
+    RD2H_RETURN_IF_ERROR(batch(n));
+    bytes += bytes_per_batch;
+    ++n;
+    elapsed = std::chrono::duration<double>(Clock::now() - start).count();
+  }
+  return static_cast<double>(bytes) / elapsed / 1e9;
+}
+
+bool port_listening(int port) {
+  for (const char* path : {"/proc/net/tcp", "/proc/net/tcp6"}) {
+    std::ifstream in(path);
+    std::string line;
+    std::getline(in, line);
+    while (std::getline(in, line)) {
+      std::istringstream f(line);
+      std::string slot, local, remote, state;
+      f >> slot >> local >> remote >> state;
+      auto colon = local.rfind(':');
+      if (colon == std::string::npos) continue;
+      if (std::stoi(local.substr(colon + 1), nullptr, 16) == port && state == "0A") return true;
+    }
+  }
+  return false;
+}
+
+int free_port() {
+  int fd = ::socket(AF_INET, SOCK_STREAM, 0);
+  sockaddr_in a{};
+  a.sin_family = AF_INET;
+  a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  socklen_t len = sizeof(a);
+  int port = 0;
+  if (::bind(fd, reinterpret_cast<sockaddr*>(&a), sizeof(a)) == 0 &&
+      ::getsockname(fd, reinterpret_cast<sockaddr*>(&a), &len) == 0) {
+    port = ntohs(a.sin_port);
+  }
+  ::close(fd);
+  return port;
+}
+
+std::optional<std::string> find_perftest() {
+  for (const char* p : {"/usr/bin/ucx_perftest", "/usr/local/bin/ucx_perftest"}) {
+    if (::access(p, X_OK) == 0) return std::string(p);
+  }
+  return std::nullopt;
+}
+
+// ucx_perftest -t ucp_get between two processes on loopback; its overall bandwidth in GB/s.
+Expected<double> perftest_get(const std::string& exe, const std::string& transport,
+                              uint64_t block, uint64_t total_bytes) {
+  const std::string tls = transport == "shm" ? "sm" : transport == "tcp" ? "tcp" : "";
+  std::vector<std::string> env;
+  if (!tls.empty()) env.push_back("UCX_TLS=" + tls);
+  const int port = free_port();
+  auto server = Subprocess::spawn({exe, "-p", std::to_string(port)}, false, env);
+  if (!server) return server.status();
+  // The client must not start before the server listens: wait for the socket to appear.
+  Deadline ready(20s);
+  while (!port_listening(port)) {
+    if (ready.expired()) return timeout_error("ucx_perftest server did not listen");
+    std::this_thread::sleep_for(2ms);
+  }
+  const uint64_t iters = std::max<uint64_t>(50, total_bytes / block);
+  auto client = Subprocess::spawn({exe, "127.0.0.1", "-p", std::to_string(port), "-t", "ucp_get",
+                                   "-s", std::to_string(block), "-n", std::to_string(iters), "-w",
+                                   std::to_string(std::max<uint64_t>(5, iters / 10))},
+                                  false, env);
+  if (!client) return client.status();
+  auto out = client->read_all(300s);
+  if (!out) return out.status();
+  (void)client->wait(10s);
+  (void)server->wait(10s);
+  // "Final:  iters  lat50  lat_avg  lat_overall  bw_avg  bw_overall  rate_avg  rate_overall"
+  auto pos = out->find("Final:");
+  if (pos == std::string::npos) return internal_error("ucx_perftest printed no result");
+  std::istringstream f(out->substr(pos + 6));
+  double v[6];
+  for (double& x : v) f >> x;
+  if (!f) return internal_error("cannot parse ucx_perftest's result");
+  return v[5] * 1048576.0 / 1e9;  // ucx_perftest reports MiB/s
+}
+
+struct Row {
+  std::string transport;
+  uint64_t block = 0;
+  double engine = 0, memcpy = 0;
+  std::optional<double> perftest;
+  std::string lanes;
+};
+
+Expected<Row> bench_one(const BenchEngineOptions& o, const std::string& transport_name,
+                        uint64_t block, const std::optional<std::string>& perftest) {
+  auto transport = transfer::parse_transport(transport_name);
+  if (!transport) return transport.status();
+  const uint64_t per_batch = std::max<uint64_t>(1, o.batch_bytes / block);
+  const uint64_t pool_blocks = per_batch * 2;
+  if (pool_blocks > UINT32_MAX) return invalid_argument("too many blocks per batch");
+
+  PdReadOptions so;
+  so.transport = transport_name;
+  so.memory = o.memory;
+  so.layers = 1;
+  so.blocks = static_cast<uint32_t>(pool_blocks);
+  so.main_bytes = {block};
+  so.indexer_bytes = 0;
+  so.serve_timeout_s = 600;
+  auto source = spawn_source(so);
+  if (!source) return source.status();
+  auto conn = connect_to_source(source->address, *transport, std::chrono::milliseconds(o.timeout_ms));
+  if (!conn) return conn.status();
+  auto& engine = *conn->engine;
+  Row row{transport_name, block, 0, 0, std::nullopt, "?"};
+  if (auto info = engine.session_info(conn->session)) row.lanes = info->transport;
+
+  // Destination: one batch worth of caller memory, registered; a local copy of the source
+  // pool for the memcpy baseline.
+  const uint64_t dest_bytes = per_batch * block;
+  std::vector<std::byte> dest(dest_bytes), local_pool(pool_blocks * block);
+  std::memset(dest.data(), 0, dest.size());
+  fill_pool(local_pool.data(), conn->handshake.layout, conn->handshake.seed);
+  RD2H_RETURN_IF_ERROR(engine.register_memory(dest.data(), dest.size()));
+
+  // A few batches of random, distinct source blocks, read in turn.
+  std::mt19937_64 rng(block);
+  std::vector<uint32_t> order(pool_blocks);
+  std::iota(order.begin(), order.end(), 0);
+  struct Batch {
+    std::vector<uint32_t> src;
+    std::vector<uintptr_t> local, remote;
+    std::vector<size_t> len;
+  };
+  std::vector<Batch> batches(4);
+  for (auto& b : batches) {
+    std::shuffle(order.begin(), order.end(), rng);
+    for (uint64_t i = 0; i < per_batch; ++i) {
+      b.src.push_back(order[i]);
+      b.local.push_back(reinterpret_cast<uintptr_t>(dest.data()) + i * block);
+      b.remote.push_back(conn->handshake.base + static_cast<uint64_t>(order[i]) * block);
+      b.len.push_back(block);
+    }
+  }
+  auto read = [&](uint32_t n) {
+    const Batch& b = batches[n % batches.size()];
+    return engine.batch_read_sync(conn->session, b.local, b.remote, b.len);
+  };
+  // Warm up, then check the bytes once: a benchmark of wrong data measures nothing.
+  RD2H_RETURN_IF_ERROR(read(0));
+  for (uint64_t i = 0; i < per_batch; ++i) {
+    if (find_pattern_mismatch(dest.data() + i * block, block,
+                              block_pattern_key(conn->handshake.seed, 0, 0, batches[0].src[i]))) {
+      return internal_error("block " + std::to_string(batches[0].src[i]) + " arrived corrupted");
+    }
+  }
+  auto engine_gbs = measure(o, dest_bytes, read);
+  if (!engine_gbs) return engine_gbs.status();
+  row.engine = *engine_gbs;
+
+  auto copy = [&](uint32_t n) {
+    const Batch& b = batches[n % batches.size()];
+    for (uint64_t i = 0; i < per_batch; ++i) {
+      std::memcpy(dest.data() + i * block, local_pool.data() + static_cast<uint64_t>(b.src[i]) * block,
+                  block);
+    }
+    return Status::ok();
+  };
+  RD2H_RETURN_IF_ERROR(copy(0));
+  auto memcpy_gbs = measure(o, dest_bytes, copy);
+  if (!memcpy_gbs) return memcpy_gbs.status();
+  row.memcpy = *memcpy_gbs;
+
+  RD2H_RETURN_IF_ERROR(engine.unregister_memory(dest.data()));
+  release_source(*conn, true);
+  (void)source->process.wait(10s);
+
+  if (perftest) {
+    uint64_t total = transport_name == "tcp" ? (256ull << 20) : (2048ull << 20);
+    auto p = perftest_get(*perftest, transport_name, block, total);
+    if (p) {
+      row.perftest = *p;
+    } else {
+      std::fprintf(stderr, "bench: ucx_perftest %s %s: %s\n", transport_name.c_str(),
+                   size_text(block).c_str(), p.status().to_string().c_str());
+    }
+  }
+  return row;
+}
+
+}  // namespace
+
+int run_bench_engine(const BenchEngineOptions& o) {
+  std::optional<std::string> perftest;
+  if (o.perftest) {
+    perftest = find_perftest();
+    if (!perftest) std::fprintf(stderr, "bench: ucx_perftest not found; that column stays empty\n");
+  }
+  std::printf("rd2h bench engine: batches of %s of random blocks from a source process "
+              "(%s memory), single-thread memcpy of the same blocks, ucx_perftest ucp_get\n\n",
+              size_text(o.batch_bytes).c_str(), o.memory == "alloc" ? "engine-allocated" : "registered");
+  std::printf("%-9s %-8s %-14s %11s %11s %9s %13s %10s\n", "transport", "block", "lanes",
+              "engine GB/s", "memcpy GB/s", "vs memcpy", "perftest GB/s", "vs perftest");
+  int rc = 0;
+  for (const auto& t : o.transports) {
+    for (uint64_t block : o.block_bytes) {
+      auto row = bench_one(o, t, block, perftest);
+      if (!row) {
+        std::printf("%-9s %-8s error: %s\n", t.c_str(), size_text(block).c_str(),
+                    row.status().to_string().c_str());
+        rc = 1;
+        continue;
+      }
+      char pt[32] = "-", ratio[32] = "-";
+      if (row->perftest) {
+        std::snprintf(pt, sizeof(pt), "%.2f", *row->perftest);
+        std::snprintf(ratio, sizeof(ratio), "%.2fx", row->engine / *row->perftest);
+      }
+      std::printf("%-9s %-8s %-14s %11.2f %11.2f %8.2fx %13s %10s\n", t.c_str(),
+                  size_text(block).c_str(), row->lanes.c_str(), row->engine, row->memcpy,
+                  row->engine / row->memcpy, pt, ratio);
+      std::fflush(stdout);
+    }
+  }
+  std::printf("\nucx_perftest over shm reads one buffer again and again (cache-resident), so over "
+              "shm the memcpy column is the reference.\n");
+  return rc;
+}
+
+}  // namespace rd2h::tools

@@ -1,0 +1,25 @@
+// rd2h bench engine: batched-read throughput of the transfer engine against a source
+// process on this host, next to single-thread memcpy of the same blocks and, where
+// ucx_perftest is installed, ucx_perftest's ucp_get at the same size, all in one run.
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+namespace rd2h::tools {
+
+struct BenchEngineOptions {
+  std::vector<std::string> transports{"shm", "tcp"};
+  std::vector<uint64_t> block_bytes{16 << 10, 128 << 10, 1 << 20, 4 << 20};
+  uint64_t batch_bytes = 64 << 20;
+  std::string memory = "alloc";  // how the source holds its pool: alloc | register
+  double min_seconds = 1.0;      // per measurement
+  uint32_t min_batches = 3;
+  bool perftest = true;
+  uint32_t timeout_ms = 5000;
+};
+
+int run_bench_engine(const BenchEngineOptions& options);
+
+}  // namespace rd2h::tools

@@ -1,0 +1,57 @@
+// rd2h: one binary, one subcommand per job.
+#include <CLI/CLI.hpp>
+
+#include "bench_engine.h"
+#include "pd_read.h"
+
+int main(int argc, char** argv) {
+  CLI::App app{"rd2h: layerwise KV-cache transfer for prefill/decode disaggregated serving"};
+  app.require_subcommand(1);
+
+  rd2h::tools::PdReadOptions pd;
+  auto* pd_read = app.add_subcommand(
+      "pd-read",
+      "Validate two-endpoint registration and reads: a source registers a KV-like pool, a "
+      "destination pulls random blocks and verifies every byte");
+  pd_read->add_option("--role", pd.role, "local (spawn both on this host) | source | dest")
+      ->check(CLI::IsMember({"local", "source", "dest"}));
+  pd_read->add_option("--listen", pd.listen, "source: host:port to listen on (port 0: any)");
+  pd_read->add_option("--connect", pd.connect, "dest: the source's host:port");
+  pd_read->add_option("--transport", pd.transport, "shm | tcp | auto")
+      ->check(CLI::IsMember({"shm", "tcp", "auto"}));
+  pd_read->add_option("--memory", pd.memory,
+                      "source pool: alloc (engine-allocated) | register (caller memory)")
+      ->check(CLI::IsMember({"alloc", "register"}));
+  pd_read->add_option("--layers", pd.layers, "layers in the pool")->check(CLI::Range(1u, 4096u));
+  pd_read->add_option("--blocks", pd.blocks, "blocks per tensor")->check(CLI::Range(1u, 1u << 24));
+  pd_read->add_option("--block-tokens", pd.block_tokens, "tokens per block (informational)");
+  pd_read->add_option("--main-bytes", pd.main_bytes, "bytes per block of each main tensor")
+      ->delimiter(',');
+  pd_read->add_option("--indexer-bytes", pd.indexer_bytes, "bytes per block of the indexer (0: none)");
+  pd_read->add_option("--batch-blocks", pd.batch_blocks, "random blocks per batch");
+  pd_read->add_option("--batches", pd.batches, "batches to read (0: one per layer)");
+  pd_read->add_option("--seed", pd.seed, "pattern and block-choice seed");
+  pd_read->add_option("--timeout-ms", pd.timeout_ms, "read and connect timeout")
+      ->check(CLI::Range(1u, 3600000u));
+  pd_read->add_option("--serve-timeout", pd.serve_timeout_s,
+                      "seconds a source waits for its reader to finish")
+      ->check(CLI::Range(1u, 86400u));
+
+  auto* bench = app.add_subcommand("bench", "Benchmarks");
+  bench->require_subcommand(1);
+  rd2h::tools::BenchEngineOptions be;
+  auto* bench_engine = bench->add_subcommand(
+      "engine", "Batched-read GB/s over shm and tcp next to memcpy and ucx_perftest");
+  bench_engine->add_option("--transports", be.transports, "transports to measure")->delimiter(',');
+  bench_engine->add_option("--block-bytes", be.block_bytes, "block sizes")->delimiter(',');
+  bench_engine->add_option("--batch-bytes", be.batch_bytes, "bytes per batch");
+  bench_engine->add_option("--memory", be.memory, "source pool: alloc | register")
+      ->check(CLI::IsMember({"alloc", "register"}));
+  bench_engine->add_option("--min-seconds", be.min_seconds, "time per measurement");
+  bench_engine->add_flag("!--no-perftest", be.perftest, "skip ucx_perftest");
+
+  CLI11_PARSE(app, argc, argv);
+  if (pd_read->parsed()) return rd2h::tools::run_pd_read(pd);
+  if (bench_engine->parsed()) return rd2h::tools::run_bench_engine(be);
+  return 2;
+}

@@ -1,0 +1,293 @@
+#include "pd_read.h"
+
+#include <sys/wait.h>
+
+#include <algorithm>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <numeric>
+#include <random>
+
+#include "rd2h/common/deadline.h"
+#include "rd2h/common/pattern.h"
+
+namespace rd2h::tools {
+
+namespace {
+
+using namespace std::chrono_literals;
+using transfer::Transport;
+
+constexpr uint64_t kMaxPoolBytes = 64ull << 30;
+constexpr size_t kMaxHandshake = 32u << 20;
+
+std::string join(const std::vector<uint64_t>& v) {
+  std::string s;
+  for (auto x : v) s += (s.empty() ? "" : ",") + std::to_string(x);
+  return s;
+}
+
+double percentile(std::vector<double> v, double p) {
+  if (v.empty()) return 0;
+  size_t k = static_cast<size_t>(p * static_cast<double>(v.size() - 1) + 0.5);
+  std::nth_element(v.begin(), v.begin() + static_cast<long>(k), v.end());
+  return v[k];
+}
+
+std::vector<std::string> source_argv(const PdReadOptions& o, const std::string& listen) {
+  return {self_executable(), "pd-read", "--role", "source", "--listen", listen,
+          "--transport", o.transport, "--memory", o.memory,
+          "--layers", std::to_string(o.layers), "--blocks", std::to_string(o.blocks),
+          "--main-bytes", join(o.main_bytes), "--indexer-bytes", std::to_string(o.indexer_bytes),
+          "--seed", std::to_string(o.seed), "--serve-timeout", std::to_string(o.serve_timeout_s)};
+}
+
+// Owns the source's pool: engine-allocated or caller memory registered with the engine.
+struct Pool {
+  transfer::TransferEngine* engine = nullptr;
+  std::byte* base = nullptr;
+  void* owned = nullptr;
+  ~Pool() {
+    if (base != nullptr) (void)engine->unregister_memory(base);
+    std::free(owned);
+  }
+};
+
+Status make_pool(transfer::TransferEngine& engine, uint64_t bytes, bool allocate, Pool& pool) {
+  pool.engine = &engine;
+  if (allocate) {
+    auto r = engine.allocate_memory(bytes);
+    if (!r) return r.status();
+    pool.base = static_cast<std::byte*>(r->addr);
+    return Status::ok();
+  }
+  uint64_t rounded = (bytes + 4095) / 4096 * 4096;
+  pool.owned = std::aligned_alloc(4096, rounded);
+  if (pool.owned == nullptr) return internal_error("cannot allocate " + std::to_string(bytes) + " bytes");
+  RD2H_RETURN_IF_ERROR(engine.register_memory(pool.owned, bytes));
+  pool.base = static_cast<std::byte*>(pool.owned);
+  return Status::ok();
+}
+
+int fail(const Status& st, const char* role) {
+  std::fprintf(stderr, "pd-read %s: %s\n", role, st.to_string().c_str());
+  return 1;
+}
+
+int run_source(const PdReadOptions& o) {
+  auto transport = transfer::parse_transport(o.transport);
+  if (!transport) return fail(transport.status(), "source");
+  KvPoolLayout layout = o.layout();
+  if (Status st = layout.validate(kMaxPoolBytes); !st) return fail(st, "source");
+  if (o.memory != "alloc" && o.memory != "register") {
+    return fail(invalid_argument("--memory must be alloc or register, got " + o.memory), "source");
+  }
+
+  transfer::EngineConfig cfg;
+  cfg.role = transfer::Role::kPrefill;
+  cfg.transport = *transport;
+  cfg.read_timeout = std::chrono::milliseconds(o.timeout_ms);
+  cfg.connect_timeout = std::chrono::milliseconds(o.timeout_ms);
+  auto engine = transfer::create_ucx_engine(cfg);
+  if (!engine) return fail(engine.status(), "source");
+  Pool pool;
+  if (Status st = make_pool(**engine, layout.total_bytes(), o.memory == "alloc", pool); !st) {
+    return fail(st, "source");
+  }
+  fill_pool(pool.base, layout, o.seed);
+
+  auto listener = Socket::listen(o.listen);
+  if (!listener) return fail(listener.status(), "source");
+  std::printf("LISTENING %s\n", listener->local_address().c_str());
+  std::fflush(stdout);
+
+  Deadline serve(std::chrono::seconds(o.serve_timeout_s));
+  auto conn = listener->accept(serve);
+  if (!conn) return fail(conn.status().with_context("waiting for the destination"), "source");
+  auto meta = (*engine)->export_metadata();
+  if (!meta) return fail(meta.status(), "source");
+  SourceHandshake h{layout, o.seed, reinterpret_cast<uint64_t>(pool.base), std::move(*meta)};
+  if (Status st = conn->send_frame(encode_handshake(h), serve); !st) return fail(st, "source");
+  // The reader's verdict; meanwhile the engine's progress thread serves its reads.
+  auto verdict = conn->recv_frame(16, serve);
+  if (!verdict) return fail(verdict.status().with_context("waiting for the destination"), "source");
+  return !verdict->empty() && (*verdict)[0] == std::byte{1} ? 0 : 1;
+}
+
+int run_dest(const PdReadOptions& o) {
+  auto transport = transfer::parse_transport(o.transport);
+  if (!transport) return fail(transport.status(), "dest");
+  if (o.connect.empty()) return fail(invalid_argument("--connect host:port is required"), "dest");
+  auto conn = connect_to_source(o.connect, *transport, std::chrono::milliseconds(o.timeout_ms));
+  if (!conn) return fail(conn.status(), "dest");
+  const KvPoolLayout& layout = conn->handshake.layout;
+  if (o.batch_blocks == 0 || o.batch_blocks > layout.blocks) {
+    release_source(*conn, false);
+    return fail(invalid_argument("--batch-blocks must be in 1.." + std::to_string(layout.blocks) +
+                                 ", got " + std::to_string(o.batch_blocks)),
+                "dest");
+  }
+  auto& engine = *conn->engine;
+  auto info = engine.session_info(conn->session);
+
+  // The destination pool mirrors the source layout, like Decode's own cache.
+  Pool dest;
+  if (Status st = make_pool(engine, layout.total_bytes(), false, dest); !st) {
+    release_source(*conn, false);
+    return fail(st, "dest");
+  }
+  std::memset(dest.base, 0, layout.total_bytes());
+
+  const uint32_t batches = o.batches == 0 ? layout.layers : o.batches;
+  const size_t tensors = layout.tensor_bytes.size();
+  std::mt19937_64 rng(o.seed * 7919 + 17);
+  std::vector<uint32_t> all(layout.blocks);
+  std::iota(all.begin(), all.end(), 0);
+
+  std::vector<double> latency_us;
+  uint64_t bytes_total = 0, mismatches = 0;
+  double seconds_total = 0;
+  Status error;
+  std::printf("pd-read: %u batches of %u random blocks x %zu tensors from %u layers x %u blocks "
+              "(%.1f MiB pool), transport %s (%s)\n",
+              batches, o.batch_blocks, tensors, layout.layers, layout.blocks,
+              static_cast<double>(layout.total_bytes()) / (1 << 20), o.transport.c_str(),
+              info ? info->transport.c_str() : "?");
+  for (uint32_t b = 0; b < batches && error.is_ok(); ++b) {
+    const uint32_t layer = b % layout.layers;
+    std::shuffle(all.begin(), all.end(), rng);
+    std::vector<uint32_t> src(all.begin(), all.begin() + o.batch_blocks);
+    std::shuffle(all.begin(), all.end(), rng);
+    std::vector<uint32_t> dst(all.begin(), all.begin() + o.batch_blocks);
+
+    std::vector<uintptr_t> local, remote;
+    std::vector<size_t> len;
+    for (uint32_t i = 0; i < o.batch_blocks; ++i) {
+      for (uint32_t t = 0; t < tensors; ++t) {
+        local.push_back(reinterpret_cast<uintptr_t>(dest.base) + layout.offset(layer, t, dst[i]));
+        remote.push_back(conn->handshake.base + layout.offset(layer, t, src[i]));
+        len.push_back(layout.tensor_bytes[t]);
+        std::memset(reinterpret_cast<void*>(local.back()), 0, len.back());
+      }
+    }
+    auto t0 = std::chrono::steady_clock::now();
+    Status st = engine.batch_read_sync(conn->session, local, remote, len);
+    auto t1 = std::chrono::steady_clock::now();
+    if (!st) {
+      error = st.with_context("batch " + std::to_string(b) + " (layer " + std::to_string(layer) + ")");
+      break;
+    }
+    double s = std::chrono::duration<double>(t1 - t0).count();
+    seconds_total += s;
+    latency_us.push_back(s * 1e6);
+    for (size_t k = 0; k < local.size(); ++k) {
+      const uint32_t t = static_cast<uint32_t>(k % tensors), i = static_cast<uint32_t>(k / tensors);
+      bytes_total += len[k];
+      auto bad = find_pattern_mismatch(reinterpret_cast<const void*>(local[k]), len[k],
+                                       block_pattern_key(conn->handshake.seed, layer, t, src[i]));
+      if (bad && mismatches++ < 10) {
+        std::printf("MISMATCH batch %u layer %u tensor %u: source block %u -> dest block %u, "
+                    "first bad byte %zu\n",
+                    b, layer, t, src[i], dst[i], *bad);
+      }
+    }
+  }
+  const bool ok = error.is_ok() && mismatches == 0;
+  release_source(*conn, ok);
+  if (!latency_us.empty()) {
+    std::printf("latency per batch: p50 %.1f us, p99 %.1f us; throughput %.2f GB/s "
+                "(%.1f MiB in %zu batches)\n",
+                percentile(latency_us, 0.5), percentile(latency_us, 0.99),
+                static_cast<double>(bytes_total) / seconds_total / 1e9,
+                static_cast<double>(bytes_total) / (1 << 20), latency_us.size());
+  }
+  if (!error.is_ok()) {
+    std::printf("verification: FAILED: %s\n", error.to_string().c_str());
+  } else if (mismatches > 0) {
+    std::printf("verification: FAILED: %llu mismatched blocks\n",
+                static_cast<unsigned long long>(mismatches));
+  } else {
+    std::printf("verification: OK (every byte of %zu batches matched)\n", latency_us.size());
+  }
+  std::fflush(stdout);
+  return ok ? 0 : 1;
+}
+
+int run_local(const PdReadOptions& o) {
+  auto source = spawn_source(o);
+  if (!source) return fail(source.status(), "local");
+  auto dest = Subprocess::spawn(
+      {self_executable(), "pd-read", "--role", "dest", "--connect", source->address,
+       "--transport", o.transport, "--batch-blocks", std::to_string(o.batch_blocks), "--batches",
+       std::to_string(o.batches), "--seed", std::to_string(o.seed), "--timeout-ms",
+       std::to_string(o.timeout_ms)},
+      /*inherit_stdout=*/true);
+  if (!dest) return fail(dest.status(), "local");
+  auto limit = std::chrono::seconds(o.serve_timeout_s);
+  auto dest_status = dest->wait(limit);
+  if (!dest_status) return fail(dest_status.status().with_context("destination"), "local");
+  auto source_status = source->process.wait(10s);
+  if (!source_status) return fail(source_status.status().with_context("source"), "local");
+  auto code = [](int status) { return WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status); };
+  if (code(*dest_status) != 0) return code(*dest_status);
+  return code(*source_status);
+}
+
+}  // namespace
+
+KvPoolLayout PdReadOptions::layout() const {
+  KvPoolLayout l;
+  l.layers = layers;
+  l.blocks = blocks;
+  l.tensor_bytes = main_bytes;
+  if (indexer_bytes > 0) l.tensor_bytes.push_back(indexer_bytes);
+  return l;
+}
+
+Expected<SourceProcess> spawn_source(const PdReadOptions& o) {
+  auto p = Subprocess::spawn(source_argv(o, "127.0.0.1:0"));
+  if (!p) return p.status();
+  // Filling a large pool takes a while; the source prints its address once it is ready.
+  auto line = p->read_line(std::chrono::seconds(120));
+  if (!line) return line.status().with_context("waiting for the source to listen");
+  if (line->rfind("LISTENING ", 0) != 0) return internal_error("source said: " + *line);
+  return SourceProcess{std::move(*p), line->substr(10)};
+}
+
+Expected<SourceConnection> connect_to_source(const std::string& address, Transport transport,
+                                             std::chrono::milliseconds timeout) {
+  Deadline deadline(std::max(timeout, std::chrono::milliseconds(10000)));
+  auto sock = Socket::connect(address, deadline);
+  if (!sock) return sock.status();
+  auto frame = sock->recv_frame(kMaxHandshake, deadline);
+  if (!frame) return frame.status().with_context("reading the source's handshake");
+  auto h = decode_handshake(*frame);
+  if (!h) return h.status();
+  RD2H_RETURN_IF_ERROR(h->layout.validate(kMaxPoolBytes).with_context("source layout"));
+
+  transfer::EngineConfig cfg;
+  cfg.role = transfer::Role::kDecode;
+  cfg.transport = transport;
+  cfg.read_timeout = timeout;
+  cfg.connect_timeout = timeout;
+  auto engine = transfer::create_ucx_engine(cfg);
+  if (!engine) return engine.status();
+  auto session = (*engine)->connect(h->engine_metadata);
+  if (!session) return session.status();
+  return SourceConnection{std::move(*sock), std::move(*h), std::move(*engine), *session};
+}
+
+void release_source(SourceConnection& c, bool ok) {
+  std::byte verdict[1] = {ok ? std::byte{1} : std::byte{0}};
+  (void)c.socket.send_frame(verdict, Deadline(std::chrono::seconds(5)));
+}
+
+int run_pd_read(const PdReadOptions& o) {
+  if (o.role == "source") return run_source(o);
+  if (o.role == "dest") return run_dest(o);
+  if (o.role == "local") return run_local(o);
+  return fail(invalid_argument("--role must be local, source or dest, got " + o.role), "pd-read");
+}
+
+}  // namespace rd2h::tools
