@@ -249,10 +249,14 @@ Expected<SourceProcess> spawn_source(const PdReadOptions& o) {
   auto p = Subprocess::spawn(source_argv(o, "127.0.0.1:0"));
   if (!p) return p.status();
   // Filling a large pool takes a while; the source prints its address once it is ready.
-  auto line = p->read_line(std::chrono::seconds(120));
-  if (!line) return line.status().with_context("waiting for the source to listen");
-  if (line->rfind("LISTENING ", 0) != 0) return internal_error("source said: " + *line);
-  return SourceProcess{std::move(*p), line->substr(10)};
+  // Other lines (UCX's own log goes to stdout) are passed through to stderr.
+  Deadline deadline(std::chrono::seconds(120));
+  for (;;) {
+    auto line = p->read_line(std::chrono::duration_cast<std::chrono::milliseconds>(deadline.remaining()));
+    if (!line) return line.status().with_context("waiting for the source to listen");
+    if (line->rfind("LISTENING ", 0) == 0) return SourceProcess{std::move(*p), line->substr(10)};
+    std::fprintf(stderr, "%s\n", line->c_str());
+  }
 }
 
 Expected<SourceConnection> connect_to_source(const std::string& address, Transport transport,

@@ -12,6 +12,7 @@
 // error handling and the session watches the peer process through a pidfd; endpoints to
 // remote peers (or over TCP) use UCP_ERR_HANDLING_MODE_PEER. Every batch has a deadline.
 #include <sys/epoll.h>
+#include <sys/mman.h>
 #include <sys/eventfd.h>
 #include <ucp/api/ucp.h>
 #include <unistd.h>
@@ -19,6 +20,7 @@
 #include <algorithm>
 #include <atomic>
 #include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <map>
 #include <mutex>
@@ -36,6 +38,11 @@
 namespace rd2h::transfer {
 
 namespace {
+
+constexpr std::pair<const char*, const char*> kTcpTuning[] = {
+    {"TX_SEG_SIZE", "1M"},
+    {"RX_SEG_SIZE", "2M"},
+};
 
 std::string hex(uint64_t v) {
   char buf[32];
@@ -131,6 +138,9 @@ struct Session {
   ucp_worker_h worker = nullptr;
   ucp_ep_h ep = nullptr;
   std::vector<ucp_rkey_h> rkeys;  // parallel to peer.regions
+  // Where UCX maps a region of a co-located peer into this process (ucp_rkey_ptr), or null.
+  // Reads from a mapped region are plain copies: no per-read protocol, no peer involvement.
+  std::vector<const std::byte*> mapped;
   ProcessWatch watch;
 
   std::atomic<bool> broken{false};
@@ -141,6 +151,7 @@ struct Session {
 
   // Destroys this session's UCX objects. Anything in flight is cancelled with the worker.
   void release() {
+    mapped.clear();
     for (auto rkey : rkeys) ucp_rkey_destroy(rkey);
     rkeys.clear();
     if (worker != nullptr) {
@@ -202,6 +213,18 @@ class UcxEngine final : public TransferEngine {
       if (st != UCS_OK) {
         ucp_config_release(cfg);
         return ucs_error("setting UCX transports", st);
+      }
+    }
+    if (config_.transport != Transport::kShm) {
+      // UCX emulates get over TCP with replies of at most one TX segment (8 KiB by default);
+      // larger segments cut per-message overhead several-fold. Set by UCX_TCP_* they stay.
+      for (const auto& [name, value] : kTcpTuning) {
+        if (std::getenv(("UCX_TCP_" + std::string(name)).c_str()) != nullptr) continue;
+        st = ucp_config_modify(cfg, name, value);
+        if (st != UCS_OK) {
+          ucp_config_release(cfg);
+          return ucs_error("setting UCX_TCP_" + std::string(name), st);
+        }
       }
     }
     ucp_params_t params{};
@@ -339,7 +362,7 @@ class UcxEngine final : public TransferEngine {
 
     std::vector<ucp_mem_h> local_memh(local.size());
     std::vector<ucp_rkey_h> rkey(local.size());
-    std::vector<uint64_t> remote_addr(local.size());
+    std::vector<const std::byte*> mapped_src(local.size());
     for (size_t i = 0; i < local.size(); ++i) {
       if (length[i] == 0) continue;
       std::string op = "read " + std::to_string(i) + ": ";
@@ -357,8 +380,9 @@ class UcxEngine final : public TransferEngine {
         return out_of_range(op + "remote range " + range_text(remote[i], length[i]) +
                             " is not inside one region exported by " + s->id);
       }
-      rkey[i] = s->rkeys[static_cast<size_t>(region)];
-      remote_addr[i] = remote[i];
+      const auto r = static_cast<size_t>(region);
+      rkey[i] = s->rkeys[r];
+      if (s->mapped[r] != nullptr) mapped_src[i] = s->mapped[r] + (remote[i] - s->peer.regions[r].base);
     }
 
     if (s->watch.exited()) return fail_session(*s, peer_dead("peer " + s->id + " has exited"));
@@ -371,17 +395,31 @@ class UcxEngine final : public TransferEngine {
     param.cb.send = on_read_done;
     param.user_data = &batch;
     ucs_status_t post_error = UCS_OK;
+    size_t mapped_count = 0;
     for (size_t i = 0; i < local.size(); ++i) {
       if (length[i] == 0) continue;
+      if (mapped_src[i] != nullptr) {
+        ++mapped_count;
+        continue;
+      }
       param.memh = local_memh[i];
-      void* req = ucp_get_nbx(s->ep, reinterpret_cast<void*>(local[i]), length[i],
-                              remote_addr[i], rkey[i], &param);
+      void* req = ucp_get_nbx(s->ep, reinterpret_cast<void*>(local[i]), length[i], remote[i],
+                              rkey[i], &param);
       if (req == nullptr) continue;
       if (UCS_PTR_IS_ERR(req)) {
         post_error = UCS_PTR_STATUS(req);
         break;
       }
       ++batch.outstanding;
+    }
+
+    // Mapped reads are copied while the posted ones are in flight.
+    if (post_error == UCS_OK && mapped_count > 0) {
+      for (size_t i = 0; i < local.size(); ++i) {
+        if (mapped_src[i] != nullptr && length[i] != 0) {
+          std::memcpy(reinterpret_cast<void*>(local[i]), mapped_src[i], length[i]);
+        }
+      }
     }
 
     // Busy-polls: this thread exists to drive its reads. Liveness is checked once a
@@ -593,6 +631,8 @@ class UcxEngine final : public TransferEngine {
                                 ": its rkey does not unpack: " + ucs_status_string(st));
       }
       s.rkeys.push_back(rkey);
+      const bool mappable = s.colocated && config_.transport != Transport::kTcp;
+      s.mapped.push_back(mappable ? map_region(rkey, peer.regions[i]) : nullptr);
     }
 
     // A flush completes once the endpoint is wired up with the peer: an unreachable peer
@@ -630,8 +670,27 @@ class UcxEngine final : public TransferEngine {
     }
     if (!result.is_ok()) return result;
     s.transport = endpoint_rma_transports(s.ep);
+    if (std::any_of(s.mapped.begin(), s.mapped.end(), [](auto p) { return p != nullptr; })) {
+      s.transport += "+mapped";
+    }
     s.peer = std::move(peer);
     return Status::ok();
+  }
+
+  // The local address of a co-located peer's region, when UCX can map it (memory the peer's
+  // engine allocated, over shared memory). Its pages are faulted in now, at connect, so the
+  // first reads do not pay for them.
+  static const std::byte* map_region(ucp_rkey_h rkey, const ExportedRegion& region) {
+    void* ptr = nullptr;
+    if (ucp_rkey_ptr(rkey, region.base, &ptr) != UCS_OK || ptr == nullptr) return nullptr;
+#ifdef MADV_POPULATE_READ
+    const uintptr_t page = static_cast<uintptr_t>(::sysconf(_SC_PAGESIZE));
+    const uintptr_t start = reinterpret_cast<uintptr_t>(ptr) & ~(page - 1);
+    const uintptr_t end = reinterpret_cast<uintptr_t>(ptr) + region.length;
+    // Advisory: an older kernel refuses it and the pages fault in on first read instead.
+    (void)::madvise(reinterpret_cast<void*>(start), end - start, MADV_POPULATE_READ);
+#endif
+    return static_cast<const std::byte*>(ptr);
   }
 
   Status start_progress_thread() {

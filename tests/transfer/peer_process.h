@@ -35,14 +35,13 @@ inline Expected<PeerProcess> start_peer(const std::string& transport, const std:
                               std::to_string(blocks), "--key", std::to_string(key)});
   if (!p) return p.status();
   PeerProcess peer{std::move(*p), {}, 0, block, blocks, key};
-  auto meta = peer.process.read_line(std::chrono::seconds(20));
-  if (!meta) return meta.status();
-  if (meta->rfind("META ", 0) != 0) return internal_error("peer said: " + *meta);
-  peer.metadata = from_hex(meta->substr(5));
-  auto base = peer.process.read_line(std::chrono::seconds(20));
-  if (!base) return base.status();
-  if (base->rfind("BASE ", 0) != 0) return internal_error("peer said: " + *base);
-  peer.base = std::stoull(base->substr(5), nullptr, 16);
+  // UCX may log to stdout too: lines other than the peer's own are skipped.
+  while (peer.metadata.empty() || peer.base == 0) {
+    auto line = peer.process.read_line(std::chrono::seconds(20));
+    if (!line) return line.status().with_context("waiting for the peer's metadata");
+    if (line->rfind("META ", 0) == 0) peer.metadata = from_hex(line->substr(5));
+    if (line->rfind("BASE ", 0) == 0) peer.base = std::stoull(line->substr(5), nullptr, 16);
+  }
   return peer;
 }
 
