@@ -91,8 +91,10 @@ std::optional<std::string> find_perftest() {
 // ucx_perftest -t ucp_get between two processes on loopback; its overall bandwidth in GB/s.
 Expected<double> perftest_get(const std::string& exe, const std::vector<std::string>& env,
                               uint64_t block, uint64_t total_bytes) {
+  Subprocess::Options options;
+  options.extra_env = env;
   const int port = free_port();
-  auto server = Subprocess::spawn({exe, "-p", std::to_string(port)}, false, env);
+  auto server = Subprocess::spawn({exe, "-p", std::to_string(port)}, options);
   if (!server) return server.status();
   // The client must not start before the server listens: wait for the socket to appear.
   Deadline ready(20s);
@@ -104,7 +106,7 @@ Expected<double> perftest_get(const std::string& exe, const std::vector<std::str
   auto client = Subprocess::spawn({exe, "127.0.0.1", "-p", std::to_string(port), "-t", "ucp_get",
                                    "-s", std::to_string(block), "-n", std::to_string(iters), "-w",
                                    std::to_string(std::max<uint64_t>(5, iters / 10))},
-                                  false, env);
+                                  options);
   if (!client) return client.status();
   auto out = client->read_all(300s);
   if (!out) return out.status();

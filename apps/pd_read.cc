@@ -217,12 +217,14 @@ int run_dest(const PdReadOptions& o) {
 int run_local(const PdReadOptions& o) {
   auto source = spawn_source(o);
   if (!source) return fail(source.status(), "local");
+  Subprocess::Options inherit;
+  inherit.inherit_stdout = true;
   auto dest = Subprocess::spawn(
       {self_executable(), "pd-read", "--role", "dest", "--connect", source->address,
        "--transport", o.transport, "--batch-blocks", std::to_string(o.batch_blocks), "--batches",
        std::to_string(o.batches), "--seed", std::to_string(o.seed), "--timeout-ms",
        std::to_string(o.timeout_ms)},
-      /*inherit_stdout=*/true);
+      inherit);
   if (!dest) return fail(dest.status(), "local");
   auto limit = std::chrono::seconds(o.serve_timeout_s);
   auto dest_status = dest->wait(limit);

@@ -18,8 +18,10 @@ extern char** environ;
 
 namespace rd2h {
 
-Expected<Subprocess> Subprocess::spawn(const std::vector<std::string>& argv, bool inherit_stdout,
-                                       const std::vector<std::string>& extra_env) {
+Expected<Subprocess> Subprocess::spawn(const std::vector<std::string>& argv,
+                                       const Options& options) {
+  const bool inherit_stdout = options.inherit_stdout;
+  const auto& extra_env = options.extra_env;
   if (argv.empty()) return invalid_argument("spawn: empty argv");
   int in_pipe[2], out_pipe[2] = {-1, -1};
   if (::pipe2(in_pipe, O_CLOEXEC) != 0) return internal_error("pipe2 failed");
@@ -32,6 +34,7 @@ Expected<Subprocess> Subprocess::spawn(const std::vector<std::string>& argv, boo
   posix_spawn_file_actions_init(&actions);
   posix_spawn_file_actions_adddup2(&actions, in_pipe[0], STDIN_FILENO);
   if (!inherit_stdout) posix_spawn_file_actions_adddup2(&actions, out_pipe[1], STDOUT_FILENO);
+  if (options.merge_stderr) posix_spawn_file_actions_adddup2(&actions, STDOUT_FILENO, STDERR_FILENO);
 
   std::vector<char*> args;
   for (const auto& a : argv) args.push_back(const_cast<char*>(a.c_str()));

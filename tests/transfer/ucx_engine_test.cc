@@ -280,6 +280,57 @@ TEST_P(Engine, FaultInjectedFailureReadsNothingThenReadsResume) {
   EXPECT_FALSE(find_pattern_mismatch(dst.base, 4096, peer_->key + 3));
 }
 
+TEST(OneSided, ShmReadsOfEngineAllocatedMemoryNeedNoHelpFromThePeer) {
+  auto peer = start_peer("shm", "alloc", 4096, 8, 40);
+  ASSERT_TRUE(peer) << peer.status().to_string();
+  auto engine = make_engine(Transport::kShm);
+  auto session = engine->connect(peer->metadata);
+  ASSERT_TRUE(session) << session.status().to_string();
+  Destination dst(*engine, 4096, false);
+  std::vector<uintptr_t> local{reinterpret_cast<uintptr_t>(dst.base)};
+  std::vector<uintptr_t> remote{peer->base + 5 * 4096};
+  std::vector<size_t> len{4096};
+  // A stopped process runs no thread at all, its progress thread included.
+  peer->process.kill(SIGSTOP);
+  Status st = engine->batch_read_sync(*session, local, remote, len);
+  peer->process.kill(SIGCONT);
+  ASSERT_TRUE(st.is_ok()) << st.to_string();
+  EXPECT_FALSE(find_pattern_mismatch(dst.base, 4096, 45));
+}
+
+TEST(Reconnect, SilentTcpPeerTimesOutAndAnExplicitReconnectRecovers) {
+  auto peer = start_peer("tcp", "alloc", 4096, 8, 60);
+  ASSERT_TRUE(peer) << peer.status().to_string();
+  auto engine = make_engine(Transport::kTcp);
+  auto session = engine->connect(peer->metadata);
+  ASSERT_TRUE(session) << session.status().to_string();
+  Destination dst(*engine, 4096, false);
+  std::vector<uintptr_t> local{reinterpret_cast<uintptr_t>(dst.base)};
+  std::vector<uintptr_t> remote{peer->base + 2 * 4096};
+  std::vector<size_t> len{4096};
+
+  // Over TCP the peer's progress thread answers every read: a stopped peer cannot.
+  peer->process.kill(SIGSTOP);
+  Status st = engine->batch_read_sync(*session, local, remote, len);
+  peer->process.kill(SIGCONT);
+  ASSERT_EQ(st.code(), StatusCode::kTimeout) << st.to_string();
+  EXPECT_TRUE(dst.untouched());
+  auto info = engine->session_info(*session);
+  ASSERT_TRUE(info);
+  EXPECT_TRUE(info->broken);
+  EXPECT_NE(info->broken_reason.find("took longer than"), std::string::npos) << info->broken_reason;
+  // Broken stays broken until the caller reconnects.
+  EXPECT_EQ(engine->batch_read_sync(*session, local, remote, len).code(),
+            StatusCode::kFailedPrecondition);
+
+  auto again = engine->connect(peer->metadata);
+  ASSERT_TRUE(again) << again.status().to_string();
+  EXPECT_EQ(*again, *session);
+  ASSERT_TRUE(engine->batch_read_sync(*again, local, remote, len).is_ok());
+  EXPECT_FALSE(find_pattern_mismatch(dst.base, 4096, 62));
+  EXPECT_FALSE(engine->session_info(*again)->broken);
+}
+
 INSTANTIATE_TEST_SUITE_P(Transports, Engine, ::testing::Values(Transport::kShm, Transport::kTcp),
                          [](const auto& info) { return std::string(to_string(info.param)); });
 

@@ -15,11 +15,16 @@ namespace rd2h {
 
 class Subprocess {
  public:
-  // Starts argv[0] (a path) with `argv` and this process's environment plus `extra_env`
-  // ("NAME=value", overriding). stdout is piped back unless `inherit_stdout`.
-  static Expected<Subprocess> spawn(const std::vector<std::string>& argv,
-                                    bool inherit_stdout = false,
-                                    const std::vector<std::string>& extra_env = {});
+  struct Options {
+    bool inherit_stdout = false;        // otherwise stdout is piped back to this process
+    bool merge_stderr = false;          // stderr goes where stdout goes
+    std::vector<std::string> extra_env; // "NAME=value", overriding this process's environment
+  };
+  // Starts argv[0] (a path) with `argv`.
+  static Expected<Subprocess> spawn(const std::vector<std::string>& argv, const Options& options);
+  static Expected<Subprocess> spawn(const std::vector<std::string>& argv) {
+    return spawn(argv, Options{});
+  }
 
   Subprocess(Subprocess&& other) noexcept;
   Subprocess& operator=(Subprocess&& other) noexcept;

@@ -1,0 +1,89 @@
+// rd2h pd-read as a user runs it: the real binary, its source and destination processes.
+#include <gtest/gtest.h>
+#include <sys/wait.h>
+
+#include "rd2h/common/subprocess.h"
+
+namespace rd2h {
+namespace {
+
+using namespace std::chrono_literals;
+
+struct ToolRun {
+  int exit_code = -1;
+  std::string output;
+};
+
+ToolRun run_rd2h(std::vector<std::string> args) {
+  args.insert(args.begin(), RD2H_BINARY);
+  Subprocess::Options options;
+  options.merge_stderr = true;
+  auto p = Subprocess::spawn(args, options);
+  EXPECT_TRUE(p) << p.status().to_string();
+  if (!p) return {};
+  ToolRun r;
+  auto out = p->read_all(120s);
+  EXPECT_TRUE(out) << out.status().to_string();
+  if (out) r.output = *out;
+  auto status = p->wait(30s);
+  EXPECT_TRUE(status) << status.status().to_string();
+  if (status && WIFEXITED(*status)) r.exit_code = WEXITSTATUS(*status);
+  return r;
+}
+
+const std::vector<std::string> kSmallPool = {"--layers", "4", "--blocks", "12", "--main-bytes",
+                                             "8192,1024", "--indexer-bytes", "1024",
+                                             "--batch-blocks", "5", "--batches", "9"};
+
+std::vector<std::string> with(std::vector<std::string> a, const std::vector<std::string>& b) {
+  a.insert(a.end(), b.begin(), b.end());
+  return a;
+}
+
+class PdRead : public ::testing::TestWithParam<std::vector<std::string>> {};
+
+TEST_P(PdRead, VerifiesEveryByteAndReportsLatencyAndThroughput) {
+  ToolRun r = run_rd2h(with(with({"pd-read"}, kSmallPool), GetParam()));
+  EXPECT_EQ(r.exit_code, 0) << r.output;
+  EXPECT_NE(r.output.find("verification: OK"), std::string::npos) << r.output;
+  EXPECT_NE(r.output.find("9 batches of 5 random blocks x 3 tensors"), std::string::npos) << r.output;
+  EXPECT_NE(r.output.find("p50"), std::string::npos) << r.output;
+  EXPECT_NE(r.output.find("p99"), std::string::npos) << r.output;
+  EXPECT_NE(r.output.find("GB/s"), std::string::npos) << r.output;
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    Modes, PdRead,
+    ::testing::Values(std::vector<std::string>{"--transport", "shm"},
+                      std::vector<std::string>{"--transport", "tcp"},
+                      std::vector<std::string>{"--transport", "auto", "--memory", "register"},
+                      std::vector<std::string>{"--transport", "tcp", "--memory", "register"}),
+    [](const auto& info) {
+      std::string name;
+      for (size_t i = 1; i < info.param.size(); i += 2) name += (name.empty() ? "" : "_") + info.param[i];
+      return name;
+    });
+
+TEST(PdReadErrors, UnreachableSourceExitsNonZeroNamingTheAddress) {
+  // Port 1 on loopback has no listener in any sane test environment.
+  ToolRun r = run_rd2h({"pd-read", "--role", "dest", "--connect", "127.0.0.1:1", "--timeout-ms", "2000"});
+  EXPECT_NE(r.exit_code, 0);
+  EXPECT_NE(r.output.find("cannot connect to 127.0.0.1:1"), std::string::npos) << r.output;
+}
+
+TEST(PdReadErrors, ZeroByteTensorIsRejectedByName) {
+  ToolRun r = run_rd2h({"pd-read", "--role", "source", "--main-bytes", "4096,0"});
+  EXPECT_NE(r.exit_code, 0);
+  EXPECT_NE(r.output.find("tensor 1 has 0 bytes per block"), std::string::npos) << r.output;
+}
+
+TEST(PdReadErrors, BatchLargerThanThePoolIsRejected) {
+  ToolRun r = run_rd2h(with({"pd-read", "--blocks", "4", "--layers", "2"},
+                        {"--batch-blocks", "5", "--main-bytes", "4096", "--indexer-bytes", "0"}));
+  EXPECT_NE(r.exit_code, 0);
+  EXPECT_NE(r.output.find("--batch-blocks must be in 1..4, got 5"), std::string::npos) << r.output;
+  EXPECT_EQ(r.output.find("verification: OK"), std::string::npos) << r.output;
+}
+
+}  // namespace
+}  // namespace rd2h
