@@ -143,6 +143,28 @@ void Subprocess::kill(int signal) {
   if (pid_ > 0 && !exit_status_) ::kill(pid_, signal);
 }
 
+Status Subprocess::stop(std::chrono::milliseconds timeout) {
+  if (pid_ <= 0 || exit_status_) return failed_precondition("no running child");
+  ::kill(pid_, SIGSTOP);
+  Deadline deadline(timeout);
+  auto pause = std::chrono::microseconds(50);
+  for (;;) {
+    int status = 0;
+    pid_t r = ::waitpid(pid_, &status, WUNTRACED | WNOHANG);
+    if (r == pid_ && WIFSTOPPED(status)) return Status::ok();
+    if (r == pid_) {
+      exit_status_ = status;
+      return failed_precondition("child " + std::to_string(pid_) + " exited instead of stopping");
+    }
+    if (deadline.expired()) {
+      return timeout_error("child " + std::to_string(pid_) + " did not stop within " +
+                           std::to_string(timeout.count()) + " ms");
+    }
+    std::this_thread::sleep_for(pause);
+    pause = std::min(pause * 2, std::chrono::microseconds(5000));
+  }
+}
+
 Expected<int> Subprocess::wait(std::chrono::milliseconds timeout) {
   if (exit_status_) return *exit_status_;
   if (pid_ <= 0) return failed_precondition("no child");

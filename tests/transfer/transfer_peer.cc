@@ -50,7 +50,7 @@ int main(int argc, char** argv) {
     }
     base = region->addr;
   } else {
-    base = std::aligned_alloc(4096, size);
+    base = std::aligned_alloc(4096, (size + 4095) / 4096 * 4096);
     auto st = (*engine)->register_memory(base, size);
     if (!st) {
       std::cerr << "transfer_peer: " << st.to_string() << "\n";

@@ -50,7 +50,7 @@ struct Destination {
       EXPECT_TRUE(r) << r.status().to_string();
       base = static_cast<std::byte*>(r->addr);
     } else {
-      owned = std::aligned_alloc(4096, bytes);
+      owned = std::aligned_alloc(4096, (bytes + 4095) / 4096 * 4096);
       base = static_cast<std::byte*>(owned);
       EXPECT_TRUE(e.register_memory(base, bytes).is_ok());
     }
@@ -291,7 +291,7 @@ TEST(OneSided, ShmReadsOfEngineAllocatedMemoryNeedNoHelpFromThePeer) {
   std::vector<uintptr_t> remote{peer->base + 5 * 4096};
   std::vector<size_t> len{4096};
   // A stopped process runs no thread at all, its progress thread included.
-  peer->process.kill(SIGSTOP);
+  ASSERT_TRUE(peer->process.stop(10s).is_ok());
   Status st = engine->batch_read_sync(*session, local, remote, len);
   peer->process.kill(SIGCONT);
   ASSERT_TRUE(st.is_ok()) << st.to_string();
@@ -310,7 +310,7 @@ TEST(Reconnect, SilentTcpPeerTimesOutAndAnExplicitReconnectRecovers) {
   std::vector<size_t> len{4096};
 
   // Over TCP the peer's progress thread answers every read: a stopped peer cannot.
-  peer->process.kill(SIGSTOP);
+  ASSERT_TRUE(peer->process.stop(10s).is_ok());
   Status st = engine->batch_read_sync(*session, local, remote, len);
   peer->process.kill(SIGCONT);
   ASSERT_EQ(st.code(), StatusCode::kTimeout) << st.to_string();
@@ -390,6 +390,48 @@ TEST_P(KilledDuringReads, ReaderGetsAnErrorWithinTheTimeout) {
   auto info = engine->session_info(*session);
   ASSERT_TRUE(info);
   EXPECT_TRUE(info->broken);
+}
+
+// The reader's side fails: its batch times out mid-transfer and it tears down the session
+// while the source is still sending. The source must survive and serve the next reader.
+TEST_P(KilledDuringReads, SourceSurvivesAReaderThatGivesUpMidTransfer) {
+  const size_t block = 1 << 20, blocks = 64;
+  auto peer = start_peer(std::string(to_string(GetParam())), "register", block, blocks, 11);
+  ASSERT_TRUE(peer) << peer.status().to_string();
+  std::vector<uintptr_t> local, remote;
+  std::vector<size_t> len;
+  {
+    EngineConfig cfg;
+    cfg.role = Role::kDecode;
+    cfg.transport = GetParam();
+    cfg.read_timeout = 1ms;  // far shorter than 64 MiB takes over TCP
+    auto impatient = create_ucx_engine(cfg);
+    ASSERT_TRUE(impatient) << impatient.status().to_string();
+    auto session = (*impatient)->connect(peer->metadata);
+    ASSERT_TRUE(session) << session.status().to_string();
+    Destination dst(**impatient, block * blocks, true);
+    for (size_t i = 0; i < blocks; ++i) {
+      local.push_back(reinterpret_cast<uintptr_t>(dst.base) + i * block);
+      remote.push_back(peer->base + i * block);
+      len.push_back(block);
+    }
+    Status st = (*impatient)->batch_read_sync(*session, local, remote, len);
+    if (GetParam() == Transport::kTcp) {
+      EXPECT_EQ(st.code(), StatusCode::kTimeout) << st.to_string();
+    }
+  }  // the impatient reader's engine is destroyed here, mid-transfer or just after
+
+  auto alive = peer->process.wait(200ms);
+  ASSERT_FALSE(alive) << "the source exited with status " << *alive;
+  auto engine = make_engine(GetParam());
+  auto session = engine->connect(peer->metadata);
+  ASSERT_TRUE(session) << session.status().to_string();
+  Destination dst(*engine, block * blocks, true);
+  for (size_t i = 0; i < blocks; ++i) local[i] = reinterpret_cast<uintptr_t>(dst.base) + i * block;
+  ASSERT_TRUE(engine->batch_read_sync(*session, local, remote, len).is_ok());
+  for (size_t i = 0; i < blocks; ++i) {
+    ASSERT_FALSE(find_pattern_mismatch(dst.base + i * block, block, 11 + i)) << "block " << i;
+  }
 }
 
 INSTANTIATE_TEST_SUITE_P(Transports, KilledDuringReads,

@@ -40,6 +40,9 @@ class Subprocess {
   // Closes the child's stdin (the conventional "you may exit now").
   void close_stdin();
   void kill(int signal);
+  // Sends SIGSTOP and returns once the child is stopped (signals are delivered
+  // asynchronously, so kill() alone does not mean it has stopped yet).
+  Status stop(std::chrono::milliseconds timeout);
   // The exit status (as from waitpid) once the child exits, or a timeout error.
   Expected<int> wait(std::chrono::milliseconds timeout);
 
