@@ -11,6 +11,15 @@
 // and asking for it makes UCX fall back to TCP. So endpoints to co-located peers use no
 // error handling and the session watches the peer process through a pidfd; endpoints to
 // remote peers (or over TCP) use UCP_ERR_HANDLING_MODE_PEER. Every batch has a deadline.
+//
+// Read paths, chosen per region and session:
+//  - mapped: a co-located peer's engine-allocated region is mapped into this process by
+//    UCX (ucp_rkey_ptr); a read is a memcpy, with no protocol and no help from the peer.
+//  - rma: ucp_get, where the endpoint's RMA lanes are hardware (RDMA).
+//  - am: otherwise. UCX 1.13 emulates get in software on TCP and shared memory, and its
+//    emulation aborts the serving process when a reader vanishes with reads in flight.
+//    So the reader asks with an active message and the server answers each range with one,
+//    whose failures UCX reports through callbacks like any send.
 #include <sys/epoll.h>
 #include <sys/mman.h>
 #include <sys/eventfd.h>
@@ -22,6 +31,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <filesystem>
 #include <map>
 #include <mutex>
 #include <random>
@@ -39,10 +49,24 @@ namespace rd2h::transfer {
 
 namespace {
 
-constexpr std::pair<const char*, const char*> kTcpTuning[] = {
-    {"TX_SEG_SIZE", "1M"},
-    {"RX_SEG_SIZE", "2M"},
+// UCX settings for engines that move data over TCP, by the name ucp_config_modify takes
+// (the environment variable is UCX_<name>, except that TCP_ options take it without TCP_).
+struct UcxSetting {
+  const char* name;
+  const char* env;
+  const char* value;
 };
+constexpr UcxSetting kTcpTuning[] = {
+    {"TX_SEG_SIZE", "UCX_TCP_TX_SEG_SIZE", "1M"},
+    {"RX_SEG_SIZE", "UCX_TCP_RX_SEG_SIZE", "2M"},
+    {"ZCOPY_THRESH", "UCX_ZCOPY_THRESH", "inf"},
+};
+
+bool host_has_rdma() {
+  std::error_code ec;
+  std::filesystem::directory_iterator it("/sys/class/infiniband", ec);
+  return !ec && it != std::filesystem::directory_iterator();
+}
 
 std::string hex(uint64_t v) {
   char buf[32];
@@ -104,6 +128,19 @@ std::string endpoint_rma_transports(ucp_ep_h ep) {
   return out.empty() ? "unknown" : out;
 }
 
+// True when RMA goes over RDMA hardware (InfiniBand/RoCE transports), where ucp_get is a
+// true one-sided read; elsewhere UCX emulates it in software.
+bool uses_hardware_rma(const std::string& transports) {
+  for (const char* prefix : {"rc", "dc", "ud", "gga"}) {
+    size_t pos = 0;
+    while ((pos = transports.find(prefix, pos)) != std::string::npos) {
+      if (pos == 0 || transports[pos - 1] == ',') return true;
+      ++pos;
+    }
+  }
+  return false;
+}
+
 struct LocalRegistration {
   uint64_t length = 0;
   ucp_mem_h memh = nullptr;
@@ -114,16 +151,55 @@ struct LocalRegistration {
 // Progress state of one batch. Lives on the reading thread's stack; UCX callbacks of this
 // batch only run inside ucp_worker_progress/ucp_worker_destroy called by that thread.
 struct BatchState {
-  size_t outstanding = 0;
+  uint64_t id = 0;
+  size_t outstanding = 0;  // reads, requests and replies not finished yet
   ucs_status_t first_error = UCS_OK;
+  std::string refusal;  // why the peer refused a read, if it did
+  // For the am path: where each read lands, and which replies have arrived.
+  std::span<const uintptr_t> local;
+  std::span<const size_t> length;
+  std::vector<uint8_t> answered;
+
+  void finish(ucs_status_t status) {
+    --outstanding;
+    if (status != UCS_OK && first_error == UCS_OK) first_error = status;
+  }
 };
 
-void on_read_done(void* request, ucs_status_t status, void* user_data) {
-  auto* batch = static_cast<BatchState*>(user_data);
-  --batch->outstanding;
-  if (status != UCS_OK && batch->first_error == UCS_OK) batch->first_error = status;
+void on_request_done(void* request, ucs_status_t status, void* user_data) {
+  static_cast<BatchState*>(user_data)->finish(status);
   ucp_request_free(request);
 }
+
+void on_am_data_received(void* request, ucs_status_t status, size_t /*length*/, void* user_data) {
+  static_cast<BatchState*>(user_data)->finish(status);
+  ucp_request_free(request);
+}
+
+// Wire format of the am read path (both ends are rd2h engines; native byte order).
+constexpr uint16_t kAmReadRequest = 0x7264;  // reader -> server: ranges to send back
+constexpr uint16_t kAmReadReply = 0x7265;    // server -> reader: one range's bytes
+constexpr size_t kAmRangesPerRequest = 256;  // keeps a request small enough to go eager
+
+struct AmReadRequestHeader {
+  uint64_t batch_id;
+  uint32_t first_index;
+  uint32_t count;
+};
+struct AmRange {
+  uint64_t addr;
+  uint64_t length;
+};
+// A request as the reader keeps it while UCX sends it.
+struct AmReadRequest {
+  AmReadRequestHeader header;
+  std::vector<AmRange> ranges;
+};
+struct AmReadReplyHeader {
+  uint64_t batch_id;
+  uint32_t index;
+  uint32_t refused;  // non-zero: the range is not registered on the server
+};
 
 class UcxEngine;
 
@@ -143,9 +219,15 @@ struct Session {
   std::vector<const std::byte*> mapped;
   ProcessWatch watch;
 
+  bool rma_get = false;  // non-mapped reads use ucp_get (hardware RMA) rather than am
+
   std::atomic<bool> broken{false};
   std::string broken_reason;     // written under mu before `broken` is set
   ucs_status_t ep_error = UCS_OK;  // set by the error handler, on the reading thread
+  BatchState* active = nullptr;    // the batch replies belong to; set by the reading thread
+  // The am requests of the active batch: UCX reads them until their sends complete.
+  std::vector<AmReadRequest> am_requests;
+  uint64_t next_batch_id = 1;
 
   ~Session() { release(); }
 
@@ -188,6 +270,53 @@ void on_endpoint_error(void* arg, ucp_ep_h /*ep*/, ucs_status_t status) {
   if (s->ep_error == UCS_OK) s->ep_error = status;
 }
 
+// Reader side of the am path: one range's bytes arrive. Runs on the reading thread.
+ucs_status_t on_am_read_reply(void* arg, const void* header, size_t header_length, void* data,
+                              size_t length, const ucp_am_recv_param_t* param) {
+  auto* s = static_cast<Session*>(arg);
+  const bool rndv = (param->recv_attr & UCP_AM_RECV_ATTR_FLAG_RNDV) != 0;
+  auto drop = [&] {
+    if (rndv) ucp_am_data_release(s->worker, data);
+    return UCS_OK;
+  };
+  AmReadReplyHeader h;
+  if (header_length != sizeof(h)) return drop();
+  std::memcpy(&h, header, sizeof(h));
+  BatchState* b = s->active;
+  if (b == nullptr || h.batch_id != b->id || h.index >= b->answered.size() ||
+      b->answered[h.index] != 0) {
+    return drop();  // late, foreign or duplicate: nothing waits for it
+  }
+  b->answered[h.index] = 1;
+  if (h.refused != 0 || length != b->length[h.index]) {
+    if (b->refusal.empty()) {
+      b->refusal = "the peer refused read " + std::to_string(h.index) +
+                   (h.refused != 0 ? ": range not registered there (any more)"
+                                   : ": reply of " + std::to_string(length) + " bytes");
+    }
+    b->finish(UCS_ERR_INVALID_ADDR);
+    return drop();
+  }
+  void* dst = reinterpret_cast<void*>(b->local[h.index]);
+  if (!rndv) {
+    std::memcpy(dst, data, length);
+    b->finish(UCS_OK);
+    return UCS_OK;
+  }
+  ucp_request_param_t p{};
+  p.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA;
+  p.cb.recv_am = on_am_data_received;
+  p.user_data = b;
+  void* req = ucp_am_recv_data_nbx(s->worker, data, dst, length, &p);
+  if (req == nullptr) {
+    b->finish(UCS_OK);
+  } else if (UCS_PTR_IS_ERR(req)) {
+    b->finish(UCS_PTR_STATUS(req));
+  }
+  // Otherwise on_am_data_received finishes it; `outstanding` still counts this read.
+  return UCS_OK;
+}
+
 class UcxEngine final : public TransferEngine {
  public:
   explicit UcxEngine(EngineConfig config) : config_(std::move(config)) {
@@ -215,21 +344,26 @@ class UcxEngine final : public TransferEngine {
         return ucs_error("setting UCX transports", st);
       }
     }
-    if (config_.transport != Transport::kShm) {
-      // UCX emulates get over TCP with replies of at most one TX segment (8 KiB by default);
-      // larger segments cut per-message overhead several-fold. Set by UCX_TCP_* they stay.
-      for (const auto& [name, value] : kTcpTuning) {
-        if (std::getenv(("UCX_TCP_" + std::string(name)).c_str()) != nullptr) continue;
-        st = ucp_config_modify(cfg, name, value);
+    // Reads over TCP are active messages of at most one TX segment each (8 KiB by default);
+    // larger segments cut per-message overhead several-fold. Zero-copy sends are off: UCX
+    // 1.13 aborts a process whose TCP zero-copy sends are purged when a reader vanishes.
+    // Without RDMA, "auto" reaches other hosts over TCP and gets the same settings. Whatever
+    // the UCX_* environment sets stays as set.
+    const bool over_tcp = config_.transport == Transport::kTcp ||
+                          (config_.transport == Transport::kAuto && !host_has_rdma());
+    if (over_tcp) {
+      for (const auto& setting : kTcpTuning) {
+        if (std::getenv(setting.env) != nullptr) continue;
+        st = ucp_config_modify(cfg, setting.name, setting.value);
         if (st != UCS_OK) {
           ucp_config_release(cfg);
-          return ucs_error("setting UCX_TCP_" + std::string(name), st);
+          return ucs_error(std::string("setting ") + setting.env, st);
         }
       }
     }
     ucp_params_t params{};
     params.field_mask = UCP_PARAM_FIELD_FEATURES | UCP_PARAM_FIELD_MT_WORKERS_SHARED;
-    params.features = UCP_FEATURE_RMA | UCP_FEATURE_WAKEUP;
+    params.features = UCP_FEATURE_RMA | UCP_FEATURE_AM | UCP_FEATURE_WAKEUP;
     params.mt_workers_shared = 1;
     st = ucp_init(&params, cfg, &context_);
     ucp_config_release(cfg);
@@ -242,6 +376,14 @@ class UcxEngine final : public TransferEngine {
     auto server = create_worker();
     if (!server) return server.status().with_context("creating the serving worker");
     server_worker_ = *server;
+    ucp_am_handler_param_t hp{};
+    hp.field_mask = UCP_AM_HANDLER_PARAM_FIELD_ID | UCP_AM_HANDLER_PARAM_FIELD_CB |
+                    UCP_AM_HANDLER_PARAM_FIELD_ARG;
+    hp.id = kAmReadRequest;
+    hp.cb = on_am_read_request;
+    hp.arg = this;
+    st = ucp_worker_set_am_recv_handler(server_worker_, &hp);
+    if (st != UCS_OK) return ucs_error("ucp_worker_set_am_recv_handler", st);
     ucp_worker_attr_t attr{};
     attr.field_mask = UCP_WORKER_ATTR_FIELD_ADDRESS;
     st = ucp_worker_query(server_worker_, &attr);
@@ -389,32 +531,23 @@ class UcxEngine final : public TransferEngine {
 
     Deadline deadline(config_.read_timeout);
     BatchState batch;
-    ucp_request_param_t param{};
-    param.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA |
-                         UCP_OP_ATTR_FIELD_MEMH;
-    param.cb.send = on_read_done;
-    param.user_data = &batch;
+    s->active = &batch;
+    struct ClearActive {
+      Session* s;
+      ~ClearActive() { s->active = nullptr; }
+    } clear_active{s.get()};
+    batch.id = s->next_batch_id++;
+    batch.local = local;
+    batch.length = length;
     ucs_status_t post_error = UCS_OK;
-    size_t mapped_count = 0;
-    for (size_t i = 0; i < local.size(); ++i) {
-      if (length[i] == 0) continue;
-      if (mapped_src[i] != nullptr) {
-        ++mapped_count;
-        continue;
-      }
-      param.memh = local_memh[i];
-      void* req = ucp_get_nbx(s->ep, reinterpret_cast<void*>(local[i]), length[i], remote[i],
-                              rkey[i], &param);
-      if (req == nullptr) continue;
-      if (UCS_PTR_IS_ERR(req)) {
-        post_error = UCS_PTR_STATUS(req);
-        break;
-      }
-      ++batch.outstanding;
+    if (s->rma_get) {
+      post_error = post_rma_reads(*s, batch, local, remote, length, mapped_src, local_memh, rkey);
+    } else {
+      post_error = post_am_requests(*s, batch, remote, length, mapped_src);
     }
 
     // Mapped reads are copied while the posted ones are in flight.
-    if (post_error == UCS_OK && mapped_count > 0) {
+    if (post_error == UCS_OK) {
       for (size_t i = 0; i < local.size(); ++i) {
         if (mapped_src[i] != nullptr && length[i] != 0) {
           std::memcpy(reinterpret_cast<void*>(local[i]), mapped_src[i], length[i]);
@@ -449,6 +582,9 @@ class UcxEngine final : public TransferEngine {
     if (post_error != UCS_OK) {
       return fail_session(*s, ucs_error("posting a read to " + s->id, post_error));
     }
+    if (!batch.refusal.empty()) {
+      return fail_session(*s, out_of_range(batch.refusal + " (" + s->id + ")"));
+    }
     if (batch.first_error != UCS_OK) {
       return fail_session(*s, ucs_error("read from " + s->id, batch.first_error));
     }
@@ -459,6 +595,119 @@ class UcxEngine final : public TransferEngine {
   }
 
  private:
+  static ucs_status_t post_rma_reads(Session& s, BatchState& batch,
+                                     std::span<const uintptr_t> local,
+                                     std::span<const uintptr_t> remote,
+                                     std::span<const size_t> length,
+                                     const std::vector<const std::byte*>& mapped_src,
+                                     const std::vector<ucp_mem_h>& local_memh,
+                                     const std::vector<ucp_rkey_h>& rkey) {
+    ucp_request_param_t param{};
+    param.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA |
+                         UCP_OP_ATTR_FIELD_MEMH;
+    param.cb.send = on_request_done;
+    param.user_data = &batch;
+    for (size_t i = 0; i < local.size(); ++i) {
+      if (length[i] == 0 || mapped_src[i] != nullptr) continue;
+      param.memh = local_memh[i];
+      void* req = ucp_get_nbx(s.ep, reinterpret_cast<void*>(local[i]), length[i], remote[i],
+                              rkey[i], &param);
+      if (req == nullptr) continue;
+      if (UCS_PTR_IS_ERR(req)) return UCS_PTR_STATUS(req);
+      ++batch.outstanding;
+    }
+    return UCS_OK;
+  }
+
+  // Asks the peer for every non-mapped range, up to kAmRangesPerRequest per message. Each
+  // range then counts as outstanding until its reply has landed.
+  static ucs_status_t post_am_requests(Session& s, BatchState& batch,
+                                       std::span<const uintptr_t> remote,
+                                       std::span<const size_t> length,
+                                       const std::vector<const std::byte*>& mapped_src) {
+    batch.answered.assign(remote.size(), 1);
+    auto& requests = s.am_requests;
+    requests.clear();
+    for (size_t i = 0; i < remote.size(); ++i) {
+      if (length[i] == 0 || mapped_src[i] != nullptr) continue;
+      if (requests.empty() || requests.back().ranges.size() == kAmRangesPerRequest) {
+        requests.push_back({{batch.id, static_cast<uint32_t>(i), 0}, {}});
+        requests.back().ranges.reserve(kAmRangesPerRequest);
+      }
+      auto& r = requests.back();
+      // Indices in one request are consecutive from first_index, so gaps are sent as
+      // zero-length ranges the server answers without data.
+      while (r.header.first_index + r.ranges.size() < i) r.ranges.push_back({0, 0});
+      r.ranges.push_back({remote[i], length[i]});
+      batch.answered[i] = 0;
+      ++batch.outstanding;
+    }
+    ucp_request_param_t param{};
+    param.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA |
+                         UCP_OP_ATTR_FIELD_FLAGS;
+    param.cb.send = on_request_done;
+    param.user_data = &batch;
+    param.flags = UCP_AM_SEND_FLAG_REPLY | UCP_AM_SEND_FLAG_EAGER;
+    for (auto& r : requests) {
+      r.header.count = static_cast<uint32_t>(r.ranges.size());
+      void* req = ucp_am_send_nbx(s.ep, kAmReadRequest, &r.header, sizeof(r.header),
+                                  r.ranges.data(), r.ranges.size() * sizeof(AmRange), &param);
+      if (req == nullptr) continue;
+      if (UCS_PTR_IS_ERR(req)) return UCS_PTR_STATUS(req);
+      ++batch.outstanding;
+    }
+    return UCS_OK;
+  }
+
+  // Server side of the am path, on the progress thread: answers each requested range with
+  // its bytes, straight from registered memory.
+  static ucs_status_t on_am_read_request(void* arg, const void* header, size_t header_length,
+                                         void* data, size_t length,
+                                         const ucp_am_recv_param_t* param) {
+    auto* engine = static_cast<UcxEngine*>(arg);
+    if ((param->recv_attr & UCP_AM_RECV_ATTR_FLAG_RNDV) != 0) {
+      ucp_am_data_release(engine->server_worker_, data);
+      return UCS_OK;  // requests are sent eager; anything else is not ours
+    }
+    AmReadRequestHeader h;
+    if (header_length != sizeof(h) || (param->recv_attr & UCP_AM_RECV_ATTR_FIELD_REPLY_EP) == 0) {
+      return UCS_OK;
+    }
+    std::memcpy(&h, header, sizeof(h));
+    if (length != static_cast<size_t>(h.count) * sizeof(AmRange)) return UCS_OK;
+    std::shared_lock lock(engine->regs_mu_);
+    for (uint32_t k = 0; k < h.count; ++k) {
+      AmRange range;
+      std::memcpy(&range, static_cast<const std::byte*>(data) + k * sizeof(AmRange), sizeof(range));
+      if (range.length == 0) continue;
+      auto* reply = new AmReadReplyHeader{h.batch_id, h.first_index + k, 0};
+      const bool registered = range.addr + range.length >= range.addr &&
+                              engine->find_local(range.addr, range.length) != nullptr;
+      reply->refused = registered ? 0 : 1;
+      ucp_request_param_t p{};
+      p.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA |
+                       UCP_OP_ATTR_FIELD_FLAGS;
+      // Eager: UCX 1.13's rendezvous over TCP can abort the sender when the reader vanishes
+      // mid-transfer; eager sends fail through their callback instead.
+      p.flags = UCP_AM_SEND_FLAG_EAGER;
+      p.cb.send = [](void* request, ucs_status_t, void* user_data) {
+        delete static_cast<AmReadReplyHeader*>(user_data);
+        ucp_request_free(request);
+      };
+      p.user_data = reply;
+      void* req = ucp_am_send_nbx(param->reply_ep, kAmReadReply, reply, sizeof(*reply),
+                                  registered ? reinterpret_cast<const void*>(range.addr) : nullptr,
+                                  registered ? range.length : 0, &p);
+      if (req == nullptr) {
+        delete reply;
+      } else if (UCS_PTR_IS_ERR(req)) {
+        delete reply;
+        break;  // the reader is gone; its other ranges need no answer
+      }
+    }
+    return UCS_OK;
+  }
+
   Expected<ucp_worker_h> create_worker() {
     ucp_worker_params_t wp{};
     wp.field_mask = UCP_WORKER_PARAM_FIELD_THREAD_MODE;
@@ -606,6 +855,14 @@ class UcxEngine final : public TransferEngine {
     auto worker = create_worker();
     if (!worker) return worker.status().with_context("connecting to " + s.id);
     s.worker = *worker;
+    ucp_am_handler_param_t hp{};
+    hp.field_mask = UCP_AM_HANDLER_PARAM_FIELD_ID | UCP_AM_HANDLER_PARAM_FIELD_CB |
+                    UCP_AM_HANDLER_PARAM_FIELD_ARG;
+    hp.id = kAmReadReply;
+    hp.cb = on_am_read_reply;
+    hp.arg = &s;
+    ucs_status_t hst = ucp_worker_set_am_recv_handler(s.worker, &hp);
+    if (hst != UCS_OK) return ucs_error("ucp_worker_set_am_recv_handler", hst);
 
     ucp_ep_params_t ep{};
     ep.field_mask = UCP_EP_PARAM_FIELD_REMOTE_ADDRESS | UCP_EP_PARAM_FIELD_ERR_HANDLING_MODE;
@@ -670,6 +927,7 @@ class UcxEngine final : public TransferEngine {
     }
     if (!result.is_ok()) return result;
     s.transport = endpoint_rma_transports(s.ep);
+    s.rma_get = uses_hardware_rma(s.transport);
     if (std::any_of(s.mapped.begin(), s.mapped.end(), [](auto p) { return p != nullptr; })) {
       s.transport += "+mapped";
     }
