@@ -37,10 +37,12 @@
 #include <random>
 #include <set>
 #include <shared_mutex>
+#include <sstream>
 #include <thread>
 #include <unordered_map>
 
 #include "peer_liveness.h"
+#include "stream_copy.h"
 #include "rd2h/common/deadline.h"
 #include "rd2h/transfer/transfer_engine.h"
 #include "ucx_metadata.h"
@@ -88,54 +90,59 @@ std::string local_hostname() {
   return buf;
 }
 
-// The transports an endpoint's RMA lanes really use, read from UCX's own description of
-// the endpoint (UCX 1.13 has no query for it). Lines look like
-//   "#  lane[1]:  3:posix/memory.0 md[2] ... rma_bw#0"
-std::string endpoint_rma_transports(ucp_ep_h ep) {
+// The transports an endpoint's lanes really use, by role, read from UCX's own description
+// of the endpoint (UCX 1.13 has no query for it). Lane lines look like
+//   "#  lane[2]:  2:cma/memory.0 md[2]  -> md[2]/cma/sysdev[255] rma_bw#0"
+struct LaneTransports {
+  std::set<std::string> am;   // carry active messages
+  std::set<std::string> rma;  // carry RMA (get/put)
+};
+
+LaneTransports endpoint_lanes(ucp_ep_h ep) {
   char* text = nullptr;
   size_t size = 0;
   FILE* f = ::open_memstream(&text, &size);
-  if (f == nullptr) return "unknown";
+  if (f == nullptr) return {};
   ucp_ep_print_info(ep, f);
   std::fclose(f);
   std::string info(text, size);
   std::free(text);
 
-  std::set<std::string> rma, all;
-  size_t pos = 0;
-  while (pos < info.size()) {
-    size_t end = info.find('\n', pos);
-    if (end == std::string::npos) end = info.size();
-    std::string line = info.substr(pos, end - pos);
-    pos = end + 1;
-    if (line.find("lane[") == std::string::npos) continue;
-    auto slash = line.find('/');
-    if (slash == std::string::npos) continue;
-    auto start = line.rfind(':', slash);
-    if (start == std::string::npos) continue;
-    std::string tl = line.substr(start + 1, slash - start - 1);
+  LaneTransports lanes;
+  std::istringstream lines(info);
+  std::string line;
+  while (std::getline(lines, line)) {
+    auto lane = line.find("lane[");
+    auto arrow = line.find("->");
+    if (lane == std::string::npos || arrow == std::string::npos) continue;
+    auto slash = line.find('/', lane);
+    auto colon = line.rfind(':', slash);
+    if (slash == std::string::npos || colon == std::string::npos || colon < lane) continue;
+    std::string tl = line.substr(colon + 1, slash - colon - 1);
     tl.erase(0, tl.find_first_not_of(' '));
-    if (tl.empty()) continue;
-    all.insert(tl);
-    if (line.find("rma") != std::string::npos) rma.insert(tl);
+    std::istringstream roles(line.substr(arrow + 2));
+    std::string role;
+    roles >> role;  // the remote md/transport
+    while (roles >> role) {
+      if (role == "am" || role.rfind("am_bw", 0) == 0) lanes.am.insert(tl);
+      if (role.rfind("rma", 0) == 0) lanes.rma.insert(tl);
+    }
   }
-  const auto& chosen = rma.empty() ? all : rma;
+  return lanes;
+}
+
+std::string join(const std::set<std::string>& names) {
   std::string out;
-  for (const auto& tl : chosen) {
-    if (!out.empty()) out += ",";
-    out += tl;
-  }
+  for (const auto& n : names) out += (out.empty() ? "" : ",") + n;
   return out.empty() ? "unknown" : out;
 }
 
 // True when RMA goes over RDMA hardware (InfiniBand/RoCE transports), where ucp_get is a
 // true one-sided read; elsewhere UCX emulates it in software.
-bool uses_hardware_rma(const std::string& transports) {
-  for (const char* prefix : {"rc", "dc", "ud", "gga"}) {
-    size_t pos = 0;
-    while ((pos = transports.find(prefix, pos)) != std::string::npos) {
-      if (pos == 0 || transports[pos - 1] == ',') return true;
-      ++pos;
+bool uses_hardware_rma(const std::set<std::string>& rma_transports) {
+  for (const auto& tl : rma_transports) {
+    for (const char* prefix : {"rc", "dc", "ud", "gga"}) {
+      if (tl.rfind(prefix, 0) == 0) return true;
     }
   }
   return false;
@@ -550,9 +557,10 @@ class UcxEngine final : public TransferEngine {
     if (post_error == UCS_OK) {
       for (size_t i = 0; i < local.size(); ++i) {
         if (mapped_src[i] != nullptr && length[i] != 0) {
-          std::memcpy(reinterpret_cast<void*>(local[i]), mapped_src[i], length[i]);
+          stream_copy(reinterpret_cast<void*>(local[i]), mapped_src[i], length[i]);
         }
       }
+      stream_copy_fence();
     }
 
     // Busy-polls: this thread exists to drive its reads. Liveness is checked once a
@@ -926,8 +934,9 @@ class UcxEngine final : public TransferEngine {
       result = unreachable("cannot reach peer " + s.id + ": " + ucs_status_string(s.ep_error));
     }
     if (!result.is_ok()) return result;
-    s.transport = endpoint_rma_transports(s.ep);
-    s.rma_get = uses_hardware_rma(s.transport);
+    const LaneTransports lanes = endpoint_lanes(s.ep);
+    s.rma_get = uses_hardware_rma(lanes.rma);
+    s.transport = join(s.rma_get ? lanes.rma : lanes.am);
     if (std::any_of(s.mapped.begin(), s.mapped.end(), [](auto p) { return p != nullptr; })) {
       s.transport += "+mapped";
     }

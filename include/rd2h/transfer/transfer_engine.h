@@ -47,7 +47,9 @@ struct MemoryRegion {
 
 struct SessionInfo {
   std::string session_id;  // the peer's session id, as connect() returned it
-  std::string transport;   // transports the backend really uses for reads, e.g. "posix"
+  // Transports the backend really uses for reads, e.g. "sysv+mapped" (shared memory,
+  // mapped into this process), "tcp", "rc_mlx5".
+  std::string transport;
   bool colocated = false;  // the peer runs on this host
   bool broken = false;     // a failure was seen; reads fail until connect() again
   std::string broken_reason;
