@@ -1,7 +1,7 @@
 #include "bench_engine.h"
 
-#include <sys/socket.h>
 #include <netinet/in.h>
+#include <sys/socket.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -35,7 +35,8 @@ std::string size_text(uint64_t b) {
 
 // Runs `batch` until at least `seconds` and `min_batches` have passed; returns GB/s.
 template <typename F>
-Expected<double> measure(double seconds, uint32_t min_batches, uint64_t bytes_per_batch, F&& batch) {
+Expected<double> measure(double seconds, uint32_t min_batches, uint64_t bytes_per_batch,
+                         F&& batch) {
   uint64_t bytes = 0;
   uint32_t n = 0;
   auto start = Clock::now();
@@ -52,8 +53,8 @@ Expected<double> measure(double seconds, uint32_t min_batches, uint64_t bytes_pe
 // Measures `a` and `b` in alternating rounds and returns the median GB/s of each, so a
 // burst of load from a neighbour on a shared machine skews neither side alone.
 template <typename A, typename B>
-Expected<std::pair<double, double>> measure_pair(const BenchEngineOptions& o, uint64_t bytes_per_batch,
-                                                 A&& a, B&& b) {
+Expected<std::pair<double, double>> measure_pair(const BenchEngineOptions& o,
+                                                 uint64_t bytes_per_batch, A&& a, B&& b) {
   constexpr int kRounds = 5;
   const double slice = o.min_seconds / kRounds;
   const uint32_t batches = std::max<uint32_t>(1, o.min_batches / kRounds);
@@ -125,10 +126,10 @@ Expected<double> perftest_get(const std::string& exe, const std::vector<std::str
     std::this_thread::sleep_for(2ms);
   }
   const uint64_t iters = std::max<uint64_t>(50, total_bytes / block);
-  auto client = Subprocess::spawn({exe, "127.0.0.1", "-p", std::to_string(port), "-t", "ucp_get",
-                                   "-s", std::to_string(block), "-n", std::to_string(iters), "-w",
-                                   std::to_string(std::max<uint64_t>(5, iters / 10))},
-                                  options);
+  auto client = Subprocess::spawn(
+      {exe, "127.0.0.1", "-p", std::to_string(port), "-t", "ucp_get", "-s", std::to_string(block),
+       "-n", std::to_string(iters), "-w", std::to_string(std::max<uint64_t>(5, iters / 10))},
+      options);
   if (!client) return client.status();
   auto out = client->read_all(300s);
   if (!out) return out.status();
@@ -147,7 +148,8 @@ Expected<double> perftest_get(const std::string& exe, const std::vector<std::str
 class AlignedBuffer {
  public:
   explicit AlignedBuffer(uint64_t size)
-      : size_(size), data_(static_cast<std::byte*>(std::aligned_alloc(4096, (size + 4095) / 4096 * 4096))) {}
+      : size_(size),
+        data_(static_cast<std::byte*>(std::aligned_alloc(4096, (size + 4095) / 4096 * 4096))) {}
   ~AlignedBuffer() { std::free(data_); }
   AlignedBuffer(const AlignedBuffer&) = delete;
   AlignedBuffer& operator=(const AlignedBuffer&) = delete;
@@ -186,7 +188,8 @@ Expected<Row> bench_one(const BenchEngineOptions& o, const std::string& transpor
   so.serve_timeout_s = 600;
   auto source = spawn_source(so);
   if (!source) return source.status();
-  auto conn = connect_to_source(source->address, *transport, std::chrono::milliseconds(o.timeout_ms));
+  auto conn =
+      connect_to_source(source->address, *transport, std::chrono::milliseconds(o.timeout_ms));
   if (!conn) return conn.status();
   auto& engine = *conn->engine;
   Row row;
@@ -278,11 +281,12 @@ int run_bench_engine(const BenchEngineOptions& o) {
     perftest = find_perftest();
     if (!perftest) std::fprintf(stderr, "bench: ucx_perftest not found; that column stays empty\n");
   }
-  std::printf("rd2h bench engine: batches of %s of random blocks from a source process "
-              "(%s memory), single-thread memcpy of the same blocks, ucx_perftest ucp_get\n\n",
-              size_text(o.batch_bytes).c_str(), o.memory == "alloc" ? "engine-allocated" : "registered");
-  std::printf("%-9s %-8s %-18s %11s %11s %9s %13s %11s %13s %11s\n", "transport", "block",
-              "lanes", "engine GB/s", "memcpy GB/s", "vs memcpy", "perftest GB/s", "vs perftest",
+  std::printf(
+      "rd2h bench engine: batches of %s of random blocks from a source process "
+      "(%s memory), single-thread memcpy of the same blocks, ucx_perftest ucp_get\n\n",
+      size_text(o.batch_bytes).c_str(), o.memory == "alloc" ? "engine-allocated" : "registered");
+  std::printf("%-9s %-8s %-18s %11s %11s %9s %13s %11s %13s %11s\n", "transport", "block", "lanes",
+              "engine GB/s", "memcpy GB/s", "vs memcpy", "perftest GB/s", "vs perftest",
               "perftest tuned", "vs tuned");
   int rc = 0;
   for (const auto& t : o.transports) {
@@ -308,8 +312,10 @@ int run_bench_engine(const BenchEngineOptions& o) {
       std::fflush(stdout);
     }
   }
-  std::printf("\nperftest: ucx_perftest -t ucp_get of one block size between two processes over "
-              "tcp; tuned: with the engine's TCP settings (UCX_TCP_TX_SEG_SIZE=1M, UCX_TCP_RX_SEG_SIZE=2M, UCX_ZCOPY_THRESH=inf).\n");
+  std::printf(
+      "\nperftest: ucx_perftest -t ucp_get of one block size between two processes over "
+      "tcp; tuned: with the engine's TCP settings (UCX_TCP_TX_SEG_SIZE=1M, UCX_TCP_RX_SEG_SIZE=2M, "
+      "UCX_ZCOPY_THRESH=inf).\n");
   return rc;
 }
 

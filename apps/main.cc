@@ -19,22 +19,25 @@ int main(int argc, char** argv) {
   pd_read->add_option("--connect", pd.connect, "dest: the source's host:port");
   pd_read->add_option("--transport", pd.transport, "shm | tcp | auto")
       ->check(CLI::IsMember({"shm", "tcp", "auto"}));
-  pd_read->add_option("--memory", pd.memory,
-                      "source pool: alloc (engine-allocated) | register (caller memory)")
+  pd_read
+      ->add_option("--memory", pd.memory,
+                   "source pool: alloc (engine-allocated) | register (caller memory)")
       ->check(CLI::IsMember({"alloc", "register"}));
   pd_read->add_option("--layers", pd.layers, "layers in the pool")->check(CLI::Range(1u, 4096u));
   pd_read->add_option("--blocks", pd.blocks, "blocks per tensor")->check(CLI::Range(1u, 1u << 24));
   pd_read->add_option("--block-tokens", pd.block_tokens, "tokens per block (informational)");
   pd_read->add_option("--main-bytes", pd.main_bytes, "bytes per block of each main tensor")
       ->delimiter(',');
-  pd_read->add_option("--indexer-bytes", pd.indexer_bytes, "bytes per block of the indexer (0: none)");
+  pd_read->add_option("--indexer-bytes", pd.indexer_bytes,
+                      "bytes per block of the indexer (0: none)");
   pd_read->add_option("--batch-blocks", pd.batch_blocks, "random blocks per batch");
   pd_read->add_option("--batches", pd.batches, "batches to read (0: one per layer)");
   pd_read->add_option("--seed", pd.seed, "pattern and block-choice seed");
   pd_read->add_option("--timeout-ms", pd.timeout_ms, "read and connect timeout")
       ->check(CLI::Range(1u, 3600000u));
-  pd_read->add_option("--serve-timeout", pd.serve_timeout_s,
-                      "seconds a source waits for its reader to finish")
+  pd_read
+      ->add_option("--serve-timeout", pd.serve_timeout_s,
+                   "seconds a source waits for its reader to finish")
       ->check(CLI::Range(1u, 86400u));
 
   auto* bench = app.add_subcommand("bench", "Benchmarks");

@@ -36,11 +36,17 @@ double percentile(std::vector<double> v, double p) {
 }
 
 std::vector<std::string> source_argv(const PdReadOptions& o, const std::string& listen) {
-  return {self_executable(), "pd-read", "--role", "source", "--listen", listen,
-          "--transport", o.transport, "--memory", o.memory,
-          "--layers", std::to_string(o.layers), "--blocks", std::to_string(o.blocks),
-          "--main-bytes", join(o.main_bytes), "--indexer-bytes", std::to_string(o.indexer_bytes),
-          "--seed", std::to_string(o.seed), "--serve-timeout", std::to_string(o.serve_timeout_s)};
+  return {self_executable(), "pd-read",
+          "--role",          "source",
+          "--listen",        listen,
+          "--transport",     o.transport,
+          "--memory",        o.memory,
+          "--layers",        std::to_string(o.layers),
+          "--blocks",        std::to_string(o.blocks),
+          "--main-bytes",    join(o.main_bytes),
+          "--indexer-bytes", std::to_string(o.indexer_bytes),
+          "--seed",          std::to_string(o.seed),
+          "--serve-timeout", std::to_string(o.serve_timeout_s)};
 }
 
 // Owns the source's pool: engine-allocated or caller memory registered with the engine.
@@ -64,7 +70,8 @@ Status make_pool(transfer::TransferEngine& engine, uint64_t bytes, bool allocate
   }
   uint64_t rounded = (bytes + 4095) / 4096 * 4096;
   pool.owned = std::aligned_alloc(4096, rounded);
-  if (pool.owned == nullptr) return internal_error("cannot allocate " + std::to_string(bytes) + " bytes");
+  if (pool.owned == nullptr)
+    return internal_error("cannot allocate " + std::to_string(bytes) + " bytes");
   RD2H_RETURN_IF_ERROR(engine.register_memory(pool.owned, bytes));
   pool.base = static_cast<std::byte*>(pool.owned);
   return Status::ok();
@@ -149,11 +156,12 @@ int run_dest(const PdReadOptions& o) {
   uint64_t bytes_total = 0, mismatches = 0;
   double seconds_total = 0;
   Status error;
-  std::printf("pd-read: %u batches of %u random blocks x %zu tensors from %u layers x %u blocks "
-              "(%.1f MiB pool), transport %s (%s)\n",
-              batches, o.batch_blocks, tensors, layout.layers, layout.blocks,
-              static_cast<double>(layout.total_bytes()) / (1 << 20), o.transport.c_str(),
-              info ? info->transport.c_str() : "?");
+  std::printf(
+      "pd-read: %u batches of %u random blocks x %zu tensors from %u layers x %u blocks "
+      "(%.1f MiB pool), transport %s (%s)\n",
+      batches, o.batch_blocks, tensors, layout.layers, layout.blocks,
+      static_cast<double>(layout.total_bytes()) / (1 << 20), o.transport.c_str(),
+      info ? info->transport.c_str() : "?");
   for (uint32_t b = 0; b < batches && error.is_ok(); ++b) {
     const uint32_t layer = b % layout.layers;
     std::shuffle(all.begin(), all.end(), rng);
@@ -175,7 +183,8 @@ int run_dest(const PdReadOptions& o) {
     Status st = engine.batch_read_sync(conn->session, local, remote, len);
     auto t1 = std::chrono::steady_clock::now();
     if (!st) {
-      error = st.with_context("batch " + std::to_string(b) + " (layer " + std::to_string(layer) + ")");
+      error =
+          st.with_context("batch " + std::to_string(b) + " (layer " + std::to_string(layer) + ")");
       break;
     }
     double s = std::chrono::duration<double>(t1 - t0).count();
@@ -187,20 +196,22 @@ int run_dest(const PdReadOptions& o) {
       auto bad = find_pattern_mismatch(reinterpret_cast<const void*>(local[k]), len[k],
                                        block_pattern_key(conn->handshake.seed, layer, t, src[i]));
       if (bad && mismatches++ < 10) {
-        std::printf("MISMATCH batch %u layer %u tensor %u: source block %u -> dest block %u, "
-                    "first bad byte %zu\n",
-                    b, layer, t, src[i], dst[i], *bad);
+        std::printf(
+            "MISMATCH batch %u layer %u tensor %u: source block %u -> dest block %u, "
+            "first bad byte %zu\n",
+            b, layer, t, src[i], dst[i], *bad);
       }
     }
   }
   const bool ok = error.is_ok() && mismatches == 0;
   release_source(*conn, ok);
   if (!latency_us.empty()) {
-    std::printf("latency per batch: p50 %.1f us, p99 %.1f us; throughput %.2f GB/s "
-                "(%.1f MiB in %zu batches)\n",
-                percentile(latency_us, 0.5), percentile(latency_us, 0.99),
-                static_cast<double>(bytes_total) / seconds_total / 1e9,
-                static_cast<double>(bytes_total) / (1 << 20), latency_us.size());
+    std::printf(
+        "latency per batch: p50 %.1f us, p99 %.1f us; throughput %.2f GB/s "
+        "(%.1f MiB in %zu batches)\n",
+        percentile(latency_us, 0.5), percentile(latency_us, 0.99),
+        static_cast<double>(bytes_total) / seconds_total / 1e9,
+        static_cast<double>(bytes_total) / (1 << 20), latency_us.size());
   }
   if (!error.is_ok()) {
     std::printf("verification: FAILED: %s\n", error.to_string().c_str());
@@ -220,8 +231,8 @@ int run_local(const PdReadOptions& o) {
   Subprocess::Options inherit;
   inherit.inherit_stdout = true;
   auto dest = Subprocess::spawn(
-      {self_executable(), "pd-read", "--role", "dest", "--connect", source->address,
-       "--transport", o.transport, "--batch-blocks", std::to_string(o.batch_blocks), "--batches",
+      {self_executable(), "pd-read", "--role", "dest", "--connect", source->address, "--transport",
+       o.transport, "--batch-blocks", std::to_string(o.batch_blocks), "--batches",
        std::to_string(o.batches), "--seed", std::to_string(o.seed), "--timeout-ms",
        std::to_string(o.timeout_ms)},
       inherit);
@@ -231,7 +242,9 @@ int run_local(const PdReadOptions& o) {
   if (!dest_status) return fail(dest_status.status().with_context("destination"), "local");
   auto source_status = source->process.wait(10s);
   if (!source_status) return fail(source_status.status().with_context("source"), "local");
-  auto code = [](int status) { return WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status); };
+  auto code = [](int status) {
+    return WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status);
+  };
   if (code(*dest_status) != 0) return code(*dest_status);
   return code(*source_status);
 }
@@ -254,7 +267,8 @@ Expected<SourceProcess> spawn_source(const PdReadOptions& o) {
   // Other lines (UCX's own log goes to stdout) are passed through to stderr.
   Deadline deadline(std::chrono::seconds(120));
   for (;;) {
-    auto line = p->read_line(std::chrono::duration_cast<std::chrono::milliseconds>(deadline.remaining()));
+    auto line =
+        p->read_line(std::chrono::duration_cast<std::chrono::milliseconds>(deadline.remaining()));
     if (!line) return line.status().with_context("waiting for the source to listen");
     if (line->rfind("LISTENING ", 0) == 0) return SourceProcess{std::move(*p), line->substr(10)};
     std::fprintf(stderr, "%s\n", line->c_str());

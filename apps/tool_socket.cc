@@ -100,8 +100,8 @@ Expected<Socket> Socket::connect(const std::string& host_port, const Deadline& d
   if (!res) return res.status();
   Status last = unreachable("no address for " + host_port);
   for (addrinfo* ai = *res; ai != nullptr; ai = ai->ai_next) {
-    Socket s(::socket(ai->ai_family, ai->ai_socktype | SOCK_CLOEXEC | SOCK_NONBLOCK,
-                      ai->ai_protocol));
+    Socket s(
+        ::socket(ai->ai_family, ai->ai_socktype | SOCK_CLOEXEC | SOCK_NONBLOCK, ai->ai_protocol));
     if (s.fd() < 0) continue;
     int rc = ::connect(s.fd(), ai->ai_addr, ai->ai_addrlen);
     if (rc != 0 && errno == EINPROGRESS) {
@@ -140,8 +140,8 @@ std::string Socket::local_address() const {
   socklen_t len = sizeof(ss);
   if (::getsockname(fd_, reinterpret_cast<sockaddr*>(&ss), &len) != 0) return "?";
   char host[NI_MAXHOST], port[NI_MAXSERV];
-  if (::getnameinfo(reinterpret_cast<sockaddr*>(&ss), len, host, sizeof(host), port,
-                    sizeof(port), NI_NUMERICHOST | NI_NUMERICSERV) != 0) {
+  if (::getnameinfo(reinterpret_cast<sockaddr*>(&ss), len, host, sizeof(host), port, sizeof(port),
+                    NI_NUMERICHOST | NI_NUMERICSERV) != 0) {
     return "?";
   }
   std::string h = host;

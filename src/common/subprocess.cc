@@ -34,7 +34,8 @@ Expected<Subprocess> Subprocess::spawn(const std::vector<std::string>& argv,
   posix_spawn_file_actions_init(&actions);
   posix_spawn_file_actions_adddup2(&actions, in_pipe[0], STDIN_FILENO);
   if (!inherit_stdout) posix_spawn_file_actions_adddup2(&actions, out_pipe[1], STDOUT_FILENO);
-  if (options.merge_stderr) posix_spawn_file_actions_adddup2(&actions, STDOUT_FILENO, STDERR_FILENO);
+  if (options.merge_stderr)
+    posix_spawn_file_actions_adddup2(&actions, STDOUT_FILENO, STDERR_FILENO);
 
   std::vector<char*> args;
   for (const auto& a : argv) args.push_back(const_cast<char*>(a.c_str()));
@@ -66,7 +67,9 @@ Expected<Subprocess> Subprocess::spawn(const std::vector<std::string>& argv,
   return p;
 }
 
-Subprocess::Subprocess(Subprocess&& other) noexcept { *this = std::move(other); }
+Subprocess::Subprocess(Subprocess&& other) noexcept {
+  *this = std::move(other);
+}
 
 Subprocess& Subprocess::operator=(Subprocess&& other) noexcept {
   if (this != &other) {
@@ -80,7 +83,9 @@ Subprocess& Subprocess::operator=(Subprocess&& other) noexcept {
   return *this;
 }
 
-Subprocess::~Subprocess() { reset(); }
+Subprocess::~Subprocess() {
+  reset();
+}
 
 void Subprocess::reset() {
   if (pid_ > 0 && !exit_status_) {
@@ -107,8 +112,9 @@ Expected<std::string> Subprocess::read_line(std::chrono::milliseconds timeout) {
     pollfd p{stdout_fd_, POLLIN, 0};
     int r = ::poll(&p, 1, deadline.remaining_ms());
     if (r < 0 && errno == EINTR) continue;
-    if (r == 0) return timeout_error("no line from child " + std::to_string(pid_) + " within " +
-                                     std::to_string(timeout.count()) + " ms");
+    if (r == 0)
+      return timeout_error("no line from child " + std::to_string(pid_) + " within " +
+                           std::to_string(timeout.count()) + " ms");
     char buf[4096];
     ssize_t n = ::read(stdout_fd_, buf, sizeof(buf));
     if (n < 0 && errno == EINTR) continue;
@@ -124,8 +130,9 @@ Expected<std::string> Subprocess::read_all(std::chrono::milliseconds timeout) {
     pollfd p{stdout_fd_, POLLIN, 0};
     int r = ::poll(&p, 1, deadline.remaining_ms());
     if (r < 0 && errno == EINTR) continue;
-    if (r == 0) return timeout_error("child " + std::to_string(pid_) + " still writing after " +
-                                     std::to_string(timeout.count()) + " ms");
+    if (r == 0)
+      return timeout_error("child " + std::to_string(pid_) + " still writing after " +
+                           std::to_string(timeout.count()) + " ms");
     char buf[4096];
     ssize_t n = ::read(stdout_fd_, buf, sizeof(buf));
     if (n < 0 && errno == EINTR) continue;

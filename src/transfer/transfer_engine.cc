@@ -16,9 +16,12 @@ Expected<Role> parse_role(std::string_view text) {
 
 std::string_view to_string(Transport transport) {
   switch (transport) {
-    case Transport::kShm: return "shm";
-    case Transport::kTcp: return "tcp";
-    case Transport::kAuto: return "auto";
+    case Transport::kShm:
+      return "shm";
+    case Transport::kTcp:
+      return "tcp";
+    case Transport::kAuto:
+      return "auto";
   }
   return "unknown";
 }

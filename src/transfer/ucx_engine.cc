@@ -21,8 +21,8 @@
 //    So the reader asks with an active message and the server answers each range with one,
 //    whose failures UCX reports through callbacks like any send.
 #include <sys/epoll.h>
-#include <sys/mman.h>
 #include <sys/eventfd.h>
+#include <sys/mman.h>
 #include <ucp/api/ucp.h>
 #include <unistd.h>
 
@@ -42,10 +42,13 @@
 #include <unordered_map>
 
 #include "peer_liveness.h"
-#include "stream_copy.h"
 #include "rd2h/common/deadline.h"
+#include "rd2h/common/format.h"
 #include "rd2h/transfer/transfer_engine.h"
+#include "stream_copy.h"
+#include "ucx_lanes.h"
 #include "ucx_metadata.h"
+#include "ucx_session.h"
 
 namespace rd2h::transfer {
 
@@ -70,16 +73,6 @@ bool host_has_rdma() {
   return !ec && it != std::filesystem::directory_iterator();
 }
 
-std::string hex(uint64_t v) {
-  char buf[32];
-  std::snprintf(buf, sizeof(buf), "0x%llx", static_cast<unsigned long long>(v));
-  return buf;
-}
-
-std::string range_text(uint64_t addr, uint64_t len) {
-  return "[" + hex(addr) + ", +" + std::to_string(len) + ")";
-}
-
 Status ucs_error(std::string_view what, ucs_status_t st) {
   return transport_error(std::string(what) + ": " + ucs_status_string(st));
 }
@@ -90,239 +83,12 @@ std::string local_hostname() {
   return buf;
 }
 
-// The transports an endpoint's lanes really use, by role, read from UCX's own description
-// of the endpoint (UCX 1.13 has no query for it). Lane lines look like
-//   "#  lane[2]:  2:cma/memory.0 md[2]  -> md[2]/cma/sysdev[255] rma_bw#0"
-struct LaneTransports {
-  std::set<std::string> am;   // carry active messages
-  std::set<std::string> rma;  // carry RMA (get/put)
-};
-
-LaneTransports endpoint_lanes(ucp_ep_h ep) {
-  char* text = nullptr;
-  size_t size = 0;
-  FILE* f = ::open_memstream(&text, &size);
-  if (f == nullptr) return {};
-  ucp_ep_print_info(ep, f);
-  std::fclose(f);
-  std::string info(text, size);
-  std::free(text);
-
-  LaneTransports lanes;
-  std::istringstream lines(info);
-  std::string line;
-  while (std::getline(lines, line)) {
-    auto lane = line.find("lane[");
-    auto arrow = line.find("->");
-    if (lane == std::string::npos || arrow == std::string::npos) continue;
-    auto slash = line.find('/', lane);
-    auto colon = line.rfind(':', slash);
-    if (slash == std::string::npos || colon == std::string::npos || colon < lane) continue;
-    std::string tl = line.substr(colon + 1, slash - colon - 1);
-    tl.erase(0, tl.find_first_not_of(' '));
-    std::istringstream roles(line.substr(arrow + 2));
-    std::string role;
-    roles >> role;  // the remote md/transport
-    while (roles >> role) {
-      if (role == "am" || role.rfind("am_bw", 0) == 0) lanes.am.insert(tl);
-      if (role.rfind("rma", 0) == 0) lanes.rma.insert(tl);
-    }
-  }
-  return lanes;
-}
-
-std::string join(const std::set<std::string>& names) {
-  std::string out;
-  for (const auto& n : names) out += (out.empty() ? "" : ",") + n;
-  return out.empty() ? "unknown" : out;
-}
-
-// True when RMA goes over RDMA hardware (InfiniBand/RoCE transports), where ucp_get is a
-// true one-sided read; elsewhere UCX emulates it in software.
-bool uses_hardware_rma(const std::set<std::string>& rma_transports) {
-  for (const auto& tl : rma_transports) {
-    for (const char* prefix : {"rc", "dc", "ud", "gga"}) {
-      if (tl.rfind(prefix, 0) == 0) return true;
-    }
-  }
-  return false;
-}
-
 struct LocalRegistration {
   uint64_t length = 0;
   ucp_mem_h memh = nullptr;
   std::vector<std::byte> packed_rkey;
   bool engine_owned = false;
 };
-
-// Progress state of one batch. Lives on the reading thread's stack; UCX callbacks of this
-// batch only run inside ucp_worker_progress/ucp_worker_destroy called by that thread.
-struct BatchState {
-  uint64_t id = 0;
-  size_t outstanding = 0;  // reads, requests and replies not finished yet
-  ucs_status_t first_error = UCS_OK;
-  std::string refusal;  // why the peer refused a read, if it did
-  // For the am path: where each read lands, and which replies have arrived.
-  std::span<const uintptr_t> local;
-  std::span<const size_t> length;
-  std::vector<uint8_t> answered;
-
-  void finish(ucs_status_t status) {
-    --outstanding;
-    if (status != UCS_OK && first_error == UCS_OK) first_error = status;
-  }
-};
-
-void on_request_done(void* request, ucs_status_t status, void* user_data) {
-  static_cast<BatchState*>(user_data)->finish(status);
-  ucp_request_free(request);
-}
-
-void on_am_data_received(void* request, ucs_status_t status, size_t /*length*/, void* user_data) {
-  static_cast<BatchState*>(user_data)->finish(status);
-  ucp_request_free(request);
-}
-
-// Wire format of the am read path (both ends are rd2h engines; native byte order).
-constexpr uint16_t kAmReadRequest = 0x7264;  // reader -> server: ranges to send back
-constexpr uint16_t kAmReadReply = 0x7265;    // server -> reader: one range's bytes
-constexpr size_t kAmRangesPerRequest = 256;  // keeps a request small enough to go eager
-
-struct AmReadRequestHeader {
-  uint64_t batch_id;
-  uint32_t first_index;
-  uint32_t count;
-};
-struct AmRange {
-  uint64_t addr;
-  uint64_t length;
-};
-// A request as the reader keeps it while UCX sends it.
-struct AmReadRequest {
-  AmReadRequestHeader header;
-  std::vector<AmRange> ranges;
-};
-struct AmReadReplyHeader {
-  uint64_t batch_id;
-  uint32_t index;
-  uint32_t refused;  // non-zero: the range is not registered on the server
-};
-
-class UcxEngine;
-
-struct Session {
-  std::mutex mu;  // serialises reads and teardown on this session
-  std::string id;
-  UcxMetadata peer;
-  bool colocated = false;
-  ucp_err_handling_mode_t err_mode = UCP_ERR_HANDLING_MODE_NONE;
-  std::string transport = "unknown";
-
-  ucp_worker_h worker = nullptr;
-  ucp_ep_h ep = nullptr;
-  std::vector<ucp_rkey_h> rkeys;  // parallel to peer.regions
-  // Where UCX maps a region of a co-located peer into this process (ucp_rkey_ptr), or null.
-  // Reads from a mapped region are plain copies: no per-read protocol, no peer involvement.
-  std::vector<const std::byte*> mapped;
-  ProcessWatch watch;
-
-  bool rma_get = false;  // non-mapped reads use ucp_get (hardware RMA) rather than am
-
-  std::atomic<bool> broken{false};
-  std::string broken_reason;     // written under mu before `broken` is set
-  ucs_status_t ep_error = UCS_OK;  // set by the error handler, on the reading thread
-  BatchState* active = nullptr;    // the batch replies belong to; set by the reading thread
-  // The am requests of the active batch: UCX reads them until their sends complete.
-  std::vector<AmReadRequest> am_requests;
-  uint64_t next_batch_id = 1;
-
-  ~Session() { release(); }
-
-  // Destroys this session's UCX objects. Anything in flight is cancelled with the worker.
-  void release() {
-    mapped.clear();
-    for (auto rkey : rkeys) ucp_rkey_destroy(rkey);
-    rkeys.clear();
-    if (worker != nullptr) {
-      if (ep != nullptr) {
-        ucp_request_param_t p{};
-        p.op_attr_mask = UCP_OP_ATTR_FIELD_FLAGS;
-        p.flags = err_mode == UCP_ERR_HANDLING_MODE_PEER ? UCP_EP_CLOSE_FLAG_FORCE : 0;
-        void* req = ucp_ep_close_nbx(ep, &p);
-        // A graceful close to a dead peer may never finish; give it a short bounded chance
-        // and let the worker's destruction discard the rest.
-        Deadline d(std::chrono::milliseconds(100));
-        while (UCS_PTR_IS_PTR(req) && ucp_request_check_status(req) == UCS_INPROGRESS &&
-               !d.expired()) {
-          ucp_worker_progress(worker);
-        }
-        if (UCS_PTR_IS_PTR(req)) ucp_request_free(req);
-        ep = nullptr;
-      }
-      ucp_worker_destroy(worker);
-      worker = nullptr;
-    }
-  }
-
-  void mark_broken(const Status& why) {
-    if (!broken.load()) {
-      broken_reason = why.to_string();
-      broken.store(true);
-    }
-  }
-};
-
-void on_endpoint_error(void* arg, ucp_ep_h /*ep*/, ucs_status_t status) {
-  auto* s = static_cast<Session*>(arg);
-  if (s->ep_error == UCS_OK) s->ep_error = status;
-}
-
-// Reader side of the am path: one range's bytes arrive. Runs on the reading thread.
-ucs_status_t on_am_read_reply(void* arg, const void* header, size_t header_length, void* data,
-                              size_t length, const ucp_am_recv_param_t* param) {
-  auto* s = static_cast<Session*>(arg);
-  const bool rndv = (param->recv_attr & UCP_AM_RECV_ATTR_FLAG_RNDV) != 0;
-  auto drop = [&] {
-    if (rndv) ucp_am_data_release(s->worker, data);
-    return UCS_OK;
-  };
-  AmReadReplyHeader h;
-  if (header_length != sizeof(h)) return drop();
-  std::memcpy(&h, header, sizeof(h));
-  BatchState* b = s->active;
-  if (b == nullptr || h.batch_id != b->id || h.index >= b->answered.size() ||
-      b->answered[h.index] != 0) {
-    return drop();  // late, foreign or duplicate: nothing waits for it
-  }
-  b->answered[h.index] = 1;
-  if (h.refused != 0 || length != b->length[h.index]) {
-    if (b->refusal.empty()) {
-      b->refusal = "the peer refused read " + std::to_string(h.index) +
-                   (h.refused != 0 ? ": range not registered there (any more)"
-                                   : ": reply of " + std::to_string(length) + " bytes");
-    }
-    b->finish(UCS_ERR_INVALID_ADDR);
-    return drop();
-  }
-  void* dst = reinterpret_cast<void*>(b->local[h.index]);
-  if (!rndv) {
-    std::memcpy(dst, data, length);
-    b->finish(UCS_OK);
-    return UCS_OK;
-  }
-  ucp_request_param_t p{};
-  p.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA;
-  p.cb.recv_am = on_am_data_received;
-  p.user_data = b;
-  void* req = ucp_am_recv_data_nbx(s->worker, data, dst, length, &p);
-  if (req == nullptr) {
-    b->finish(UCS_OK);
-  } else if (UCS_PTR_IS_ERR(req)) {
-    b->finish(UCS_PTR_STATUS(req));
-  }
-  // Otherwise on_am_data_received finishes it; `outstanding` still counts this read.
-  return UCS_OK;
-}
 
 class UcxEngine final : public TransferEngine {
  public:
@@ -516,7 +282,8 @@ class UcxEngine final : public TransferEngine {
       if (length[i] == 0) continue;
       std::string op = "read " + std::to_string(i) + ": ";
       if (local[i] + length[i] < local[i] || remote[i] + length[i] < remote[i]) {
-        return out_of_range(op + "length " + std::to_string(length[i]) + " wraps the address space");
+        return out_of_range(op + "length " + std::to_string(length[i]) +
+                            " wraps the address space");
       }
       auto memh = find_local(local[i], length[i]);
       if (memh == nullptr) {
@@ -531,7 +298,8 @@ class UcxEngine final : public TransferEngine {
       }
       const auto r = static_cast<size_t>(region);
       rkey[i] = s->rkeys[r];
-      if (s->mapped[r] != nullptr) mapped_src[i] = s->mapped[r] + (remote[i] - s->peer.regions[r].base);
+      if (s->mapped[r] != nullptr)
+        mapped_src[i] = s->mapped[r] + (remote[i] - s->peer.regions[r].base);
     }
 
     if (s->watch.exited()) return fail_session(*s, peer_dead("peer " + s->id + " has exited"));
@@ -577,15 +345,15 @@ class UcxEngine final : public TransferEngine {
                                           std::to_string(local.size()) + " reads"));
       }
       if (deadline.expired()) {
-        return fail_session(*s, timeout_error(
-            "batch of " + std::to_string(local.size()) + " reads from " + s->id + " took longer than " +
-            std::to_string(config_.read_timeout.count()) + " ms; " +
-            std::to_string(batch.outstanding) + " still in flight"));
+        return fail_session(
+            *s, timeout_error("batch of " + std::to_string(local.size()) + " reads from " + s->id +
+                              " took longer than " + std::to_string(config_.read_timeout.count()) +
+                              " ms; " + std::to_string(batch.outstanding) + " still in flight"));
       }
     }
     if (s->ep_error != UCS_OK) {
-      return fail_session(*s, peer_dead("connection to " + s->id + " failed: " +
-                                        ucs_status_string(s->ep_error)));
+      return fail_session(
+          *s, peer_dead("connection to " + s->id + " failed: " + ucs_status_string(s->ep_error)));
     }
     if (post_error != UCS_OK) {
       return fail_session(*s, ucs_error("posting a read to " + s->id, post_error));
@@ -611,8 +379,8 @@ class UcxEngine final : public TransferEngine {
                                      const std::vector<ucp_mem_h>& local_memh,
                                      const std::vector<ucp_rkey_h>& rkey) {
     ucp_request_param_t param{};
-    param.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA |
-                         UCP_OP_ATTR_FIELD_MEMH;
+    param.op_attr_mask =
+        UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA | UCP_OP_ATTR_FIELD_MEMH;
     param.cb.send = on_request_done;
     param.user_data = &batch;
     for (size_t i = 0; i < local.size(); ++i) {
@@ -651,8 +419,8 @@ class UcxEngine final : public TransferEngine {
       ++batch.outstanding;
     }
     ucp_request_param_t param{};
-    param.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA |
-                         UCP_OP_ATTR_FIELD_FLAGS;
+    param.op_attr_mask =
+        UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA | UCP_OP_ATTR_FIELD_FLAGS;
     param.cb.send = on_request_done;
     param.user_data = &batch;
     param.flags = UCP_AM_SEND_FLAG_REPLY | UCP_AM_SEND_FLAG_EAGER;
@@ -693,8 +461,8 @@ class UcxEngine final : public TransferEngine {
                               engine->find_local(range.addr, range.length) != nullptr;
       reply->refused = registered ? 0 : 1;
       ucp_request_param_t p{};
-      p.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA |
-                       UCP_OP_ATTR_FIELD_FLAGS;
+      p.op_attr_mask =
+          UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA | UCP_OP_ATTR_FIELD_FLAGS;
       // Eager: UCX 1.13's rendezvous over TCP can abort the sender when the reader vanishes
       // mid-transfer; eager sends fail through their callback instead.
       p.flags = UCP_AM_SEND_FLAG_EAGER;
@@ -737,8 +505,7 @@ class UcxEngine final : public TransferEngine {
     std::unique_lock lock(regs_mu_);
     if (!allocate) {
       if (auto conflict = overlapping(base, length)) {
-        return already_exists("range " + range_text(base, length) +
-                              " overlaps registered range " +
+        return already_exists("range " + range_text(base, length) + " overlaps registered range " +
                               range_text(conflict->first, conflict->second.length));
       }
     }
@@ -907,8 +674,8 @@ class UcxEngine final : public TransferEngine {
     Deadline deadline(config_.connect_timeout);
     Status result = Status::ok();
     if (UCS_PTR_IS_ERR(req)) {
-      result = unreachable("cannot reach peer " + s.id + ": " +
-                           ucs_status_string(UCS_PTR_STATUS(req)));
+      result =
+          unreachable("cannot reach peer " + s.id + ": " + ucs_status_string(UCS_PTR_STATUS(req)));
     } else if (req != nullptr) {
       while (ucp_request_check_status(req) == UCS_INPROGRESS) {
         ucp_worker_progress(s.worker);
@@ -936,7 +703,7 @@ class UcxEngine final : public TransferEngine {
     if (!result.is_ok()) return result;
     const LaneTransports lanes = endpoint_lanes(s.ep);
     s.rma_get = uses_hardware_rma(lanes.rma);
-    s.transport = join(s.rma_get ? lanes.rma : lanes.am);
+    s.transport = join_transports(s.rma_get ? lanes.rma : lanes.am);
     if (std::any_of(s.mapped.begin(), s.mapped.end(), [](auto p) { return p != nullptr; })) {
       s.transport += "+mapped";
     }
@@ -965,7 +732,8 @@ class UcxEngine final : public TransferEngine {
     if (st != UCS_OK) return ucs_error("ucp_worker_get_efd", st);
     stop_fd_ = ::eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK);
     epoll_fd_ = ::epoll_create1(EPOLL_CLOEXEC);
-    if (stop_fd_ < 0 || epoll_fd_ < 0) return internal_error("cannot create the progress thread's fds");
+    if (stop_fd_ < 0 || epoll_fd_ < 0)
+      return internal_error("cannot create the progress thread's fds");
     epoll_event ev{};
     ev.events = EPOLLIN;
     ev.data.fd = worker_efd_;

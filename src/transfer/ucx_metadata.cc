@@ -3,19 +3,9 @@
 #include <cstring>
 
 #include "rd2h/common/bytes.h"
+#include "rd2h/common/format.h"
 
 namespace rd2h::transfer {
-
-namespace {
-
-std::string hex(uint64_t v) {
-  char buf[32];
-  std::snprintf(buf, sizeof(buf), "0x%llx", static_cast<unsigned long long>(v));
-  return buf;
-}
-
-
-}  // namespace
 
 std::vector<std::byte> encode_ucx_metadata(const UcxMetadata& meta) {
   ByteWriter w;
@@ -43,8 +33,9 @@ Expected<UcxMetadata> decode_ucx_metadata(std::span<const std::byte> bytes) {
   auto magic = r.raw("magic", sizeof(kUcxMetadataMagic));
   if (!magic) return magic.status().with_context("UCX engine metadata");
   if (std::memcmp(magic->data(), kUcxMetadataMagic, sizeof(kUcxMetadataMagic)) != 0) {
-    return invalid_metadata("UCX engine metadata: bad magic (not metadata exported by rd2h's "
-                            "UCX engine)");
+    return invalid_metadata(
+        "UCX engine metadata: bad magic (not metadata exported by rd2h's "
+        "UCX engine)");
   }
   auto version = r.u32("version");
   if (!version) return version.status().with_context("UCX engine metadata");

@@ -5,7 +5,9 @@
 namespace rd2h::tools {
 namespace {
 
-KvPoolLayout deepseek() { return {61, 32, {131072, 16384, 16384}}; }
+KvPoolLayout deepseek() {
+  return {61, 32, {131072, 16384, 16384}};
+}
 
 TEST(KvPoolLayout, OffsetsTileThePoolWithoutGaps) {
   KvPoolLayout l{3, 4, {100, 10, 1}};

@@ -31,9 +31,9 @@ ToolRun run_rd2h(std::vector<std::string> args) {
   return r;
 }
 
-const std::vector<std::string> kSmallPool = {"--layers", "4", "--blocks", "12", "--main-bytes",
-                                             "8192,1024", "--indexer-bytes", "1024",
-                                             "--batch-blocks", "5", "--batches", "9"};
+const std::vector<std::string> kSmallPool = {
+    "--layers",        "4",    "--blocks",       "12", "--main-bytes", "8192,1024",
+    "--indexer-bytes", "1024", "--batch-blocks", "5",  "--batches",    "9"};
 
 std::vector<std::string> with(std::vector<std::string> a, const std::vector<std::string>& b) {
   a.insert(a.end(), b.begin(), b.end());
@@ -46,7 +46,8 @@ TEST_P(PdRead, VerifiesEveryByteAndReportsLatencyAndThroughput) {
   ToolRun r = run_rd2h(with(with({"pd-read"}, kSmallPool), GetParam()));
   EXPECT_EQ(r.exit_code, 0) << r.output;
   EXPECT_NE(r.output.find("verification: OK"), std::string::npos) << r.output;
-  EXPECT_NE(r.output.find("9 batches of 5 random blocks x 3 tensors"), std::string::npos) << r.output;
+  EXPECT_NE(r.output.find("9 batches of 5 random blocks x 3 tensors"), std::string::npos)
+      << r.output;
   EXPECT_NE(r.output.find("p50"), std::string::npos) << r.output;
   EXPECT_NE(r.output.find("p99"), std::string::npos) << r.output;
   EXPECT_NE(r.output.find("GB/s"), std::string::npos) << r.output;
@@ -60,13 +61,15 @@ INSTANTIATE_TEST_SUITE_P(
                       std::vector<std::string>{"--transport", "tcp", "--memory", "register"}),
     [](const auto& info) {
       std::string name;
-      for (size_t i = 1; i < info.param.size(); i += 2) name += (name.empty() ? "" : "_") + info.param[i];
+      for (size_t i = 1; i < info.param.size(); i += 2)
+        name += (name.empty() ? "" : "_") + info.param[i];
       return name;
     });
 
 TEST(PdReadErrors, UnreachableSourceExitsNonZeroNamingTheAddress) {
   // Port 1 on loopback has no listener in any sane test environment.
-  ToolRun r = run_rd2h({"pd-read", "--role", "dest", "--connect", "127.0.0.1:1", "--timeout-ms", "2000"});
+  ToolRun r =
+      run_rd2h({"pd-read", "--role", "dest", "--connect", "127.0.0.1:1", "--timeout-ms", "2000"});
   EXPECT_NE(r.exit_code, 0);
   EXPECT_NE(r.output.find("cannot connect to 127.0.0.1:1"), std::string::npos) << r.output;
 }
@@ -78,8 +81,9 @@ TEST(PdReadErrors, ZeroByteTensorIsRejectedByName) {
 }
 
 TEST(PdReadErrors, BatchLargerThanThePoolIsRejected) {
-  ToolRun r = run_rd2h(with({"pd-read", "--blocks", "4", "--layers", "2"},
-                        {"--batch-blocks", "5", "--main-bytes", "4096", "--indexer-bytes", "0"}));
+  ToolRun r =
+      run_rd2h(with({"pd-read", "--blocks", "4", "--layers", "2"},
+                    {"--batch-blocks", "5", "--main-bytes", "4096", "--indexer-bytes", "0"}));
   EXPECT_NE(r.exit_code, 0);
   EXPECT_NE(r.output.find("--batch-blocks must be in 1..4, got 5"), std::string::npos) << r.output;
   EXPECT_EQ(r.output.find("verification: OK"), std::string::npos) << r.output;

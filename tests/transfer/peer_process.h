@@ -31,8 +31,8 @@ inline std::vector<std::byte> from_hex(const std::string& hex) {
 inline Expected<PeerProcess> start_peer(const std::string& transport, const std::string& memory,
                                         size_t block, size_t blocks, uint64_t key) {
   auto p = Subprocess::spawn({RD2H_TRANSFER_PEER, "--transport", transport, "--memory", memory,
-                              "--block", std::to_string(block), "--blocks",
-                              std::to_string(blocks), "--key", std::to_string(key)});
+                              "--block", std::to_string(block), "--blocks", std::to_string(blocks),
+                              "--key", std::to_string(key)});
   if (!p) return p.status();
   PeerProcess peer{std::move(*p), {}, 0, block, blocks, key};
   // UCX may log to stdout too: lines other than the peer's own are skipped.

@@ -35,8 +35,10 @@ TEST_F(ProcessEngine, BindingWithADifferentValueNamesIt) {
   const Case cases[] = {
       {[](EngineConfig& c) { c.role = Role::kPrefill; }, "role decode; cannot bind it to prefill"},
       {[](EngineConfig& c) { c.device_id = 4; }, "device id 3; cannot bind it to 4"},
-      {[](EngineConfig& c) { c.hostname = "other"; }, "hostname decode-host; cannot bind it to other"},
-      {[](EngineConfig& c) { c.transport = Transport::kTcp; }, "transport shm; cannot bind it to tcp"},
+      {[](EngineConfig& c) { c.hostname = "other"; },
+       "hostname decode-host; cannot bind it to other"},
+      {[](EngineConfig& c) { c.transport = Transport::kTcp; },
+       "transport shm; cannot bind it to tcp"},
   };
   for (const auto& c : cases) {
     EngineConfig cfg = base();

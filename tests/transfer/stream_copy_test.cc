@@ -11,8 +11,15 @@ namespace rd2h::transfer {
 namespace {
 
 TEST(StreamCopy, CopiesEveryByteForAnyAlignmentAndSize) {
-  const size_t sizes[] = {0, 1, 63, 4096, kStreamCopyMin - 1, kStreamCopyMin, kStreamCopyMin + 1,
-                          kStreamCopyMin + 63, 3 * kStreamCopyMin + 17};
+  const size_t sizes[] = {0,
+                          1,
+                          63,
+                          4096,
+                          kStreamCopyMin - 1,
+                          kStreamCopyMin,
+                          kStreamCopyMin + 1,
+                          kStreamCopyMin + 63,
+                          3 * kStreamCopyMin + 17};
   std::vector<unsigned char> src(4 * kStreamCopyMin + 256), dst(src.size());
   for (size_t n : sizes) {
     for (size_t src_off : {0u, 1u, 15u, 64u}) {

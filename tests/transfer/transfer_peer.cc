@@ -22,11 +22,16 @@ int main(int argc, char** argv) {
   uint64_t key = 1;
   for (int i = 1; i + 1 < argc; i += 2) {
     std::string flag = argv[i], value = argv[i + 1];
-    if (flag == "--transport") transport = value;
-    else if (flag == "--memory") memory = value;
-    else if (flag == "--block") block = std::stoull(value);
-    else if (flag == "--blocks") blocks = std::stoull(value);
-    else if (flag == "--key") key = std::stoull(value);
+    if (flag == "--transport")
+      transport = value;
+    else if (flag == "--memory")
+      memory = value;
+    else if (flag == "--block")
+      block = std::stoull(value);
+    else if (flag == "--blocks")
+      blocks = std::stoull(value);
+    else if (flag == "--key")
+      key = std::stoull(value);
     else {
       std::cerr << "transfer_peer: unknown flag " << flag << "\n";
       return 2;

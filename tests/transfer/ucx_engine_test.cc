@@ -134,15 +134,17 @@ TEST_P(EndToEnd, RandomNonContiguousBlocksArriveByteExact) {
   }
 }
 
-INSTANTIATE_TEST_SUITE_P(
-    Transports, EndToEnd,
-    ::testing::Values(Case{Transport::kShm, "alloc", false}, Case{Transport::kShm, "register", true},
-                      Case{Transport::kTcp, "alloc", true}, Case{Transport::kTcp, "register", false},
-                      Case{Transport::kAuto, "alloc", false}),
-    [](const auto& info) {
-      return std::string(to_string(info.param.transport)) + "_" + info.param.memory + "_into_" +
-             (info.param.allocate_destination ? "allocated" : "registered");
-    });
+INSTANTIATE_TEST_SUITE_P(Transports, EndToEnd,
+                         ::testing::Values(Case{Transport::kShm, "alloc", false},
+                                           Case{Transport::kShm, "register", true},
+                                           Case{Transport::kTcp, "alloc", true},
+                                           Case{Transport::kTcp, "register", false},
+                                           Case{Transport::kAuto, "alloc", false}),
+                         [](const auto& info) {
+                           return std::string(to_string(info.param.transport)) + "_" +
+                                  info.param.memory + "_into_" +
+                                  (info.param.allocate_destination ? "allocated" : "registered");
+                         });
 
 class Engine : public ::testing::TestWithParam<Transport> {
  protected:
@@ -178,8 +180,9 @@ TEST_P(Engine, RemoteRangePastTheRegionIsRejectedAndNothingIsRead) {
   EXPECT_NE(st.message().find("remote range"), std::string::npos) << st.message();
   EXPECT_TRUE(dst.untouched());
   // A rejected batch does not break the session.
-  EXPECT_TRUE(engine_->batch_read_sync(session_, std::span(local).first(1),
-                                       std::span(remote).first(1), std::span(len).first(1))
+  EXPECT_TRUE(engine_
+                  ->batch_read_sync(session_, std::span(local).first(1), std::span(remote).first(1),
+                                    std::span(len).first(1))
                   .is_ok());
   EXPECT_FALSE(find_pattern_mismatch(dst.base, 4096, peer_->key));
 }
@@ -454,8 +457,8 @@ TEST_F(Registration, ZeroLengthIsRejected) {
 TEST_F(Registration, OverlappingRangesAreRejected) {
   std::vector<char> buf(16384);
   ASSERT_TRUE(engine_->register_memory(buf.data() + 4096, 4096).is_ok());
-  for (auto [offset, length] : {std::pair<size_t, size_t>{0, 4097}, {8191, 10}, {4096, 1},
-                                {5000, 100}, {0, 16384}}) {
+  for (auto [offset, length] :
+       {std::pair<size_t, size_t>{0, 4097}, {8191, 10}, {4096, 1}, {5000, 100}, {0, 16384}}) {
     Status st = engine_->register_memory(buf.data() + offset, length);
     EXPECT_EQ(st.code(), StatusCode::kAlreadyExists) << offset << "+" << length;
     EXPECT_NE(st.message().find("overlaps"), std::string::npos) << st.message();

@@ -12,16 +12,16 @@ namespace rd2h {
 
 enum class StatusCode : int {
   kOk = 0,
-  kInvalidArgument = 1,    // the caller passed something malformed
-  kOutOfRange = 2,         // an address range, id or index outside what exists
-  kAlreadyExists = 3,      // e.g. an overlapping registration
-  kNotFound = 4,           // unknown session, region or name
-  kFailedPrecondition = 5, // valid request in the wrong state (e.g. broken session)
-  kInvalidMetadata = 6,    // peer metadata bytes that do not decode
-  kUnreachable = 7,        // a peer that cannot be connected to
-  kPeerDead = 8,           // the peer process is gone or its connection failed
-  kTimeout = 9,            // a bounded wait ran out
-  kTransport = 10,         // the transport reported an error of its own
+  kInvalidArgument = 1,     // the caller passed something malformed
+  kOutOfRange = 2,          // an address range, id or index outside what exists
+  kAlreadyExists = 3,       // e.g. an overlapping registration
+  kNotFound = 4,            // unknown session, region or name
+  kFailedPrecondition = 5,  // valid request in the wrong state (e.g. broken session)
+  kInvalidMetadata = 6,     // peer metadata bytes that do not decode
+  kUnreachable = 7,         // a peer that cannot be connected to
+  kPeerDead = 8,            // the peer process is gone or its connection failed
+  kTimeout = 9,             // a bounded wait ran out
+  kTransport = 10,          // the transport reported an error of its own
   kInternal = 11,
 };
 
@@ -51,23 +51,45 @@ class [[nodiscard]] Status {
   std::string message_;
 };
 
-inline Status invalid_argument(std::string m) { return {StatusCode::kInvalidArgument, std::move(m)}; }
-inline Status out_of_range(std::string m) { return {StatusCode::kOutOfRange, std::move(m)}; }
-inline Status already_exists(std::string m) { return {StatusCode::kAlreadyExists, std::move(m)}; }
-inline Status not_found(std::string m) { return {StatusCode::kNotFound, std::move(m)}; }
-inline Status failed_precondition(std::string m) { return {StatusCode::kFailedPrecondition, std::move(m)}; }
-inline Status invalid_metadata(std::string m) { return {StatusCode::kInvalidMetadata, std::move(m)}; }
-inline Status unreachable(std::string m) { return {StatusCode::kUnreachable, std::move(m)}; }
-inline Status peer_dead(std::string m) { return {StatusCode::kPeerDead, std::move(m)}; }
-inline Status timeout_error(std::string m) { return {StatusCode::kTimeout, std::move(m)}; }
-inline Status transport_error(std::string m) { return {StatusCode::kTransport, std::move(m)}; }
-inline Status internal_error(std::string m) { return {StatusCode::kInternal, std::move(m)}; }
+inline Status invalid_argument(std::string m) {
+  return {StatusCode::kInvalidArgument, std::move(m)};
+}
+inline Status out_of_range(std::string m) {
+  return {StatusCode::kOutOfRange, std::move(m)};
+}
+inline Status already_exists(std::string m) {
+  return {StatusCode::kAlreadyExists, std::move(m)};
+}
+inline Status not_found(std::string m) {
+  return {StatusCode::kNotFound, std::move(m)};
+}
+inline Status failed_precondition(std::string m) {
+  return {StatusCode::kFailedPrecondition, std::move(m)};
+}
+inline Status invalid_metadata(std::string m) {
+  return {StatusCode::kInvalidMetadata, std::move(m)};
+}
+inline Status unreachable(std::string m) {
+  return {StatusCode::kUnreachable, std::move(m)};
+}
+inline Status peer_dead(std::string m) {
+  return {StatusCode::kPeerDead, std::move(m)};
+}
+inline Status timeout_error(std::string m) {
+  return {StatusCode::kTimeout, std::move(m)};
+}
+inline Status transport_error(std::string m) {
+  return {StatusCode::kTransport, std::move(m)};
+}
+inline Status internal_error(std::string m) {
+  return {StatusCode::kInternal, std::move(m)};
+}
 
 // A value or the Status that explains why there is none. Never holds an ok Status.
 template <typename T>
 class [[nodiscard]] Expected {
  public:
-  Expected(T value) : v_(std::move(value)) {}  // NOLINT(google-explicit-constructor)
+  Expected(T value) : v_(std::move(value)) {}        // NOLINT(google-explicit-constructor)
   Expected(Status status) : v_(std::move(status)) {  // NOLINT(google-explicit-constructor)
     assert(!std::get<Status>(v_).is_ok());
   }
@@ -91,8 +113,8 @@ class [[nodiscard]] Expected {
 
 }  // namespace rd2h
 
-#define RD2H_RETURN_IF_ERROR(expr)          \
-  do {                                      \
-    ::rd2h::Status rd2h_status_ = (expr);   \
+#define RD2H_RETURN_IF_ERROR(expr)                  \
+  do {                                              \
+    ::rd2h::Status rd2h_status_ = (expr);           \
     if (!rd2h_status_.is_ok()) return rd2h_status_; \
   } while (0)

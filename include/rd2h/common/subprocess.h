@@ -16,9 +16,9 @@ namespace rd2h {
 class Subprocess {
  public:
   struct Options {
-    bool inherit_stdout = false;        // otherwise stdout is piped back to this process
-    bool merge_stderr = false;          // stderr goes where stdout goes
-    std::vector<std::string> extra_env; // "NAME=value", overriding this process's environment
+    bool inherit_stdout = false;         // otherwise stdout is piped back to this process
+    bool merge_stderr = false;           // stderr goes where stdout goes
+    std::vector<std::string> extra_env;  // "NAME=value", overriding this process's environment
   };
   // Starts argv[0] (a path) with `argv`.
   static Expected<Subprocess> spawn(const std::vector<std::string>& argv, const Options& options);
