@@ -99,6 +99,22 @@ void Subprocess::reset() {
   exit_status_.reset();
 }
 
+Expected<bool> Subprocess::read_more(const Deadline& deadline) {
+  if (stdout_fd_ < 0) return failed_precondition("child stdout is not piped");
+  for (;;) {
+    pollfd p{stdout_fd_, POLLIN, 0};
+    int r = ::poll(&p, 1, deadline.remaining_ms());
+    if (r < 0 && errno == EINTR) continue;
+    if (r == 0) return timeout_error("child " + std::to_string(pid_) + " wrote nothing in time");
+    char buf[4096];
+    ssize_t n = ::read(stdout_fd_, buf, sizeof(buf));
+    if (n < 0 && errno == EINTR) continue;
+    if (n <= 0) return false;
+    buffered_.append(buf, static_cast<size_t>(n));
+    return true;
+  }
+}
+
 Expected<std::string> Subprocess::read_line(std::chrono::milliseconds timeout) {
   Deadline deadline(timeout);
   for (;;) {
@@ -108,36 +124,18 @@ Expected<std::string> Subprocess::read_line(std::chrono::milliseconds timeout) {
       buffered_.erase(0, nl + 1);
       return line;
     }
-    if (stdout_fd_ < 0) return failed_precondition("child stdout is not piped");
-    pollfd p{stdout_fd_, POLLIN, 0};
-    int r = ::poll(&p, 1, deadline.remaining_ms());
-    if (r < 0 && errno == EINTR) continue;
-    if (r == 0)
-      return timeout_error("no line from child " + std::to_string(pid_) + " within " +
-                           std::to_string(timeout.count()) + " ms");
-    char buf[4096];
-    ssize_t n = ::read(stdout_fd_, buf, sizeof(buf));
-    if (n < 0 && errno == EINTR) continue;
-    if (n <= 0) return failed_precondition("child " + std::to_string(pid_) + " closed its output");
-    buffered_.append(buf, static_cast<size_t>(n));
+    auto more = read_more(deadline);
+    if (!more) return more.status();
+    if (!*more) return failed_precondition("child " + std::to_string(pid_) + " closed its output");
   }
 }
 
 Expected<std::string> Subprocess::read_all(std::chrono::milliseconds timeout) {
   Deadline deadline(timeout);
   for (;;) {
-    if (stdout_fd_ < 0) return failed_precondition("child stdout is not piped");
-    pollfd p{stdout_fd_, POLLIN, 0};
-    int r = ::poll(&p, 1, deadline.remaining_ms());
-    if (r < 0 && errno == EINTR) continue;
-    if (r == 0)
-      return timeout_error("child " + std::to_string(pid_) + " still writing after " +
-                           std::to_string(timeout.count()) + " ms");
-    char buf[4096];
-    ssize_t n = ::read(stdout_fd_, buf, sizeof(buf));
-    if (n < 0 && errno == EINTR) continue;
-    if (n <= 0) return std::exchange(buffered_, {});
-    buffered_.append(buf, static_cast<size_t>(n));
+    auto more = read_more(deadline);
+    if (!more) return more.status();
+    if (!*more) return std::exchange(buffered_, {});
   }
 }
 

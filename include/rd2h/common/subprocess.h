@@ -9,6 +9,7 @@
 #include <string>
 #include <vector>
 
+#include "rd2h/common/deadline.h"
 #include "rd2h/common/status.h"
 
 namespace rd2h {
@@ -49,6 +50,8 @@ class Subprocess {
  private:
   Subprocess() = default;
   void reset();
+  // Appends what the child wrote next to buffered_; false at end of output.
+  Expected<bool> read_more(const Deadline& deadline);
 
   pid_t pid_ = -1;
   int stdin_fd_ = -1;
