@@ -139,6 +139,19 @@ Expected<std::string> Subprocess::read_all(std::chrono::milliseconds timeout) {
   }
 }
 
+Status Subprocess::write_line(const std::string& line) {
+  if (stdin_fd_ < 0) return failed_precondition("child stdin is closed");
+  std::string data = line + "\n";
+  size_t done = 0;
+  while (done < data.size()) {
+    ssize_t n = ::write(stdin_fd_, data.data() + done, data.size() - done);
+    if (n < 0 && errno == EINTR) continue;
+    if (n <= 0) return failed_precondition("child " + std::to_string(pid_) + " closed its input");
+    done += static_cast<size_t>(n);
+  }
+  return Status::ok();
+}
+
 void Subprocess::close_stdin() {
   if (stdin_fd_ >= 0) ::close(stdin_fd_);
   stdin_fd_ = -1;

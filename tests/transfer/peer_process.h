@@ -8,6 +8,7 @@
 #include <vector>
 
 #include "rd2h/common/subprocess.h"
+#include "transfer/hex.h"
 
 namespace rd2h::testing {
 
@@ -19,14 +20,6 @@ struct PeerProcess {
   size_t blocks = 0;
   uint64_t key = 0;
 };
-
-inline std::vector<std::byte> from_hex(const std::string& hex) {
-  std::vector<std::byte> out;
-  for (size_t i = 0; i + 1 < hex.size(); i += 2) {
-    out.push_back(static_cast<std::byte>(std::stoi(hex.substr(i, 2), nullptr, 16)));
-  }
-  return out;
-}
 
 inline Expected<PeerProcess> start_peer(const std::string& transport, const std::string& memory,
                                         size_t block, size_t blocks, uint64_t key) {
@@ -43,6 +36,27 @@ inline Expected<PeerProcess> start_peer(const std::string& transport, const std:
     if (line->rfind("BASE ", 0) == 0) peer.base = std::stoull(line->substr(5), nullptr, 16);
   }
   return peer;
+}
+
+}  // namespace rd2h::testing
+
+namespace rd2h::testing {
+
+// A reader process reading every block of `peer` in a loop; returns once it has verified
+// its first batch (it printed READING).
+inline Expected<Subprocess> start_reader(const std::string& transport, const PeerProcess& peer) {
+  char base[32];
+  std::snprintf(base, sizeof(base), "%llx", static_cast<unsigned long long>(peer.base));
+  auto p = Subprocess::spawn({RD2H_TRANSFER_PEER, "--transport", transport, "--block",
+                              std::to_string(peer.block), "--blocks", std::to_string(peer.blocks),
+                              "--key", std::to_string(peer.key), "--read-from",
+                              to_hex(peer.metadata), "--remote-base", base});
+  if (!p) return p.status();
+  for (;;) {
+    auto line = p->read_line(std::chrono::seconds(20));
+    if (!line) return line.status().with_context("waiting for the reader's first batch");
+    if (*line == "READING") return std::move(*p);
+  }
 }
 
 }  // namespace rd2h::testing

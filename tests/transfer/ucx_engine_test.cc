@@ -266,6 +266,85 @@ TEST_P(Engine, ConnectingToAnExitedPeerFails) {
       << s.status().to_string();
 }
 
+TEST(Refusal, ARangeThePeerNoLongerServesFailsTheRead) {
+  for (const char* transport : {"tcp", "shm"}) {
+    SCOPED_TRACE(transport);
+    auto peer = start_peer(transport, "register", 4096, 4, 80);
+    ASSERT_TRUE(peer) << peer.status().to_string();
+    auto engine = make_engine(*parse_transport(transport));
+    auto session = engine->connect(peer->metadata);
+    ASSERT_TRUE(session) << session.status().to_string();
+    Destination dst(*engine, 4096, false);
+    std::vector<uintptr_t> local{reinterpret_cast<uintptr_t>(dst.base)};
+    std::vector<uintptr_t> remote{peer->base + 4096};
+    std::vector<size_t> len{4096};
+    ASSERT_TRUE(engine->batch_read_sync(*session, local, remote, len).is_ok());
+
+    ASSERT_TRUE(peer->process.write_line("unregister").is_ok());
+    auto ack = peer->process.read_line(10s);
+    ASSERT_TRUE(ack) << ack.status().to_string();
+    ASSERT_EQ(*ack, "UNREGISTERED");
+    std::memset(dst.base, 0xab, 4096);
+    Status st = engine->batch_read_sync(*session, local, remote, len);
+    EXPECT_EQ(st.code(), StatusCode::kOutOfRange) << st.to_string();
+    EXPECT_NE(st.message().find("not registered"), std::string::npos) << st.message();
+    EXPECT_TRUE(dst.untouched());
+  }
+}
+
+TEST(Concurrency, ThreadsReadingDifferentSessionsDoNotInterfere) {
+  constexpr int kThreads = 3;
+  auto engine = make_engine(Transport::kTcp);
+  std::vector<std::unique_ptr<PeerProcess>> peers;
+  std::vector<std::string> sessions;
+  for (int t = 0; t < kThreads; ++t) {
+    auto p = start_peer(t % 2 == 0 ? "tcp" : "auto", "alloc", 16384, 16, 1000 * (t + 1));
+    ASSERT_TRUE(p) << p.status().to_string();
+    peers.push_back(std::make_unique<PeerProcess>(std::move(*p)));
+  }
+  // One engine per transport family: the tcp engine reads the tcp peers, an auto engine
+  // reads the others, each from its own threads.
+  auto auto_engine = make_engine(Transport::kAuto);
+  std::vector<TransferEngine*> engines;
+  for (int t = 0; t < kThreads; ++t) {
+    TransferEngine* e = t % 2 == 0 ? engine.get() : auto_engine.get();
+    auto s = e->connect(peers[t]->metadata);
+    ASSERT_TRUE(s) << s.status().to_string();
+    sessions.push_back(*s);
+    engines.push_back(e);
+  }
+  std::vector<std::unique_ptr<Destination>> dst;
+  for (int t = 0; t < kThreads; ++t) {
+    dst.push_back(std::make_unique<Destination>(*engines[t], 16384 * 16, t == 0));
+  }
+  std::vector<std::string> errors(kThreads);
+  std::vector<std::thread> threads;
+  for (int t = 0; t < kThreads; ++t) {
+    threads.emplace_back([&, t] {
+      std::vector<uintptr_t> local, remote;
+      std::vector<size_t> len;
+      for (size_t j = 0; j < 16; ++j) {
+        local.push_back(reinterpret_cast<uintptr_t>(dst[t]->base) + j * 16384);
+        remote.push_back(peers[t]->base + ((j * 5) % 16) * 16384);
+        len.push_back(16384);
+      }
+      for (int round = 0; round < 50 && errors[t].empty(); ++round) {
+        Status st = engines[t]->batch_read_sync(sessions[t], local, remote, len);
+        if (!st) errors[t] = st.to_string();
+        for (size_t j = 0; j < 16 && errors[t].empty(); ++j) {
+          if (find_pattern_mismatch(dst[t]->base + j * 16384, 16384,
+                                    peers[t]->key + (j * 5) % 16)) {
+            errors[t] =
+                "block " + std::to_string(j) + " corrupted in round " + std::to_string(round);
+          }
+        }
+      }
+    });
+  }
+  for (auto& th : threads) th.join();
+  for (int t = 0; t < kThreads; ++t) EXPECT_EQ(errors[t], "") << "thread " << t;
+}
+
 TEST_P(Engine, FaultInjectedFailureReadsNothingThenReadsResume) {
   auto shared = std::shared_ptr<TransferEngine>(std::move(engine_));
   FaultInjectingEngine faulty(shared);
@@ -435,6 +514,34 @@ TEST_P(KilledDuringReads, SourceSurvivesAReaderThatGivesUpMidTransfer) {
   for (size_t i = 0; i < blocks; ++i) {
     ASSERT_FALSE(find_pattern_mismatch(dst.base + i * block, block, 11 + i)) << "block " << i;
   }
+}
+
+// A reader process is killed while its reads are in flight. The source, like a Prefill
+// whose Decode crashed, must survive and keep serving.
+TEST_P(KilledDuringReads, SourceSurvivesAKilledReaderProcess) {
+  // Caller-registered memory, so shared memory goes through the server as TCP does.
+  auto peer = start_peer(std::string(to_string(GetParam())), "register", 1 << 20, 32, 21);
+  ASSERT_TRUE(peer) << peer.status().to_string();
+  for (int round = 0; round < 3; ++round) {
+    auto reader = rd2h::testing::start_reader(std::string(to_string(GetParam())), *peer);
+    ASSERT_TRUE(reader) << reader.status().to_string();
+    reader->kill(SIGKILL);
+    ASSERT_TRUE(reader->wait(10s));
+  }
+  auto engine = make_engine(GetParam());
+  auto session = engine->connect(peer->metadata);
+  ASSERT_TRUE(session) << session.status().to_string();
+  Destination dst(*engine, peer->block, false);
+  std::vector<uintptr_t> local{reinterpret_cast<uintptr_t>(dst.base)};
+  std::vector<uintptr_t> remote{peer->base};
+  std::vector<size_t> len{peer->block};
+  for (size_t j = 0; j < peer->blocks; ++j) {
+    remote[0] = peer->base + j * peer->block;
+    ASSERT_TRUE(engine->batch_read_sync(*session, local, remote, len).is_ok()) << "block " << j;
+    ASSERT_FALSE(find_pattern_mismatch(dst.base, peer->block, peer->key + j)) << "block " << j;
+  }
+  auto exited = peer->process.wait(0ms);
+  EXPECT_FALSE(exited) << "the source exited with status " << *exited;
 }
 
 INSTANTIATE_TEST_SUITE_P(Transports, KilledDuringReads,

@@ -38,6 +38,8 @@ class Subprocess {
   Expected<std::string> read_line(std::chrono::milliseconds timeout);
   // Everything the child writes to stdout until it closes it, bounded by `timeout`.
   Expected<std::string> read_all(std::chrono::milliseconds timeout);
+  // Writes `line` and a newline to the child's stdin.
+  Status write_line(const std::string& line);
   // Closes the child's stdin (the conventional "you may exit now").
   void close_stdin();
   void kill(int signal);
