@@ -280,20 +280,20 @@ class UcxEngine final : public TransferEngine {
     std::vector<const std::byte*> mapped_src(local.size());
     for (size_t i = 0; i < local.size(); ++i) {
       if (length[i] == 0) continue;
-      std::string op = "read " + std::to_string(i) + ": ";
+      auto op = [i] { return "read " + std::to_string(i) + ": "; };
       if (local[i] + length[i] < local[i] || remote[i] + length[i] < remote[i]) {
-        return out_of_range(op + "length " + std::to_string(length[i]) +
+        return out_of_range(op() + "length " + std::to_string(length[i]) +
                             " wraps the address space");
       }
       auto memh = find_local(local[i], length[i]);
       if (memh == nullptr) {
-        return out_of_range(op + "local range " + range_text(local[i], length[i]) +
+        return out_of_range(op() + "local range " + range_text(local[i], length[i]) +
                             " is not inside one local registration");
       }
       local_memh[i] = memh;
       auto region = find_remote(*s, remote[i], length[i]);
       if (region < 0) {
-        return out_of_range(op + "remote range " + range_text(remote[i], length[i]) +
+        return out_of_range(op() + "remote range " + range_text(remote[i], length[i]) +
                             " is not inside one region exported by " + s->id);
       }
       const auto r = static_cast<size_t>(region);
@@ -332,9 +332,10 @@ class UcxEngine final : public TransferEngine {
     }
 
     // Busy-polls: this thread exists to drive its reads. Liveness is checked once a
-    // millisecond, not on every spin.
+    // millisecond, not on every spin. After a failed post nothing is awaited: the session's
+    // teardown cancels what was posted.
     auto next_check = Deadline::Clock::now();
-    while (batch.outstanding > 0) {
+    while (batch.outstanding > 0 && post_error == UCS_OK) {
       ucp_worker_progress(s->worker);
       auto now = Deadline::Clock::now();
       if (now < next_check) continue;
@@ -702,7 +703,7 @@ class UcxEngine final : public TransferEngine {
     }
     if (!result.is_ok()) return result;
     const LaneTransports lanes = endpoint_lanes(s.ep);
-    s.rma_get = uses_hardware_rma(lanes.rma);
+    s.rma_get = rma_is_one_sided(lanes.rma);
     s.transport = join_transports(s.rma_get ? lanes.rma : lanes.am);
     if (std::any_of(s.mapped.begin(), s.mapped.end(), [](auto p) { return p != nullptr; })) {
       s.transport += "+mapped";

@@ -44,13 +44,14 @@ LaneTransports endpoint_lanes(ucp_ep_h ep) {
   return parse_lane_transports(info);
 }
 
-bool uses_hardware_rma(const std::set<std::string>& rma_transports) {
+bool rma_is_one_sided(const std::set<std::string>& rma_transports) {
+  if (rma_transports.empty()) return false;
   for (const auto& tl : rma_transports) {
-    for (const char* prefix : {"rc", "dc", "ud", "gga"}) {
-      if (tl.rfind(prefix, 0) == 0) return true;
-    }
+    bool one_sided = false;
+    for (const char* rdma : {"rc", "dc", "gga"}) one_sided = one_sided || tl.rfind(rdma, 0) == 0;
+    if (!one_sided) return false;
   }
-  return false;
+  return true;
 }
 
 std::string join_transports(const std::set<std::string>& names) {

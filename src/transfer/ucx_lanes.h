@@ -22,9 +22,11 @@ struct LaneTransports {
 LaneTransports parse_lane_transports(std::string_view ep_info);
 LaneTransports endpoint_lanes(ucp_ep_h ep);
 
-// True when RMA goes over RDMA hardware (InfiniBand/RoCE transports), where ucp_get is a
-// true one-sided read; elsewhere UCX 1.13 emulates it in software.
-bool uses_hardware_rma(const std::set<std::string>& rma_transports);
+// True when every RMA lane is RDMA hardware (InfiniBand/RoCE), where ucp_get reads without
+// the peer's help. Elsewhere UCX 1.13 emulates get in software (TCP, shared-memory FIFOs),
+// or, for cross-memory attach (cma), a reader killed mid-read was seen to leave the
+// source's shared-memory receive queue stuck; those sessions read over active messages.
+bool rma_is_one_sided(const std::set<std::string>& rma_transports);
 
 // "a,b,c", or "unknown" when empty.
 std::string join_transports(const std::set<std::string>& names);

@@ -54,7 +54,12 @@ inline Expected<Subprocess> start_reader(const std::string& transport, const Pee
   if (!p) return p.status();
   for (;;) {
     auto line = p->read_line(std::chrono::seconds(20));
-    if (!line) return line.status().with_context("waiting for the reader's first batch");
+    if (!line) {
+      auto status = p->wait(std::chrono::seconds(5));
+      return line.status().with_context(
+          "waiting for the reader's first batch (its wait status: " +
+          (status ? std::to_string(*status) : status.status().to_string()) + ")");
+    }
     if (*line == "READING") return std::move(*p);
   }
 }

@@ -266,6 +266,8 @@ TEST_P(Engine, ConnectingToAnExitedPeerFails) {
       << s.status().to_string();
 }
 
+// Reads the source serves itself (TCP; shared memory from caller-registered memory) are
+// checked against its registrations again when they arrive.
 TEST(Refusal, ARangeThePeerNoLongerServesFailsTheRead) {
   for (const char* transport : {"tcp", "shm"}) {
     SCOPED_TRACE(transport);
@@ -517,10 +519,13 @@ TEST_P(KilledDuringReads, SourceSurvivesAReaderThatGivesUpMidTransfer) {
 }
 
 // A reader process is killed while its reads are in flight. The source, like a Prefill
-// whose Decode crashed, must survive and keep serving.
+// whose Decode crashed, must survive and keep serving. Over TCP the source serves every
+// read (caller-registered memory); over shared memory its engine-allocated region is read
+// without its help.
 TEST_P(KilledDuringReads, SourceSurvivesAKilledReaderProcess) {
-  // Caller-registered memory, so shared memory goes through the server as TCP does.
-  auto peer = start_peer(std::string(to_string(GetParam())), "register", 1 << 20, 32, 21);
+  const bool tcp = GetParam() == Transport::kTcp;
+  auto peer =
+      start_peer(std::string(to_string(GetParam())), tcp ? "register" : "alloc", 1 << 20, 32, 21);
   ASSERT_TRUE(peer) << peer.status().to_string();
   for (int round = 0; round < 3; ++round) {
     auto reader = rd2h::testing::start_reader(std::string(to_string(GetParam())), *peer);

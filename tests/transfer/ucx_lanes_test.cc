@@ -43,12 +43,14 @@ TEST(UcxLanes, ParsesWhatUcxPrints) {
   }
 }
 
-TEST(UcxLanes, OnlyRdmaTransportsCountAsHardwareRma) {
-  EXPECT_TRUE(uses_hardware_rma({"rc_mlx5"}));
-  EXPECT_TRUE(uses_hardware_rma({"tcp", "dc_mlx5"}));
-  EXPECT_FALSE(uses_hardware_rma({"tcp"}));
-  EXPECT_FALSE(uses_hardware_rma({"cma", "posix", "sysv"}));
-  EXPECT_FALSE(uses_hardware_rma({}));
+TEST(UcxLanes, RmaIsOneSidedOnlyWhenEveryLaneIs) {
+  EXPECT_TRUE(rma_is_one_sided({"rc_mlx5"}));
+  EXPECT_FALSE(rma_is_one_sided({"cma"}));
+  EXPECT_TRUE(rma_is_one_sided({"rc_verbs", "dc_mlx5"}));
+  EXPECT_FALSE(rma_is_one_sided({"tcp", "dc_mlx5"}));
+  EXPECT_FALSE(rma_is_one_sided({"tcp"}));
+  EXPECT_FALSE(rma_is_one_sided({"posix", "sysv"}));
+  EXPECT_FALSE(rma_is_one_sided({}));
 }
 
 TEST(UcxLanes, JoinsNamesOrSaysUnknown) {
