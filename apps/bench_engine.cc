@@ -188,8 +188,13 @@ Expected<Row> bench_one(const BenchEngineOptions& o, const std::string& transpor
   so.serve_timeout_s = 600;
   auto source = spawn_source(so);
   if (!source) return source.status();
-  auto conn =
-      connect_to_source(source->address, *transport, std::chrono::milliseconds(o.timeout_ms));
+  auto read_path = transfer::parse_read_path(o.read_path);
+  if (!read_path) return read_path.status();
+  transfer::EngineConfig cfg;
+  cfg.transport = *transport;
+  cfg.read_path = *read_path;
+  cfg.read_timeout = cfg.connect_timeout = std::chrono::milliseconds(o.timeout_ms);
+  auto conn = connect_to_source(source->address, cfg);
   if (!conn) return conn.status();
   auto& engine = *conn->engine;
   Row row;

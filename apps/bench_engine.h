@@ -13,8 +13,9 @@ struct BenchEngineOptions {
   std::vector<std::string> transports{"shm", "tcp"};
   std::vector<uint64_t> block_bytes{16 << 10, 128 << 10, 1 << 20, 4 << 20};
   uint64_t batch_bytes = 64 << 20;
-  std::string memory = "alloc";  // how the source holds its pool: alloc | register
-  double min_seconds = 2.0;      // per measurement, split over alternating rounds
+  std::string memory = "alloc";    // how the source holds its pool: alloc | register
+  std::string read_path = "auto";  // the reader engine's: auto | rma | am
+  double min_seconds = 2.0;        // per measurement, split over alternating rounds
   uint32_t min_batches = 5;
   bool perftest = true;
   uint32_t timeout_ms = 5000;

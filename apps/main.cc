@@ -23,6 +23,10 @@ int main(int argc, char** argv) {
       ->add_option("--memory", pd.memory,
                    "source pool: alloc (engine-allocated) | register (caller memory)")
       ->check(CLI::IsMember({"alloc", "register"}));
+  pd_read
+      ->add_option("--read-path", pd.read_path,
+                   "dest: auto | rma (ucp_get) | am (active messages) for unmapped reads")
+      ->check(CLI::IsMember({"auto", "rma", "am"}));
   pd_read->add_option("--layers", pd.layers, "layers in the pool")->check(CLI::Range(1u, 4096u));
   pd_read->add_option("--blocks", pd.blocks, "blocks per tensor")->check(CLI::Range(1u, 1u << 24));
   pd_read->add_option("--block-tokens", pd.block_tokens, "tokens per block (informational)");
@@ -50,6 +54,8 @@ int main(int argc, char** argv) {
   bench_engine->add_option("--batch-bytes", be.batch_bytes, "bytes per batch");
   bench_engine->add_option("--memory", be.memory, "source pool: alloc | register")
       ->check(CLI::IsMember({"alloc", "register"}));
+  bench_engine->add_option("--read-path", be.read_path, "auto | rma | am")
+      ->check(CLI::IsMember({"auto", "rma", "am"}));
   bench_engine->add_option("--min-seconds", be.min_seconds, "time per measurement");
   bench_engine->add_flag("!--no-perftest", be.perftest, "skip ucx_perftest");
 

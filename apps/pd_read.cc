@@ -126,7 +126,13 @@ int run_dest(const PdReadOptions& o) {
   auto transport = transfer::parse_transport(o.transport);
   if (!transport) return fail(transport.status(), "dest");
   if (o.connect.empty()) return fail(invalid_argument("--connect host:port is required"), "dest");
-  auto conn = connect_to_source(o.connect, *transport, std::chrono::milliseconds(o.timeout_ms));
+  auto read_path = transfer::parse_read_path(o.read_path);
+  if (!read_path) return fail(read_path.status(), "dest");
+  transfer::EngineConfig cfg;
+  cfg.transport = *transport;
+  cfg.read_path = *read_path;
+  cfg.read_timeout = cfg.connect_timeout = std::chrono::milliseconds(o.timeout_ms);
+  auto conn = connect_to_source(o.connect, cfg);
   if (!conn) return fail(conn.status(), "dest");
   const KvPoolLayout& layout = conn->handshake.layout;
   if (o.batch_blocks == 0 || o.batch_blocks > layout.blocks) {
@@ -232,8 +238,8 @@ int run_local(const PdReadOptions& o) {
   inherit.inherit_stdout = true;
   auto dest = Subprocess::spawn(
       {self_executable(), "pd-read", "--role", "dest", "--connect", source->address, "--transport",
-       o.transport, "--batch-blocks", std::to_string(o.batch_blocks), "--batches",
-       std::to_string(o.batches), "--seed", std::to_string(o.seed), "--timeout-ms",
+       o.transport, "--read-path", o.read_path, "--batch-blocks", std::to_string(o.batch_blocks),
+       "--batches", std::to_string(o.batches), "--seed", std::to_string(o.seed), "--timeout-ms",
        std::to_string(o.timeout_ms)},
       inherit);
   if (!dest) return fail(dest.status(), "local");
@@ -275,9 +281,9 @@ Expected<SourceProcess> spawn_source(const PdReadOptions& o) {
   }
 }
 
-Expected<SourceConnection> connect_to_source(const std::string& address, Transport transport,
-                                             std::chrono::milliseconds timeout) {
-  Deadline deadline(std::max(timeout, std::chrono::milliseconds(10000)));
+Expected<SourceConnection> connect_to_source(const std::string& address,
+                                             transfer::EngineConfig cfg) {
+  Deadline deadline(std::max(cfg.connect_timeout, std::chrono::milliseconds(10000)));
   auto sock = Socket::connect(address, deadline);
   if (!sock) return sock.status();
   auto frame = sock->recv_frame(kMaxHandshake, deadline);
@@ -286,11 +292,7 @@ Expected<SourceConnection> connect_to_source(const std::string& address, Transpo
   if (!h) return h.status();
   RD2H_RETURN_IF_ERROR(h->layout.validate(kMaxPoolBytes).with_context("source layout"));
 
-  transfer::EngineConfig cfg;
   cfg.role = transfer::Role::kDecode;
-  cfg.transport = transport;
-  cfg.read_timeout = timeout;
-  cfg.connect_timeout = timeout;
   auto engine = transfer::create_ucx_engine(cfg);
   if (!engine) return engine.status();
   auto session = (*engine)->connect(h->engine_metadata);

@@ -22,7 +22,8 @@ struct PdReadOptions {
   std::string listen = "127.0.0.1:0";
   std::string connect;
   std::string transport = "auto";
-  std::string memory = "alloc";  // how the source holds its pool: alloc | register
+  std::string read_path = "auto";  // the destination's: auto | rma | am
+  std::string memory = "alloc";    // how the source holds its pool: alloc | register
   uint32_t layers = 61;
   uint32_t blocks = 32;
   uint32_t block_tokens = 128;
@@ -53,9 +54,9 @@ struct SourceConnection {
   std::unique_ptr<transfer::TransferEngine> engine;
   std::string session;
 };
+// `config` is the destination engine's; its role is set to decode.
 Expected<SourceConnection> connect_to_source(const std::string& address,
-                                             transfer::Transport transport,
-                                             std::chrono::milliseconds timeout);
+                                             transfer::EngineConfig config);
 // Tells the source the reader is done (ok or not), so it exits.
 void release_source(SourceConnection& connection, bool ok);
 

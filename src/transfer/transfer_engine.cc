@@ -33,6 +33,25 @@ Expected<Transport> parse_transport(std::string_view text) {
   return invalid_argument("transport '" + std::string(text) + "' is not one of shm, tcp, auto");
 }
 
+std::string_view to_string(ReadPath path) {
+  switch (path) {
+    case ReadPath::kAuto:
+      return "auto";
+    case ReadPath::kRma:
+      return "rma";
+    case ReadPath::kActiveMessage:
+      return "am";
+  }
+  return "unknown";
+}
+
+Expected<ReadPath> parse_read_path(std::string_view text) {
+  if (text == "auto") return ReadPath::kAuto;
+  if (text == "rma") return ReadPath::kRma;
+  if (text == "am") return ReadPath::kActiveMessage;
+  return invalid_argument("read path '" + std::string(text) + "' is not one of auto, rma, am");
+}
+
 namespace {
 
 std::mutex g_process_engine_mu;

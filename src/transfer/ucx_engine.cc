@@ -703,8 +703,19 @@ class UcxEngine final : public TransferEngine {
     }
     if (!result.is_ok()) return result;
     const LaneTransports lanes = endpoint_lanes(s.ep);
-    s.rma_get = rma_is_one_sided(lanes.rma);
-    s.transport = join_transports(s.rma_get ? lanes.rma : lanes.am);
+    switch (config_.read_path) {
+      case ReadPath::kAuto:
+        s.rma_get = rma_is_one_sided(lanes.rma);
+        break;
+      case ReadPath::kRma:
+        s.rma_get = true;
+        break;
+      case ReadPath::kActiveMessage:
+        s.rma_get = false;
+        break;
+    }
+    // Without RMA lanes UCX emulates get over the active-message lanes.
+    s.transport = join_transports(s.rma_get && !lanes.rma.empty() ? lanes.rma : lanes.am);
     if (std::any_of(s.mapped.begin(), s.mapped.end(), [](auto p) { return p != nullptr; })) {
       s.transport += "+mapped";
     }

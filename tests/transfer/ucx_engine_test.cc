@@ -26,10 +26,12 @@ using rd2h::testing::start_peer;
 
 constexpr auto kReadTimeout = 2000ms;
 
-std::unique_ptr<TransferEngine> make_engine(Transport transport) {
+std::unique_ptr<TransferEngine> make_engine(Transport transport,
+                                            ReadPath read_path = ReadPath::kAuto) {
   EngineConfig cfg;
   cfg.role = Role::kDecode;
   cfg.transport = transport;
+  cfg.read_path = read_path;
   cfg.read_timeout = kReadTimeout;
   cfg.connect_timeout = 5000ms;
   auto e = create_ucx_engine(cfg);
@@ -83,6 +85,7 @@ struct Case {
   Transport transport;
   const char* memory;  // how the source holds its region: "alloc" or "register"
   bool allocate_destination;
+  ReadPath read_path = ReadPath::kAuto;
 };
 
 class EndToEnd : public ::testing::TestWithParam<Case> {};
@@ -92,7 +95,7 @@ TEST_P(EndToEnd, RandomNonContiguousBlocksArriveByteExact) {
   const std::string transport(to_string(c.transport));
   auto peer = start_peer(transport, c.memory, 64 * 1024 + 24, 48, 1000);
   ASSERT_TRUE(peer) << peer.status().to_string();
-  auto engine = make_engine(c.transport);
+  auto engine = make_engine(c.transport, c.read_path);
   ASSERT_TRUE(engine);
   auto session = engine->connect(peer->metadata);
   ASSERT_TRUE(session) << session.status().to_string();
@@ -139,11 +142,16 @@ INSTANTIATE_TEST_SUITE_P(Transports, EndToEnd,
                                            Case{Transport::kShm, "register", true},
                                            Case{Transport::kTcp, "alloc", true},
                                            Case{Transport::kTcp, "register", false},
-                                           Case{Transport::kAuto, "alloc", false}),
+                                           Case{Transport::kAuto, "alloc", false},
+                                           // ucp_get, which the automatic choice keeps for
+                                           // RDMA, here over UCX's emulation
+                                           Case{Transport::kShm, "register", false, ReadPath::kRma},
+                                           Case{Transport::kTcp, "register", true, ReadPath::kRma}),
                          [](const auto& info) {
                            return std::string(to_string(info.param.transport)) + "_" +
                                   info.param.memory + "_into_" +
-                                  (info.param.allocate_destination ? "allocated" : "registered");
+                                  (info.param.allocate_destination ? "allocated" : "registered") +
+                                  (info.param.read_path == ReadPath::kRma ? "_rma" : "");
                          });
 
 class Engine : public ::testing::TestWithParam<Transport> {

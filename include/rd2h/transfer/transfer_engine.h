@@ -29,6 +29,12 @@ enum class Transport { kShm, kTcp, kAuto };
 std::string_view to_string(Transport transport);
 Expected<Transport> parse_transport(std::string_view text);  // "shm" | "tcp" | "auto"
 
+// How reads that cannot be served from a mapped region travel. kAuto: one-sided RMA where
+// the transport is RDMA hardware, active messages answered by the peer elsewhere.
+enum class ReadPath { kAuto, kRma, kActiveMessage };
+std::string_view to_string(ReadPath path);
+Expected<ReadPath> parse_read_path(std::string_view text);  // "auto" | "rma" | "am"
+
 struct EngineConfig {
   Role role = Role::kPrefill;
   int device_id = 0;
@@ -38,6 +44,7 @@ struct EngineConfig {
   std::chrono::milliseconds read_timeout{5000};
   // Bound on connect(), including the first exchange with the peer.
   std::chrono::milliseconds connect_timeout{5000};
+  ReadPath read_path = ReadPath::kAuto;
 };
 
 struct MemoryRegion {
