@@ -372,55 +372,66 @@ TEST_P(Engine, FaultInjectedFailureReadsNothingThenReadsResume) {
   EXPECT_FALSE(find_pattern_mismatch(dst.base, 4096, peer_->key + 3));
 }
 
-TEST(OneSided, ShmReadsOfEngineAllocatedMemoryNeedNoHelpFromThePeer) {
-  auto peer = start_peer("shm", "alloc", 4096, 8, 40);
-  ASSERT_TRUE(peer) << peer.status().to_string();
-  auto engine = make_engine(Transport::kShm);
-  auto session = engine->connect(peer->metadata);
-  ASSERT_TRUE(session) << session.status().to_string();
-  Destination dst(*engine, 4096, false);
-  std::vector<uintptr_t> local{reinterpret_cast<uintptr_t>(dst.base)};
-  std::vector<uintptr_t> remote{peer->base + 5 * 4096};
-  std::vector<size_t> len{4096};
+// A peer with 8 blocks of 4096 bytes, an engine connected to it, and one-block reads.
+class OneBlock : public ::testing::Test {
+ protected:
+  void start(Transport transport, uint64_t key) {
+    auto p = start_peer(std::string(to_string(transport)), "alloc", 4096, 8, key);
+    ASSERT_TRUE(p) << p.status().to_string();
+    peer_ = std::make_unique<PeerProcess>(std::move(*p));
+    engine_ = make_engine(transport);
+    auto s = engine_->connect(peer_->metadata);
+    ASSERT_TRUE(s) << s.status().to_string();
+    session_ = *s;
+    dst_ = std::make_unique<Destination>(*engine_, 4096, false);
+  }
+  Status read(size_t block) {
+    std::vector<uintptr_t> local{reinterpret_cast<uintptr_t>(dst_->base)};
+    std::vector<uintptr_t> remote{peer_->base + block * 4096};
+    std::vector<size_t> len{4096};
+    return engine_->batch_read_sync(session_, local, remote, len);
+  }
+  bool holds_block(size_t block) const {
+    return !find_pattern_mismatch(dst_->base, 4096, peer_->key + block);
+  }
+
+  std::unique_ptr<PeerProcess> peer_;
+  std::unique_ptr<TransferEngine> engine_;
+  std::string session_;
+  std::unique_ptr<Destination> dst_;
+};
+
+TEST_F(OneBlock, ShmReadsOfEngineAllocatedMemoryNeedNoHelpFromThePeer) {
+  ASSERT_NO_FATAL_FAILURE(start(Transport::kShm, 40));
   // A stopped process runs no thread at all, its progress thread included.
-  ASSERT_TRUE(peer->process.stop(10s).is_ok());
-  Status st = engine->batch_read_sync(*session, local, remote, len);
-  peer->process.kill(SIGCONT);
+  ASSERT_TRUE(peer_->process.stop(10s).is_ok());
+  Status st = read(5);
+  peer_->process.kill(SIGCONT);
   ASSERT_TRUE(st.is_ok()) << st.to_string();
-  EXPECT_FALSE(find_pattern_mismatch(dst.base, 4096, 45));
+  EXPECT_TRUE(holds_block(5));
 }
 
-TEST(Reconnect, SilentTcpPeerTimesOutAndAnExplicitReconnectRecovers) {
-  auto peer = start_peer("tcp", "alloc", 4096, 8, 60);
-  ASSERT_TRUE(peer) << peer.status().to_string();
-  auto engine = make_engine(Transport::kTcp);
-  auto session = engine->connect(peer->metadata);
-  ASSERT_TRUE(session) << session.status().to_string();
-  Destination dst(*engine, 4096, false);
-  std::vector<uintptr_t> local{reinterpret_cast<uintptr_t>(dst.base)};
-  std::vector<uintptr_t> remote{peer->base + 2 * 4096};
-  std::vector<size_t> len{4096};
-
+TEST_F(OneBlock, SilentTcpPeerTimesOutAndAnExplicitReconnectRecovers) {
+  ASSERT_NO_FATAL_FAILURE(start(Transport::kTcp, 60));
   // Over TCP the peer's progress thread answers every read: a stopped peer cannot.
-  ASSERT_TRUE(peer->process.stop(10s).is_ok());
-  Status st = engine->batch_read_sync(*session, local, remote, len);
-  peer->process.kill(SIGCONT);
+  ASSERT_TRUE(peer_->process.stop(10s).is_ok());
+  Status st = read(2);
+  peer_->process.kill(SIGCONT);
   ASSERT_EQ(st.code(), StatusCode::kTimeout) << st.to_string();
-  EXPECT_TRUE(dst.untouched());
-  auto info = engine->session_info(*session);
+  EXPECT_TRUE(dst_->untouched());
+  auto info = engine_->session_info(session_);
   ASSERT_TRUE(info);
   EXPECT_TRUE(info->broken);
   EXPECT_NE(info->broken_reason.find("took longer than"), std::string::npos) << info->broken_reason;
   // Broken stays broken until the caller reconnects.
-  EXPECT_EQ(engine->batch_read_sync(*session, local, remote, len).code(),
-            StatusCode::kFailedPrecondition);
+  EXPECT_EQ(read(2).code(), StatusCode::kFailedPrecondition);
 
-  auto again = engine->connect(peer->metadata);
+  auto again = engine_->connect(peer_->metadata);
   ASSERT_TRUE(again) << again.status().to_string();
-  EXPECT_EQ(*again, *session);
-  ASSERT_TRUE(engine->batch_read_sync(*again, local, remote, len).is_ok());
-  EXPECT_FALSE(find_pattern_mismatch(dst.base, 4096, 62));
-  EXPECT_FALSE(engine->session_info(*again)->broken);
+  EXPECT_EQ(*again, session_);
+  ASSERT_TRUE(read(2).is_ok());
+  EXPECT_TRUE(holds_block(2));
+  EXPECT_FALSE(engine_->session_info(session_)->broken);
 }
 
 INSTANTIATE_TEST_SUITE_P(Transports, Engine, ::testing::Values(Transport::kShm, Transport::kTcp),
