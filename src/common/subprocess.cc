@@ -2,6 +2,7 @@
 
 #include <fcntl.h>
 #include <poll.h>
+#include <pthread.h>
 #include <signal.h>
 #include <spawn.h>
 #include <sys/wait.h>
@@ -141,14 +142,31 @@ Expected<std::string> Subprocess::read_all(std::chrono::milliseconds timeout) {
 
 Status Subprocess::write_line(const std::string& line) {
   if (stdin_fd_ < 0) return failed_precondition("child stdin is closed");
+  // A child that exited makes the write raise SIGPIPE, which would end this process: block
+  // it for this thread and consume it if it came, so the write fails with EPIPE instead.
+  sigset_t pipe_set, old_set;
+  sigemptyset(&pipe_set);
+  sigaddset(&pipe_set, SIGPIPE);
+  pthread_sigmask(SIG_BLOCK, &pipe_set, &old_set);
   std::string data = line + "\n";
   size_t done = 0;
+  bool closed = false;
   while (done < data.size()) {
     ssize_t n = ::write(stdin_fd_, data.data() + done, data.size() - done);
     if (n < 0 && errno == EINTR) continue;
-    if (n <= 0) return failed_precondition("child " + std::to_string(pid_) + " closed its input");
+    if (n <= 0) {
+      closed = true;
+      break;
+    }
     done += static_cast<size_t>(n);
   }
+  if (closed) {
+    const timespec none{0, 0};
+    while (sigtimedwait(&pipe_set, nullptr, &none) == SIGPIPE) {
+    }
+  }
+  pthread_sigmask(SIG_SETMASK, &old_set, nullptr);
+  if (closed) return failed_precondition("child " + std::to_string(pid_) + " closed its input");
   return Status::ok();
 }
 

@@ -28,6 +28,7 @@
 
 #include <algorithm>
 #include <atomic>
+#include <condition_variable>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
@@ -83,11 +84,47 @@ std::string local_hostname() {
   return buf;
 }
 
+// Replies the server is sending from one registration. UCX reads a reply's bytes until
+// its send completes, so unregistering waits for them to drain.
+struct ReplyTracker {
+  std::mutex mu;
+  std::condition_variable drained;
+  int in_flight = 0;
+
+  void add() {
+    std::lock_guard lock(mu);
+    ++in_flight;
+  }
+  void done() {
+    {
+      std::lock_guard lock(mu);
+      --in_flight;
+    }
+    drained.notify_all();
+  }
+  bool wait_drained(std::chrono::milliseconds timeout) {
+    std::unique_lock lock(mu);
+    return drained.wait_for(lock, timeout, [this] { return in_flight == 0; });
+  }
+};
+
 struct LocalRegistration {
   uint64_t length = 0;
   ucp_mem_h memh = nullptr;
   std::vector<std::byte> packed_rkey;
   bool engine_owned = false;
+  std::shared_ptr<ReplyTracker> replies = std::make_shared<ReplyTracker>();
+};
+
+// One reply of the am read path while UCX sends it.
+struct AmReply {
+  AmReadReplyHeader header;
+  std::shared_ptr<ReplyTracker> tracker;  // null for a refusal, which carries no data
+
+  void finish() {
+    if (tracker) tracker->done();
+    delete this;
+  }
 };
 
 class UcxEngine final : public TransferEngine {
@@ -182,15 +219,28 @@ class UcxEngine final : public TransferEngine {
   }
 
   Status unregister_memory(void* addr) override {
+    const auto base = reinterpret_cast<uintptr_t>(addr);
     std::unique_lock lock(regs_mu_);
-    auto it = regs_.find(reinterpret_cast<uintptr_t>(addr));
-    if (it == regs_.end()) {
-      return not_found("no registration starts at " + hex(reinterpret_cast<uintptr_t>(addr)));
-    }
-    ucs_status_t st = ucp_mem_unmap(context_, it->second.memh);
+    auto it = regs_.find(base);
+    if (it == regs_.end()) return not_found("no registration starts at " + hex(base));
+    // Out of the table first, so no new reply is sent from it; then wait for those in flight.
+    LocalRegistration reg = std::move(it->second);
     regs_.erase(it);
-    if (st != UCS_OK) return ucs_error("ucp_mem_unmap", st);
-    return Status::ok();
+    lock.unlock();
+    const std::string range = range_text(base, reg.length);
+    Status result;
+    if (!reg.replies->wait_drained(config_.read_timeout)) {
+      result = timeout_error("replies from " + range + " were still being sent after " +
+                             std::to_string(config_.read_timeout.count()) +
+                             " ms; the range stays registered");
+    } else if (ucs_status_t st = ucp_mem_unmap(context_, reg.memh); st != UCS_OK) {
+      result = ucs_error("unregistering " + range + " (it stays registered)", st);
+    } else {
+      return Status::ok();
+    }
+    lock.lock();
+    regs_.emplace(base, std::move(reg));
+    return result;
   }
 
   Expected<std::vector<std::byte>> export_metadata() const override {
@@ -239,6 +289,8 @@ class UcxEngine final : public TransferEngine {
       sessions_.erase(it);
     }
     std::lock_guard lock(s->mu);
+    // A reader that found the session before it left the table sees it broken, not empty.
+    s->mark_broken(failed_precondition("disconnected"));
     s->release();
     return Status::ok();
   }
@@ -285,12 +337,12 @@ class UcxEngine final : public TransferEngine {
         return out_of_range(op() + "length " + std::to_string(length[i]) +
                             " wraps the address space");
       }
-      auto memh = find_local(local[i], length[i]);
-      if (memh == nullptr) {
+      const LocalRegistration* reg = find_local(local[i], length[i]);
+      if (reg == nullptr) {
         return out_of_range(op() + "local range " + range_text(local[i], length[i]) +
                             " is not inside one local registration");
       }
-      local_memh[i] = memh;
+      local_memh[i] = reg->memh;
       auto region = find_remote(*s, remote[i], length[i]);
       if (region < 0) {
         return out_of_range(op() + "remote range " + range_text(remote[i], length[i]) +
@@ -407,7 +459,8 @@ class UcxEngine final : public TransferEngine {
     requests.clear();
     for (size_t i = 0; i < remote.size(); ++i) {
       if (length[i] == 0 || mapped_src[i] != nullptr) continue;
-      if (requests.empty() || requests.back().ranges.size() == kAmRangesPerRequest) {
+      // Ranges of one request are indexed from its first_index, so the cap counts gaps too.
+      if (requests.empty() || i - requests.back().header.first_index >= kAmRangesPerRequest) {
         requests.push_back({{batch.id, static_cast<uint32_t>(i), 0}, {}});
         requests.back().ranges.reserve(kAmRangesPerRequest);
       }
@@ -442,10 +495,9 @@ class UcxEngine final : public TransferEngine {
                                          void* data, size_t length,
                                          const ucp_am_recv_param_t* param) {
     auto* engine = static_cast<UcxEngine*>(arg);
-    if ((param->recv_attr & UCP_AM_RECV_ATTR_FLAG_RNDV) != 0) {
-      ucp_am_data_release(engine->server_worker_, data);
-      return UCS_OK;  // requests are sent eager; anything else is not ours
-    }
+    // Requests are sent eager; anything else is not ours, and returning UCS_OK without
+    // receiving it lets UCX drop it.
+    if ((param->recv_attr & UCP_AM_RECV_ATTR_FLAG_RNDV) != 0) return UCS_OK;
     AmReadRequestHeader h;
     if (header_length != sizeof(h) || (param->recv_attr & UCP_AM_RECV_ATTR_FIELD_REPLY_EP) == 0) {
       return UCS_OK;
@@ -457,10 +509,12 @@ class UcxEngine final : public TransferEngine {
       AmRange range;
       std::memcpy(&range, static_cast<const std::byte*>(data) + k * sizeof(AmRange), sizeof(range));
       if (range.length == 0) continue;
-      auto* reply = new AmReadReplyHeader{h.batch_id, h.first_index + k, 0};
-      const bool registered = range.addr + range.length >= range.addr &&
-                              engine->find_local(range.addr, range.length) != nullptr;
-      reply->refused = registered ? 0 : 1;
+      const LocalRegistration* reg = range.addr + range.length >= range.addr
+                                         ? engine->find_local(range.addr, range.length)
+                                         : nullptr;
+      auto* reply = new AmReply{{h.batch_id, h.first_index + k, reg == nullptr ? 1u : 0u},
+                                reg == nullptr ? nullptr : reg->replies};
+      if (reply->tracker) reply->tracker->add();
       ucp_request_param_t p{};
       p.op_attr_mask =
           UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA | UCP_OP_ATTR_FIELD_FLAGS;
@@ -468,17 +522,18 @@ class UcxEngine final : public TransferEngine {
       // mid-transfer; eager sends fail through their callback instead.
       p.flags = UCP_AM_SEND_FLAG_EAGER;
       p.cb.send = [](void* request, ucs_status_t, void* user_data) {
-        delete static_cast<AmReadReplyHeader*>(user_data);
+        static_cast<AmReply*>(user_data)->finish();
         ucp_request_free(request);
       };
       p.user_data = reply;
-      void* req = ucp_am_send_nbx(param->reply_ep, kAmReadReply, reply, sizeof(*reply),
-                                  registered ? reinterpret_cast<const void*>(range.addr) : nullptr,
-                                  registered ? range.length : 0, &p);
+      void* req =
+          ucp_am_send_nbx(param->reply_ep, kAmReadReply, &reply->header, sizeof(reply->header),
+                          reg != nullptr ? reinterpret_cast<const void*>(range.addr) : nullptr,
+                          reg != nullptr ? range.length : 0, &p);
       if (req == nullptr) {
-        delete reply;
+        reply->finish();
       } else if (UCS_PTR_IS_ERR(req)) {
-        delete reply;
+        reply->finish();
         break;  // the reader is gone; its other ranges need no answer
       }
     }
@@ -566,13 +621,13 @@ class UcxEngine final : public TransferEngine {
     return nullptr;
   }
 
-  // The local memory handle covering the whole range, or null. Caller holds regs_mu_.
-  ucp_mem_h find_local(uintptr_t addr, size_t len) const {
+  // The registration covering the whole range, or null. Caller holds regs_mu_.
+  const LocalRegistration* find_local(uintptr_t addr, size_t len) const {
     auto it = regs_.upper_bound(addr);
     if (it == regs_.begin()) return nullptr;
     --it;
     if (addr + len > it->first + it->second.length) return nullptr;
-    return it->second.memh;
+    return &it->second;
   }
 
   static int64_t find_remote(const Session& s, uint64_t addr, uint64_t len) {
@@ -783,10 +838,11 @@ class UcxEngine final : public TransferEngine {
       std::lock_guard lock(sessions_mu_);
       sessions_.clear();
     }
-    for (auto& [base, reg] : regs_) ucp_mem_unmap(context_, reg.memh);
-    regs_.clear();
+    // The serving worker goes first: its unfinished replies may still read registered memory.
     if (server_worker_ != nullptr) ucp_worker_destroy(server_worker_);
     server_worker_ = nullptr;
+    for (auto& [base, reg] : regs_) ucp_mem_unmap(context_, reg.memh);
+    regs_.clear();
     if (context_ != nullptr) ucp_cleanup(context_);
     context_ = nullptr;
     if (epoll_fd_ >= 0) ::close(epoll_fd_);

@@ -8,8 +8,6 @@ namespace rd2h::transfer {
 
 void Session::release() {
   mapped.clear();
-  for (auto rkey : rkeys) ucp_rkey_destroy(rkey);
-  rkeys.clear();
   if (worker != nullptr) {
     if (ep != nullptr) {
       ucp_request_param_t p{};
@@ -26,6 +24,9 @@ void Session::release() {
       if (UCS_PTR_IS_PTR(req)) ucp_request_free(req);
       ep = nullptr;
     }
+    // After the endpoint's close has had its chance to flush the reads that use them.
+    for (auto rkey : rkeys) ucp_rkey_destroy(rkey);
+    rkeys.clear();
     ucp_worker_destroy(worker);
     worker = nullptr;
   }
@@ -50,10 +51,8 @@ ucs_status_t on_am_read_reply(void* arg, const void* header, size_t header_lengt
                               size_t length, const ucp_am_recv_param_t* param) {
   auto* s = static_cast<Session*>(arg);
   const bool rndv = (param->recv_attr & UCP_AM_RECV_ATTR_FLAG_RNDV) != 0;
-  auto drop = [&] {
-    if (rndv) ucp_am_data_release(s->worker, data);
-    return UCS_OK;
-  };
+  // Returning UCS_OK without receiving rendezvous data lets UCX drop it.
+  auto drop = [] { return UCS_OK; };
   AmReadReplyHeader h;
   if (header_length != sizeof(h)) return drop();
   std::memcpy(&h, header, sizeof(h));

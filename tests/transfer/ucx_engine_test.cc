@@ -223,6 +223,22 @@ TEST_P(Engine, UnknownSessionIsNotFound) {
   EXPECT_EQ(engine_->batch_read_sync("ucx:nobody:1:0", a, a, l).code(), StatusCode::kNotFound);
 }
 
+TEST_P(Engine, ADisconnectedSessionIsGone) {
+  ASSERT_TRUE(engine_->disconnect(session_).is_ok());
+  std::vector<uintptr_t> a{peer_->base};
+  std::vector<size_t> l{8};
+  EXPECT_EQ(engine_->batch_read_sync(session_, a, a, l).code(), StatusCode::kNotFound);
+  EXPECT_EQ(engine_->disconnect(session_).code(), StatusCode::kNotFound);
+  // and can be connected again
+  auto again = engine_->connect(peer_->metadata);
+  ASSERT_TRUE(again) << again.status().to_string();
+  Destination dst(*engine_, 4096, false);
+  std::vector<uintptr_t> local{reinterpret_cast<uintptr_t>(dst.base)};
+  std::vector<size_t> len{4096};
+  ASSERT_TRUE(engine_->batch_read_sync(*again, local, a, len).is_ok());
+  EXPECT_FALSE(find_pattern_mismatch(dst.base, 4096, peer_->key));
+}
+
 TEST_P(Engine, ReconnectingALiveSessionReturnsTheSameId) {
   auto again = engine_->connect(peer_->metadata);
   ASSERT_TRUE(again);
