@@ -17,7 +17,6 @@ namespace rd2h::tools {
 namespace {
 
 using namespace std::chrono_literals;
-using transfer::Transport;
 
 constexpr uint64_t kMaxPoolBytes = 64ull << 30;
 constexpr size_t kMaxHandshake = 32u << 20;
