@@ -1,0 +1,104 @@
+// The control-plane messages of the connector (spec "Control Protocol"), as plain structs,
+// with msgpack codecs byte-compatible with the existing Python implementation
+// (spec/wire-format.md). Decoders validate arity, types and ranges and never allocate
+// beyond the message's size; fields rd2h adds are appended, so older peers still parse us.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <optional>
+#include <span>
+#include <string>
+#include <string_view>
+#include <utility>
+#include <variant>
+#include <vector>
+
+#include "rd2h/common/status.h"
+
+namespace rd2h::protocol {
+
+// Versions rd2h states in MF_META. A peer stating a different one is refused.
+inline constexpr uint64_t kProtocolVersion = 1;
+inline constexpr uint64_t kCacheLayoutVersion = 1;
+
+inline constexpr std::string_view kAckPayload = "ACK";  // raw bytes, not msgpack
+
+// Limits every decoder enforces.
+inline constexpr size_t kMaxMessageBytes = 64u << 20;
+inline constexpr size_t kMaxStringBytes = 64u << 10;
+inline constexpr size_t kMaxArrayItems = 1u << 22;
+inline constexpr int64_t kMaxBlockId = (int64_t{1} << 31) - 1;
+inline constexpr int64_t kMaxLayerIndex = 1 << 20;
+inline constexpr int64_t kMaxTpRatio = 1 << 12;
+
+// One layer's cache tensors as Prefill exposes them: K, V (main), then indexer, then the
+// optional LIC8 scale.
+struct LayerMeta {
+  std::vector<uint64_t> base_addrs;
+  std::vector<uint64_t> block_len;         // bytes per kernel block
+  std::vector<uint64_t> block_size_scale;  // kernel blocks per block
+  std::vector<uint64_t> tensor_group_idx;
+  uint64_t main_tensor_count = 2;
+  bool has_indexer = false;
+
+  // Bytes per block of tensor i.
+  uint64_t bytes_per_block(size_t i) const { return block_len[i] * block_size_scale[i]; }
+};
+
+struct MfMeta {
+  std::string p_session;
+  std::vector<std::pair<std::string, LayerMeta>> layers;  // ascending layer order
+  // Appended by rd2h; absent when a legacy peer sent the message.
+  std::optional<uint64_t> protocol_version;
+  std::optional<uint64_t> cache_layout_version;
+  std::string backend_name;
+  std::vector<std::byte> backend_metadata;
+};
+
+struct ReadReq {
+  std::string ext_id;
+  std::vector<int64_t> main_block_ids;
+  std::vector<int64_t> indexer_block_ids;
+  int64_t main_start = 0;
+  int64_t indexer_start = 0;
+};
+
+struct ReadReadyBatch {
+  int64_t layer_idx = 0;
+  std::string layer_name;
+  std::vector<ReadReq> read_reqs;
+  std::vector<std::string> done_ext_ids;
+  int64_t group_member_idx = 0;
+  int64_t tp_ratio = 1;
+};
+
+struct ReadDone {
+  int64_t layer_idx = 0;
+};
+
+struct ReadFailed {
+  int64_t layer_idx = 0;
+  std::string error;
+};
+
+using Message = std::variant<MfMeta, ReadReadyBatch, ReadDone, ReadFailed>;
+
+std::vector<std::byte> encode(const MfMeta& m);
+std::vector<std::byte> encode(const ReadReadyBatch& m);
+std::vector<std::byte> encode(const ReadDone& m);
+std::vector<std::byte> encode(const ReadFailed& m);
+
+// Decodes any msgpack message of the protocol (not the raw ACK).
+Expected<Message> decode_message(std::span<const std::byte> payload);
+bool is_ack(std::span<const std::byte> payload);
+
+// The layer index of a message too broken to decode, when it can still be read: lets
+// Decode answer READ_FAILED for it rather than stay silent.
+std::optional<int64_t> salvage_layer_index(std::span<const std::byte> payload);
+
+// Refuses a peer whose stated protocol or cache-layout version differs from ours, naming
+// both. A legacy peer states none and is accepted.
+Status check_compatible(const MfMeta& peer);
+
+}  // namespace rd2h::protocol

@@ -1,0 +1,283 @@
+#include "rd2h/protocol/messages.h"
+
+#include <gtest/gtest.h>
+
+#include <random>
+
+namespace rd2h::protocol {
+namespace {
+
+std::vector<std::byte> hex(std::string_view text) {
+  std::vector<std::byte> out;
+  std::string digits;
+  for (char c : text) {
+    if (std::isxdigit(static_cast<unsigned char>(c))) digits += c;
+  }
+  for (size_t i = 0; i + 1 < digits.size(); i += 2) {
+    out.push_back(static_cast<std::byte>(std::stoi(digits.substr(i, 2), nullptr, 16)));
+  }
+  return out;
+}
+
+std::vector<std::byte> bytes(std::initializer_list<int> v) {
+  std::vector<std::byte> out;
+  for (int x : v) out.push_back(static_cast<std::byte>(x));
+  return out;
+}
+
+// The example of wire-format.md, byte for byte.
+const char* kReadyExample =
+    "97 c4 10 72656164 5f726561 64795f62 61746368 00"
+    "b8 6d6f6465 6c2e6c61 79657273 2e302e73 656c665f 6174746e"
+    "91 95 a5 7265712d30 92 03 04 91 07 00 00"
+    "91 a5 7265712d30"
+    "00 01";
+
+TEST(Protocol, ReadReadyBatchMatchesTheWireFormatExample) {
+  ReadReadyBatch m;
+  m.layer_idx = 0;
+  m.layer_name = "model.layers.0.self_attn";
+  m.read_reqs.push_back({"req-0", {3, 4}, {7}, 0, 0});
+  m.done_ext_ids = {"req-0"};
+  auto encoded = encode(m);
+  EXPECT_EQ(encoded.size(), 69u);
+  EXPECT_EQ(encoded, hex(kReadyExample));
+}
+
+TEST(Protocol, ReadReadyBatchExampleDecodes) {
+  auto d = decode_message(hex(kReadyExample));
+  ASSERT_TRUE(d) << d.status().to_string();
+  const auto& m = std::get<ReadReadyBatch>(*d);
+  EXPECT_EQ(m.layer_idx, 0);
+  EXPECT_EQ(m.layer_name, "model.layers.0.self_attn");
+  ASSERT_EQ(m.read_reqs.size(), 1u);
+  EXPECT_EQ(m.read_reqs[0].ext_id, "req-0");
+  EXPECT_EQ(m.read_reqs[0].main_block_ids, (std::vector<int64_t>{3, 4}));
+  EXPECT_EQ(m.read_reqs[0].indexer_block_ids, (std::vector<int64_t>{7}));
+  EXPECT_EQ(m.done_ext_ids, (std::vector<std::string>{"req-0"}));
+  EXPECT_EQ(m.group_member_idx, 0);
+  EXPECT_EQ(m.tp_ratio, 1);
+}
+
+TEST(Protocol, RepliesMatchTheWireFormatExamples) {
+  EXPECT_EQ(encode(ReadDone{0}), hex("92 c4 09 726561645f646f6e65 00"));
+  EXPECT_EQ(encode(ReadFailed{3, "boom"}), hex("93 c4 0b 726561645f6661696c6564 03 a4 626f6f6d"));
+  auto done = decode_message(hex("92 c4 09 726561645f646f6e65 00"));
+  ASSERT_TRUE(done);
+  EXPECT_EQ(std::get<ReadDone>(*done).layer_idx, 0);
+  auto failed = decode_message(hex("93 c4 0b 726561645f6661696c6564 03 a4 626f6f6d"));
+  ASSERT_TRUE(failed);
+  EXPECT_EQ(std::get<ReadFailed>(*failed).layer_idx, 3);
+  EXPECT_EQ(std::get<ReadFailed>(*failed).error, "boom");
+}
+
+TEST(Protocol, IntegersUseTheirSmallestEncoding) {
+  EXPECT_EQ(encode(ReadDone{127}), hex("92 c4 09 726561645f646f6e65 7f"));
+  EXPECT_EQ(encode(ReadDone{128}), hex("92 c4 09 726561645f646f6e65 cc 80"));
+  EXPECT_EQ(encode(ReadDone{70000}), hex("92 c4 09 726561645f646f6e65 ce 00011170"));
+}
+
+TEST(Protocol, TupleLengthGuardsFillLegacyDefaults) {
+  // 4 elements: no done ids, member 0, ratio 1.
+  auto four = decode_message(hex("94 c4 10 726561645f72656164795f6261746368 05 a1 78 90"));
+  ASSERT_TRUE(four) << four.status().to_string();
+  const auto& a = std::get<ReadReadyBatch>(*four);
+  EXPECT_EQ(a.layer_idx, 5);
+  EXPECT_TRUE(a.done_ext_ids.empty());
+  EXPECT_EQ(a.group_member_idx, 0);
+  EXPECT_EQ(a.tp_ratio, 1);
+
+  // 2-field read_req: one block list for main and indexer, starts 0.
+  auto legacy = decode_message(
+      hex("95 c4 10 726561645f72656164795f6261746368 01 a1 78 91 92 a1 72 92 02 09 90"));
+  ASSERT_TRUE(legacy) << legacy.status().to_string();
+  const auto& r = std::get<ReadReadyBatch>(*legacy).read_reqs.at(0);
+  EXPECT_EQ(r.main_block_ids, (std::vector<int64_t>{2, 9}));
+  EXPECT_EQ(r.indexer_block_ids, (std::vector<int64_t>{2, 9}));
+  EXPECT_EQ(r.main_start, 0);
+  EXPECT_EQ(r.indexer_start, 0);
+
+  // 4-field read_req: one start for both.
+  auto one_start = decode_message(
+      hex("95 c4 10 726561645f72656164795f6261746368 01 a1 78 91 94 a1 72 91 02 91 03 06 90"));
+  ASSERT_TRUE(one_start) << one_start.status().to_string();
+  const auto& r4 = std::get<ReadReadyBatch>(*one_start).read_reqs.at(0);
+  EXPECT_EQ(r4.main_start, 6);
+  EXPECT_EQ(r4.indexer_start, 6);
+
+  // READ_FAILED without an error string.
+  auto bare = decode_message(hex("92 c4 0b 726561645f6661696c6564 03"));
+  ASSERT_TRUE(bare);
+  EXPECT_EQ(std::get<ReadFailed>(*bare).error, "");
+}
+
+TEST(Protocol, UnequalTpFieldsRoundTrip) {
+  ReadReadyBatch m;
+  m.layer_idx = 60;
+  m.layer_name = "model.layers.60.self_attn";
+  m.read_reqs.push_back({"a", {1, 2, 3}, {4, 5}, 7, 9});
+  m.group_member_idx = 3;
+  m.tp_ratio = 4;
+  auto d = decode_message(encode(m));
+  ASSERT_TRUE(d) << d.status().to_string();
+  const auto& back = std::get<ReadReadyBatch>(*d);
+  EXPECT_EQ(back.group_member_idx, 3);
+  EXPECT_EQ(back.tp_ratio, 4);
+  EXPECT_EQ(back.read_reqs[0].main_start, 7);
+  EXPECT_EQ(back.read_reqs[0].indexer_start, 9);
+}
+
+MfMeta sample_meta() {
+  MfMeta m;
+  m.p_session = "10.0.0.1:5000";
+  LayerMeta l;
+  l.base_addrs = {0x7f0000000000, 0x7f0000100000, 0x7f0000200000};
+  l.block_len = {4096, 512, 512};
+  l.block_size_scale = {32, 32, 32};
+  l.tensor_group_idx = {0, 0, 1};
+  l.main_tensor_count = 2;
+  l.has_indexer = true;
+  m.layers = {{"model.layers.0.self_attn", l}, {"model.layers.1.self_attn", l}};
+  m.backend_name = "ucx";
+  m.backend_metadata = bytes({1, 2, 3});
+  return m;
+}
+
+TEST(Protocol, MfMetaRoundTripsWithAppendedFields) {
+  auto d = decode_message(encode(sample_meta()));
+  ASSERT_TRUE(d) << d.status().to_string();
+  const auto& m = std::get<MfMeta>(*d);
+  EXPECT_EQ(m.p_session, "10.0.0.1:5000");
+  ASSERT_EQ(m.layers.size(), 2u);
+  EXPECT_EQ(m.layers[1].first, "model.layers.1.self_attn");
+  EXPECT_EQ(m.layers[0].second.bytes_per_block(0), 4096u * 32);
+  EXPECT_TRUE(m.layers[0].second.has_indexer);
+  EXPECT_EQ(m.protocol_version, kProtocolVersion);
+  EXPECT_EQ(m.cache_layout_version, kCacheLayoutVersion);
+  EXPECT_EQ(m.backend_name, "ucx");
+  EXPECT_EQ(m.backend_metadata, bytes({1, 2, 3}));
+  EXPECT_TRUE(check_compatible(m).is_ok());
+}
+
+TEST(Protocol, LegacyMfMetaHasNoVersionsAndIsAccepted) {
+  auto full = encode(sample_meta());
+  // A legacy peer sends only the first three elements: rewrite the array header to 3 and
+  // cut the appended fields (versions 01 01, str "ucx", bin of 3 bytes: 1+1+4+5 bytes).
+  std::vector<std::byte> legacy(full.begin(), full.end() - 11);
+  legacy[0] = std::byte{0x93};
+  auto d = decode_message(legacy);
+  ASSERT_TRUE(d) << d.status().to_string();
+  const auto& m = std::get<MfMeta>(*d);
+  EXPECT_FALSE(m.protocol_version.has_value());
+  EXPECT_FALSE(m.cache_layout_version.has_value());
+  EXPECT_TRUE(check_compatible(m).is_ok());
+}
+
+TEST(Protocol, IncompatibleVersionsAreRefusedNamingBoth) {
+  MfMeta m = sample_meta();
+  m.protocol_version = kProtocolVersion + 1;
+  Status st = check_compatible(m);
+  EXPECT_FALSE(st.is_ok());
+  EXPECT_NE(st.message().find("protocol version " + std::to_string(kProtocolVersion + 1)),
+            std::string::npos);
+  EXPECT_NE(st.message().find("this build speaks " + std::to_string(kProtocolVersion)),
+            std::string::npos);
+  m.protocol_version = kProtocolVersion;
+  m.cache_layout_version = 7;
+  st = check_compatible(m);
+  EXPECT_NE(st.message().find("cache-layout version 7"), std::string::npos) << st.message();
+}
+
+TEST(Protocol, MalformedMessagesAreRejectedWithAReason) {
+  const std::string rrb = "c4 10 726561645f72656164795f6261746368";
+  struct Case {
+    const char* name;
+    std::string hex;
+    const char* expect;
+  };
+  const Case cases[] = {
+      {"empty", "", "empty"},
+      {"not an array", "a3 414243", "not an array"},
+      {"tag as str", "92 a9 726561645f646f6e65 00", "expected bin"},
+      {"unknown tag", "92 c4 03 666f6f 00", "unknown tag"},
+      {"too few elements", "93 " + rrb + " 00 a1 78", "3 elements"},
+      {"too many elements", "98 " + rrb + " 00 a1 78 90 90 00 01 00", "8 elements"},
+      {"layer as str", "94 " + rrb + " a1 30 a1 78 90", "expected an integer"},
+      {"negative layer", "94 " + rrb + " ff a1 78 90", "is negative"},
+      {"negative block id", "94 " + rrb + " 00 a1 78 91 92 a1 72 91 ff", "is negative"},
+      {"oversized block id", "94 " + rrb + " 00 a1 78 91 92 a1 72 91 cf 0000000100000000",
+       "exceeds the limit"},
+      {"float block id", "94 " + rrb + " 00 a1 78 91 92 a1 72 91 cb 3ff0000000000000",
+       "expected an integer, got float"},
+      {"read_req of 1 field", "94 " + rrb + " 00 a1 78 91 91 a1 72", "1 elements"},
+      {"member not below ratio", "97 " + rrb + " 00 a1 78 90 90 02 02", "not below tp_ratio"},
+      {"ratio zero", "97 " + rrb + " 00 a1 78 90 90 00 00", "below 1"},
+      {"trailing bytes", "92 c4 09 726561645f646f6e65 00 00", "trailing"},
+      {"truncated", "92 c4 09 726561645f646f6e", "truncated"},
+      {"READ_DONE arity", "93 c4 09 726561645f646f6e65 00 00", "expected 2"},
+      {"huge array header", "dd ffffffff", "not valid msgpack"},
+  };
+  for (const auto& c : cases) {
+    auto d = decode_message(hex(c.hex));
+    ASSERT_FALSE(d) << c.name;
+    EXPECT_EQ(d.status().code(), StatusCode::kInvalidArgument) << c.name;
+    EXPECT_NE(d.status().message().find(c.expect), std::string::npos)
+        << c.name << ": " << d.status().message();
+  }
+}
+
+TEST(Protocol, MalformedLayerMapsAreRejected) {
+  auto with = [](void (*change)(LayerMeta&)) {
+    MfMeta m = sample_meta();
+    change(m.layers[0].second);
+    return decode_message(encode(m));
+  };
+  auto a = with([](LayerMeta& l) { l.block_len.pop_back(); });
+  ASSERT_FALSE(a);
+  EXPECT_NE(a.status().message().find("they must match"), std::string::npos);
+  auto b = with([](LayerMeta& l) { l.main_tensor_count = 3; });
+  ASSERT_FALSE(b);
+  EXPECT_NE(b.status().message().find("has_indexer is set"), std::string::npos);
+  auto c = with([](LayerMeta& l) { l.block_size_scale[1] = 0; });
+  ASSERT_FALSE(c);
+  EXPECT_NE(c.status().message().find("tensor 1 has zero bytes"), std::string::npos);
+}
+
+TEST(Protocol, EveryTruncationAndRandomCorruptionFailsCleanly) {
+  ReadReadyBatch rrb;
+  rrb.layer_idx = 12;
+  rrb.layer_name = "model.layers.12.self_attn";
+  rrb.read_reqs.push_back({"x", {1, 2}, {3}, 1, 1});
+  rrb.done_ext_ids = {"x"};
+  for (const auto& valid : {encode(rrb), encode(sample_meta()), encode(ReadFailed{1, "e"})}) {
+    for (size_t n = 0; n < valid.size(); ++n) {
+      EXPECT_FALSE(decode_message(std::span(valid.data(), n))) << "prefix " << n;
+    }
+    std::mt19937 rng(42);
+    for (int i = 0; i < 2000; ++i) {
+      auto corrupt = valid;
+      for (int k = 0; k < 3; ++k) {
+        corrupt[rng() % corrupt.size()] = static_cast<std::byte>(rng() & 0xff);
+      }
+      (void)decode_message(corrupt);  // must return, valid or not, without crashing
+    }
+  }
+}
+
+TEST(Protocol, LayerIndexIsSalvagedFromABrokenReadiness) {
+  // read_reqs is a str instead of an array: undecodable, but the layer is readable.
+  auto broken = hex("94 c4 10 726561645f72656164795f6261746368 0c a1 78 a1 78");
+  EXPECT_FALSE(decode_message(broken));
+  EXPECT_EQ(salvage_layer_index(broken), std::optional<int64_t>(12));
+  EXPECT_EQ(salvage_layer_index(hex("92 c4 09 726561645f646f6e65 00")), std::nullopt);
+  EXPECT_EQ(salvage_layer_index(hex("c0")), std::nullopt);
+}
+
+TEST(Protocol, AckIsTheThreeRawBytes) {
+  EXPECT_TRUE(is_ack(bytes({'A', 'C', 'K'})));
+  EXPECT_FALSE(is_ack(bytes({'A', 'C'})));
+  EXPECT_FALSE(is_ack(bytes({0xa3, 'A', 'C', 'K'})));
+}
+
+}  // namespace
+}  // namespace rd2h::protocol
