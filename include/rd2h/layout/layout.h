@@ -1,0 +1,86 @@
+// KV layout arithmetic of the connector (spec "Layer transfer", "Layout validation",
+// "Unequal Prefill and Decode TP", wire-format "Arithmetic both sides rely on"): what a
+// layer's tensors look like on each side, whether the two sides agree, which share of a
+// request each Decode rank and contributor pulls, and the read descriptors for it.
+// Pure functions over plain structs.
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "rd2h/common/status.h"
+#include "rd2h/protocol/messages.h"
+
+namespace rd2h::layout {
+
+// One layer's tensors on one side: K, V (the main tensors), then the indexer, then the
+// optional LIC8 scale. Addresses and sizes in bytes.
+struct LayerTensors {
+  std::vector<uint64_t> base_addrs;
+  std::vector<uint64_t> bytes_per_block;
+  size_t main_tensor_count = 2;
+  bool has_indexer = false;
+  bool has_scale = false;  // LIC8 scale, follows the indexer layout
+  // Blocks allocated per tensor; destination block ids must be below it (0: not checked,
+  // as for Prefill, whose ranges the transfer engine checks against its regions).
+  uint64_t num_blocks = 0;
+
+  size_t indexer_index() const { return main_tensor_count; }
+  size_t scale_index() const { return main_tensor_count + 1; }
+};
+
+// Reads a layer as MF_META describes it; a scale is present when a tensor follows the
+// indexer.
+Expected<LayerTensors> from_layer_meta(const protocol::LayerMeta& meta);
+
+// Checks that Prefill's and Decode's tensors of a layer agree: main tensor count and bytes,
+// indexer presence and bytes, scale presence and bytes. The error names the layer, the
+// component and both values.
+Status validate_layer(int64_t layer_idx, const LayerTensors& prefill, const LayerTensors& decode);
+
+// The half-open range [begin, end) of `n` items that participant `index` of `size` owns,
+// rotated by `start` so that small requests do not always land on participant 0:
+// logical = (index - start) mod size; q, r = n / size, n % size;
+// begin = logical*q + min(logical, r), length q + (logical < r).
+struct Range {
+  size_t begin = 0;
+  size_t end = 0;
+  size_t size() const { return end - begin; }
+};
+Range share(size_t index, size_t size, int64_t start, size_t n);
+
+struct Descriptor {
+  uint64_t local = 0;   // Decode address
+  uint64_t remote = 0;  // Prefill address
+  uint64_t length = 0;
+};
+
+// What one Decode rank reads for one request of one layer.
+struct RequestRead {
+  const protocol::ReadReq* req = nullptr;
+  // Decode's destination block lists for the request; read_req starts index into them.
+  const std::vector<int64_t>* dest_main_blocks = nullptr;
+  const std::vector<int64_t>* dest_indexer_blocks = nullptr;
+};
+
+struct ReadRole {
+  int d_rank = 0;            // this Decode rank
+  int d_tp = 1;              // Decode TP size: main KV is split across its ranks
+  int group_member_idx = 0;  // the contributor that sent the readiness
+  int tp_ratio = 1;          // contributors per Decode rank: the indexer is split across them
+};
+
+// Appends the descriptors of one request: the main share of this Decode rank (pulled only
+// by contributor member 0) and this contributor's range of the indexer (and scale). Checks
+// that every destination index lies inside Decode's block list; on error nothing is added.
+Status append_request_descriptors(const LayerTensors& prefill, const LayerTensors& decode,
+                                  const RequestRead& read, const ReadRole& role,
+                                  std::vector<Descriptor>& out);
+
+// Merges neighbours whose Prefill and Decode addresses both continue the previous run.
+// Descriptors are merged only within [from, out.size()), so callers keep tensors and
+// requests apart by coalescing each group on its own.
+void coalesce(std::vector<Descriptor>& out, size_t from = 0);
+
+}  // namespace rd2h::layout
