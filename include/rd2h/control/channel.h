@@ -1,0 +1,96 @@
+// ZeroMQ channels of the control plane (spec "Control Protocol", wire-format "Sockets and
+// frames"). Decode binds one ROUTER per TP rank; Prefill connects one DEALER per Decode
+// endpoint. P -> D is one payload frame; D -> P is [identity, "", payload]. Receivers drop
+// empty frames and need exactly one non-empty payload frame. Every wait is bounded.
+#pragma once
+
+#include <chrono>
+#include <cstddef>
+#include <memory>
+#include <optional>
+#include <span>
+#include <string>
+#include <vector>
+
+#include "rd2h/common/status.h"
+
+namespace rd2h::control {
+
+// "tcp://host:port", with an IPv6 host in brackets.
+std::string endpoint_url(const std::string& host, int port);
+
+// A ZeroMQ context shared by the channels of one process. Channels keep it alive.
+class Context {
+ public:
+  struct Impl;
+  static std::shared_ptr<Context> create();
+  ~Context();
+  Impl& impl() const { return *impl_; }
+
+ private:
+  Context();
+  std::unique_ptr<Impl> impl_;
+};
+
+struct Inbound {
+  std::string identity;  // the ROUTER's name for the sending connection
+  std::vector<std::byte> payload;
+};
+
+// Decode's end: a ROUTER bound at one rank port.
+class RouterChannel {
+ public:
+  // Port 0 binds any free port (see url()).
+  static Expected<std::unique_ptr<RouterChannel>> bind(std::shared_ptr<Context> context,
+                                                       const std::string& host, int port);
+  ~RouterChannel();
+  RouterChannel(const RouterChannel&) = delete;
+  RouterChannel& operator=(const RouterChannel&) = delete;
+
+  // The next well-formed message, or nullopt when none arrives within `timeout`.
+  // Malformed messages are dropped and counted.
+  Expected<std::optional<Inbound>> receive(std::chrono::milliseconds timeout);
+  // Sends [identity, "", payload]. An identity with no live connection is an error.
+  Status send(const std::string& identity, std::span<const std::byte> payload);
+
+  const std::string& url() const { return url_; }
+  size_t dropped() const { return dropped_; }
+
+  struct Impl;
+
+ private:
+  RouterChannel(std::shared_ptr<Context> context, std::unique_ptr<Impl> impl, std::string url);
+  std::shared_ptr<Context> context_;
+  std::unique_ptr<Impl> impl_;
+  std::string url_;
+  size_t dropped_ = 0;
+};
+
+// Prefill's end: a DEALER connected to one Decode rank port.
+class DealerChannel {
+ public:
+  static Expected<std::unique_ptr<DealerChannel>> connect(std::shared_ptr<Context> context,
+                                                          const std::string& url);
+  ~DealerChannel();
+  DealerChannel(const DealerChannel&) = delete;
+  DealerChannel& operator=(const DealerChannel&) = delete;
+
+  Status send(std::span<const std::byte> payload);
+  // The next payload, or nullopt when none arrives within `timeout`. Malformed replies are
+  // dropped and counted.
+  Expected<std::optional<std::vector<std::byte>>> receive(std::chrono::milliseconds timeout);
+
+  const std::string& url() const { return url_; }
+  size_t dropped() const { return dropped_; }
+
+  struct Impl;
+
+ private:
+  DealerChannel(std::shared_ptr<Context> context, std::unique_ptr<Impl> impl, std::string url);
+  std::shared_ptr<Context> context_;
+  std::unique_ptr<Impl> impl_;
+  std::string url_;
+  size_t dropped_ = 0;
+};
+
+}  // namespace rd2h::control

@@ -1,0 +1,188 @@
+#include "rd2h/control/channel.h"
+
+#include <zmq.hpp>
+
+#include "rd2h/common/deadline.h"
+
+namespace rd2h::control {
+
+struct Context::Impl {
+  zmq::context_t ctx{1};
+};
+
+struct RouterChannel::Impl {
+  zmq::socket_t socket;
+};
+
+struct DealerChannel::Impl {
+  zmq::socket_t socket;
+};
+
+namespace {
+
+std::vector<std::byte> to_bytes(const zmq::message_t& m) {
+  const auto* p = static_cast<const std::byte*>(m.data());
+  return {p, p + m.size()};
+}
+
+// Receives one multipart message if one arrives within `timeout`.
+Expected<std::optional<std::vector<zmq::message_t>>> receive_multipart(
+    zmq::socket_t& socket, std::chrono::milliseconds timeout) {
+  try {
+    zmq::pollitem_t item{socket.handle(), 0, ZMQ_POLLIN, 0};
+    if (zmq::poll(&item, 1, timeout) == 0) return std::optional<std::vector<zmq::message_t>>{};
+    std::vector<zmq::message_t> frames;
+    for (;;) {
+      zmq::message_t frame;
+      if (!socket.recv(frame, zmq::recv_flags::dontwait)) break;
+      const bool more = frame.more();
+      frames.push_back(std::move(frame));
+      if (!more) break;
+    }
+    if (frames.empty()) return std::optional<std::vector<zmq::message_t>>{};
+    return std::optional<std::vector<zmq::message_t>>(std::move(frames));
+  } catch (const zmq::error_t& e) {
+    return transport_error(std::string("zmq receive: ") + e.what());
+  }
+}
+
+// The one non-empty frame among `frames[from..]`, if there is exactly one.
+const zmq::message_t* single_payload(const std::vector<zmq::message_t>& frames, size_t from) {
+  const zmq::message_t* payload = nullptr;
+  for (size_t i = from; i < frames.size(); ++i) {
+    if (frames[i].size() == 0) continue;
+    if (payload != nullptr) return nullptr;
+    payload = &frames[i];
+  }
+  return payload;
+}
+
+std::chrono::milliseconds remaining(const Deadline& d) {
+  return std::chrono::milliseconds(d.remaining_ms());
+}
+
+void set_common_options(zmq::socket_t& s) {
+  s.set(zmq::sockopt::linger, 0);
+  s.set(zmq::sockopt::sndhwm, 0);
+  s.set(zmq::sockopt::rcvhwm, 0);
+}
+
+}  // namespace
+
+std::string endpoint_url(const std::string& host, int port) {
+  const bool ipv6 = host.find(':') != std::string::npos;
+  return "tcp://" + (ipv6 ? "[" + host + "]" : host) + ":" + std::to_string(port);
+}
+
+Context::Context() : impl_(std::make_unique<Impl>()) {}
+Context::~Context() = default;
+
+std::shared_ptr<Context> Context::create() {
+  return std::shared_ptr<Context>(new Context());
+}
+
+RouterChannel::RouterChannel(std::shared_ptr<Context> context, std::unique_ptr<Impl> impl,
+                             std::string url)
+    : context_(std::move(context)), impl_(std::move(impl)), url_(std::move(url)) {}
+RouterChannel::~RouterChannel() = default;
+
+Expected<std::unique_ptr<RouterChannel>> RouterChannel::bind(std::shared_ptr<Context> context,
+                                                             const std::string& host, int port) {
+  if (port < 0 || port > 65535) {
+    return invalid_argument("port " + std::to_string(port) + " is outside 0..65535");
+  }
+  const std::string url =
+      port == 0 ? endpoint_url(host, 0).substr(0, endpoint_url(host, 0).rfind(':')) + ":*"
+                : endpoint_url(host, port);
+  try {
+    auto impl =
+        std::make_unique<Impl>(Impl{zmq::socket_t(context->impl().ctx, zmq::socket_type::router)});
+    set_common_options(impl->socket);
+    impl->socket.set(zmq::sockopt::router_mandatory, 1);
+    if (host.find(':') != std::string::npos) impl->socket.set(zmq::sockopt::ipv6, 1);
+    impl->socket.bind(url);
+    std::string bound = impl->socket.get(zmq::sockopt::last_endpoint);
+    return std::unique_ptr<RouterChannel>(
+        new RouterChannel(std::move(context), std::move(impl), std::move(bound)));
+  } catch (const zmq::error_t& e) {
+    return unreachable("cannot bind the control ROUTER at " + url + ": " + e.what());
+  }
+}
+
+Expected<std::optional<Inbound>> RouterChannel::receive(std::chrono::milliseconds timeout) {
+  Deadline deadline(timeout);
+  for (;;) {
+    auto frames = receive_multipart(impl_->socket, remaining(deadline));
+    if (!frames) return frames.status();
+    if (!frames->has_value()) return std::optional<Inbound>{};
+    auto& f = **frames;
+    const zmq::message_t* payload = f.size() >= 2 ? single_payload(f, 1) : nullptr;
+    if (payload != nullptr) {
+      return std::optional<Inbound>(Inbound{f[0].to_string(), to_bytes(*payload)});
+    }
+    ++dropped_;
+  }
+}
+
+Status RouterChannel::send(const std::string& identity, std::span<const std::byte> payload) {
+  try {
+    impl_->socket.send(zmq::buffer(identity), zmq::send_flags::sndmore | zmq::send_flags::dontwait);
+    impl_->socket.send(zmq::message_t(), zmq::send_flags::sndmore | zmq::send_flags::dontwait);
+    impl_->socket.send(zmq::const_buffer(payload.data(), payload.size()),
+                       zmq::send_flags::dontwait);
+    return Status::ok();
+  } catch (const zmq::error_t& e) {
+    if (e.num() == EHOSTUNREACH) {
+      return peer_dead("no connection with this identity on " + url_ + " (the peer is gone)");
+    }
+    return transport_error("zmq send on " + url_ + ": " + e.what());
+  }
+}
+
+DealerChannel::DealerChannel(std::shared_ptr<Context> context, std::unique_ptr<Impl> impl,
+                             std::string url)
+    : context_(std::move(context)), impl_(std::move(impl)), url_(std::move(url)) {}
+DealerChannel::~DealerChannel() = default;
+
+Expected<std::unique_ptr<DealerChannel>> DealerChannel::connect(std::shared_ptr<Context> context,
+                                                                const std::string& url) {
+  try {
+    auto impl =
+        std::make_unique<Impl>(Impl{zmq::socket_t(context->impl().ctx, zmq::socket_type::dealer)});
+    set_common_options(impl->socket);
+    if (url.find('[') != std::string::npos) impl->socket.set(zmq::sockopt::ipv6, 1);
+    impl->socket.connect(url);
+    return std::unique_ptr<DealerChannel>(
+        new DealerChannel(std::move(context), std::move(impl), url));
+  } catch (const zmq::error_t& e) {
+    return unreachable("cannot connect the control DEALER to " + url + ": " + e.what());
+  }
+}
+
+Status DealerChannel::send(std::span<const std::byte> payload) {
+  try {
+    // With no high-water mark a DEALER queues while its peer is away: this never blocks.
+    if (!impl_->socket.send(zmq::const_buffer(payload.data(), payload.size()),
+                            zmq::send_flags::dontwait)) {
+      return transport_error("zmq send to " + url_ + " would block");
+    }
+    return Status::ok();
+  } catch (const zmq::error_t& e) {
+    return transport_error("zmq send to " + url_ + ": " + e.what());
+  }
+}
+
+Expected<std::optional<std::vector<std::byte>>> DealerChannel::receive(
+    std::chrono::milliseconds timeout) {
+  Deadline deadline(timeout);
+  for (;;) {
+    auto frames = receive_multipart(impl_->socket, remaining(deadline));
+    if (!frames) return frames.status();
+    if (!frames->has_value()) return std::optional<std::vector<std::byte>>{};
+    const zmq::message_t* payload = single_payload(**frames, 0);
+    if (payload != nullptr) return std::optional<std::vector<std::byte>>(to_bytes(*payload));
+    ++dropped_;
+  }
+}
+
+}  // namespace rd2h::control
