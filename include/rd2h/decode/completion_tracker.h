@@ -1,0 +1,80 @@
+// Request completion on Decode (spec "Request completion"): a request may be scheduled only
+// after every Prefill contributor mapped to this Decode rank reported its final layer, and
+// every Decode TP rank reached a terminal state. Keyed by external request id; the ids
+// Decode's scheduler knows are mapped back at the end. Not thread-safe: the worker that
+// owns it serialises access.
+#pragma once
+
+#include <cstddef>
+#include <deque>
+#include <functional>
+#include <map>
+#include <set>
+#include <string>
+#include <vector>
+
+#include "rd2h/common/status.h"
+
+namespace rd2h::decode {
+
+// What one rank reports to the others when gathering: ext id -> failed.
+using RankTerminal = std::map<std::string, bool>;
+// Exchanges every rank's RankTerminal over the TP CPU group; returns one per rank, in rank
+// order, the same on every rank.
+using AllGather = std::function<Expected<std::vector<RankTerminal>>(const RankTerminal&)>;
+
+struct Finished {
+  std::vector<std::string> finished;  // internal ids ready to be scheduled
+  std::vector<std::string> failed;    // internal ids whose blocks are invalid
+};
+
+class CompletionTracker {
+ public:
+  // `tp_ratio` contributors report to this rank. Signals for requests not yet known are
+  // kept, up to `max_early` requests, until the request is added.
+  explicit CompletionTracker(int tp_ratio, size_t max_early = 4096);
+
+  // Decode's scheduler expects `ext_id` from Prefill; `internal_id` is its own name for it.
+  Status add_request(const std::string& ext_id, const std::string& internal_id);
+  // Decode gave up on the request: its state is dropped and later signals are ignored.
+  void remove_request(const std::string& ext_id);
+
+  // A contributor's READ_READY_BATCH listed `ext_id` in done_ext_ids. A second signal from
+  // the same contributor does not advance the request.
+  Status on_final_layer(const std::string& ext_id, int group_member_idx);
+  // A read for the request failed on this rank: the request is terminal and failed.
+  void on_failed(const std::string& ext_id);
+
+  // Gathers terminal states across the TP ranks and returns the requests every rank has
+  // finished (failed if any rank failed), freeing their state.
+  Expected<Finished> get_finished(const AllGather& all_gather);
+
+  size_t tracked() const { return requests_.size() + early_.size(); }
+
+ private:
+  struct Request {
+    std::string internal_id;
+    std::set<int> contributors_done;
+    bool failed = false;
+    bool terminal = false;
+  };
+  struct Early {
+    std::set<int> contributors_done;
+    bool failed = false;
+  };
+  void update_terminal(Request& r);
+
+  int tp_ratio_;
+  size_t max_early_;
+  std::map<std::string, Request> requests_;
+  std::map<std::string, Early> early_;
+  // Aborted ids whose late signals are ignored: the most recent max_early_ of them, so the
+  // set does not grow with the life of the process.
+  std::set<std::string> removed_;
+  std::deque<std::string> removed_order_;
+};
+
+// Every rank runs the same gather: a request is done once it is terminal on every rank.
+Finished combine(const std::vector<RankTerminal>& ranks);
+
+}  // namespace rd2h::decode

@@ -1,0 +1,130 @@
+#include "rd2h/decode/completion_tracker.h"
+
+#include <gtest/gtest.h>
+
+namespace rd2h::decode {
+namespace {
+
+// The TP group as seen by one rank: the other ranks' terminal sets are fixed by the test.
+AllGather group_with(std::vector<RankTerminal> others) {
+  return [others](const RankTerminal& mine) -> Expected<std::vector<RankTerminal>> {
+    std::vector<RankTerminal> all{mine};
+    all.insert(all.end(), others.begin(), others.end());
+    return all;
+  };
+}
+
+const AllGather kAlone = group_with({});
+
+TEST(CompletionTracker, CompletesAfterEveryContributorReportsTheFinalLayer) {
+  CompletionTracker t(/*tp_ratio=*/4);
+  ASSERT_TRUE(t.add_request("ext-1", "int-1").is_ok());
+  for (int member : {0, 2, 3}) {
+    ASSERT_TRUE(t.on_final_layer("ext-1", member).is_ok());
+    EXPECT_TRUE(t.get_finished(kAlone)->finished.empty()) << "after member " << member;
+  }
+  ASSERT_TRUE(t.on_final_layer("ext-1", 1).is_ok());
+  auto done = t.get_finished(kAlone);
+  ASSERT_TRUE(done);
+  EXPECT_EQ(done->finished, std::vector<std::string>{"int-1"});
+  EXPECT_TRUE(done->failed.empty());
+  EXPECT_EQ(t.tracked(), 0u) << "state is freed once reported";
+}
+
+TEST(CompletionTracker, DuplicateFinalSignalDoesNotAdvance) {
+  CompletionTracker t(2);
+  ASSERT_TRUE(t.add_request("r", "i").is_ok());
+  ASSERT_TRUE(t.on_final_layer("r", 0).is_ok());
+  ASSERT_TRUE(t.on_final_layer("r", 0).is_ok());
+  EXPECT_TRUE(t.get_finished(kAlone)->finished.empty());
+  ASSERT_TRUE(t.on_final_layer("r", 1).is_ok());
+  EXPECT_EQ(t.get_finished(kAlone)->finished, std::vector<std::string>{"i"});
+}
+
+TEST(CompletionTracker, AFailedReadMakesTheRequestTerminalAndFailed) {
+  CompletionTracker t(2);
+  ASSERT_TRUE(t.add_request("r", "i").is_ok());
+  t.on_failed("r");
+  auto done = t.get_finished(kAlone);
+  EXPECT_TRUE(done->finished.empty());
+  EXPECT_EQ(done->failed, std::vector<std::string>{"i"});
+}
+
+TEST(CompletionTracker, EveryDecodeRankMustBeTerminal) {
+  CompletionTracker t(1);
+  ASSERT_TRUE(t.add_request("r", "i").is_ok());
+  ASSERT_TRUE(t.on_final_layer("r", 0).is_ok());
+  // Another rank has not finished "r": nothing is reported and the state stays.
+  EXPECT_TRUE(t.get_finished(group_with({RankTerminal{}}))->finished.empty());
+  EXPECT_EQ(t.tracked(), 1u);
+  // Another rank finished but failed: failed everywhere.
+  auto done = t.get_finished(group_with({RankTerminal{{"r", true}}}));
+  EXPECT_EQ(done->failed, std::vector<std::string>{"i"});
+  EXPECT_TRUE(done->finished.empty());
+}
+
+TEST(CompletionTracker, ACompletionBeforeTheRequestIsKnownIsKept) {
+  CompletionTracker t(2);
+  ASSERT_TRUE(t.on_final_layer("r", 1).is_ok());
+  ASSERT_TRUE(t.on_final_layer("r", 0).is_ok());
+  EXPECT_TRUE(t.get_finished(kAlone)->finished.empty());
+  ASSERT_TRUE(t.add_request("r", "i").is_ok());
+  EXPECT_EQ(t.get_finished(kAlone)->finished, std::vector<std::string>{"i"});
+}
+
+TEST(CompletionTracker, EarlyCompletionsAreBounded) {
+  CompletionTracker t(1, /*max_early=*/2);
+  ASSERT_TRUE(t.on_final_layer("a", 0).is_ok());
+  ASSERT_TRUE(t.on_final_layer("b", 0).is_ok());
+  Status st = t.on_final_layer("c", 0);
+  EXPECT_EQ(st.code(), StatusCode::kFailedPrecondition);
+  EXPECT_NE(st.message().find("request c"), std::string::npos) << st.message();
+  EXPECT_EQ(t.tracked(), 2u);
+}
+
+TEST(CompletionTracker, AbortedRequestsIgnoreLateSignalsAndAreForgotten) {
+  CompletionTracker t(1, /*max_early=*/3);
+  ASSERT_TRUE(t.add_request("r", "i").is_ok());
+  t.remove_request("r");
+  ASSERT_TRUE(t.on_final_layer("r", 0).is_ok());
+  t.on_failed("r");
+  EXPECT_EQ(t.tracked(), 0u);
+  EXPECT_TRUE(t.get_finished(kAlone)->finished.empty());
+  // Re-adding the same id starts afresh.
+  ASSERT_TRUE(t.add_request("r", "i2").is_ok());
+  ASSERT_TRUE(t.on_final_layer("r", 0).is_ok());
+  EXPECT_EQ(t.get_finished(kAlone)->finished, std::vector<std::string>{"i2"});
+}
+
+TEST(CompletionTracker, ContributorOutsideTheRatioIsRejected) {
+  CompletionTracker t(2);
+  ASSERT_TRUE(t.add_request("r", "i").is_ok());
+  EXPECT_EQ(t.on_final_layer("r", 2).code(), StatusCode::kInvalidArgument);
+  EXPECT_EQ(t.on_final_layer("r", -1).code(), StatusCode::kInvalidArgument);
+  EXPECT_EQ(t.add_request("r", "again").code(), StatusCode::kAlreadyExists);
+}
+
+TEST(CompletionTracker, AFailingGatherIsReportedAndLosesNothing) {
+  CompletionTracker t(1);
+  ASSERT_TRUE(t.add_request("r", "i").is_ok());
+  ASSERT_TRUE(t.on_final_layer("r", 0).is_ok());
+  AllGather broken = [](const RankTerminal&) -> Expected<std::vector<RankTerminal>> {
+    return timeout_error("rank 1 did not answer");
+  };
+  auto st = t.get_finished(broken);
+  ASSERT_FALSE(st);
+  EXPECT_NE(st.status().message().find("rank 1 did not answer"), std::string::npos);
+  EXPECT_EQ(t.get_finished(kAlone)->finished, std::vector<std::string>{"i"});
+}
+
+TEST(Combine, AllRanksAgreeOnTheSameAnswer) {
+  std::vector<RankTerminal> ranks{{{"a", false}, {"b", false}, {"c", true}},
+                                  {{"a", false}, {"c", false}},
+                                  {{"a", false}, {"b", false}, {"c", false}}};
+  Finished f = combine(ranks);
+  EXPECT_EQ(f.finished, std::vector<std::string>{"a"});
+  EXPECT_EQ(f.failed, std::vector<std::string>{"c"});
+}
+
+}  // namespace
+}  // namespace rd2h::decode
