@@ -1,0 +1,52 @@
+// Physical-storage completion on Prefill (spec "Correctness Invariants"): one gate per
+// physical main or indexer storage slot. A layer that publishes readiness from a slot opens
+// a new generation of the slot's gate, expecting one answer per Decode endpoint; the slot
+// may be overwritten only once every endpoint answered. Answers carry the generation they
+// belong to, so a late answer for an older owner can never release a newer one. Waits are
+// bounded; a failed read or a dead sender releases the gate with an error, so the compute
+// path raises instead of deadlocking. Thread-safe.
+#pragma once
+
+#include <chrono>
+#include <condition_variable>
+#include <cstdint>
+#include <mutex>
+#include <string>
+
+#include "rd2h/common/deadline.h"
+#include "rd2h/common/status.h"
+
+namespace rd2h::prefill {
+
+class SlotGate {
+ public:
+  // `layer_idx` now owns the slot and told `endpoints` Decode endpoints it is ready.
+  // Returns the generation its answers must carry. Zero endpoints: the gate stays open.
+  uint64_t open(int64_t layer_idx, size_t endpoints);
+
+  // One endpoint's answer (READ_DONE: ok; READ_FAILED: !ok with its reason). Answers for a
+  // generation other than the current one, or beyond the expected count, are ignored.
+  void answer(uint64_t generation, bool ok, const std::string& reason = {});
+
+  // Every pending generation fails with `reason` (the sender thread died, the peer is gone).
+  void fail(const std::string& reason);
+
+  // Returns once the current generation has all its answers (ok, or the first failure with
+  // its layer and reason), or a timeout error naming the layer and the missing answers.
+  Status wait(const Deadline& deadline);
+
+  uint64_t generation() const;
+  size_t ignored_answers() const;
+
+ private:
+  mutable std::mutex mu_;
+  std::condition_variable changed_;
+  uint64_t generation_ = 0;
+  int64_t layer_ = -1;
+  size_t expected_ = 0;
+  size_t answered_ = 0;
+  std::string failure_;  // first failure of the current generation
+  size_t ignored_ = 0;
+};
+
+}  // namespace rd2h::prefill

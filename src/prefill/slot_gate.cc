@@ -1,0 +1,61 @@
+#include "rd2h/prefill/slot_gate.h"
+
+namespace rd2h::prefill {
+
+uint64_t SlotGate::open(int64_t layer_idx, size_t endpoints) {
+  std::lock_guard lock(mu_);
+  ++generation_;
+  layer_ = layer_idx;
+  expected_ = endpoints;
+  answered_ = 0;
+  failure_.clear();
+  changed_.notify_all();
+  return generation_;
+}
+
+void SlotGate::answer(uint64_t generation, bool ok, const std::string& reason) {
+  std::lock_guard lock(mu_);
+  if (generation != generation_ || answered_ >= expected_) {
+    ++ignored_;
+    return;
+  }
+  ++answered_;
+  if (!ok && failure_.empty()) failure_ = reason.empty() ? "read failed" : reason;
+  changed_.notify_all();
+}
+
+void SlotGate::fail(const std::string& reason) {
+  std::lock_guard lock(mu_);
+  if (answered_ < expected_) {
+    if (failure_.empty()) failure_ = reason;
+    answered_ = expected_;
+  }
+  changed_.notify_all();
+}
+
+Status SlotGate::wait(const Deadline& deadline) {
+  std::unique_lock lock(mu_);
+  const bool done =
+      changed_.wait_until(lock, deadline.time_point(), [this] { return answered_ >= expected_; });
+  if (!done) {
+    return timeout_error("layer " + std::to_string(layer_) + ": " +
+                         std::to_string(expected_ - answered_) + " of " +
+                         std::to_string(expected_) + " Decode endpoints have not answered");
+  }
+  if (!failure_.empty()) {
+    return transport_error("layer " + std::to_string(layer_) + ": " + failure_);
+  }
+  return Status::ok();
+}
+
+uint64_t SlotGate::generation() const {
+  std::lock_guard lock(mu_);
+  return generation_;
+}
+
+size_t SlotGate::ignored_answers() const {
+  std::lock_guard lock(mu_);
+  return ignored_;
+}
+
+}  // namespace rd2h::prefill
