@@ -1,0 +1,98 @@
+// The reader of one Decode TP rank (spec "Layer transfer", "Control Protocol"): owns the
+// rank's ROUTER, keeps each Prefill connection's MF_META (acknowledging it), and answers
+// every READ_READY_BATCH with exactly one READ_DONE or READ_FAILED after validating the
+// layout, building the descriptors of every ready request, and doing one batched read.
+// Final-layer signals feed the rank's CompletionTracker. One thread, joined on destruction.
+#pragma once
+
+#include <atomic>
+#include <chrono>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "rd2h/common/status.h"
+#include "rd2h/control/channel.h"
+#include "rd2h/decode/completion_tracker.h"
+#include "rd2h/layout/layout.h"
+#include "rd2h/protocol/messages.h"
+#include "rd2h/transfer/transfer_engine.h"
+
+namespace rd2h::decode {
+
+// Decode's own cache: main layer name -> its tensors (with num_blocks) on this rank.
+using DecodeLayout = std::map<std::string, layout::LayerTensors>;
+
+struct ReaderConfig {
+  int d_rank = 0;
+  int d_tp = 1;
+  int tp_ratio = 1;  // Prefill contributors per Decode rank
+  std::string host = "127.0.0.1";
+  int port = 0;  // the rank port; 0 picks a free one (tests)
+  std::chrono::milliseconds poll_interval{20};
+};
+
+struct ReaderStats {
+  uint64_t layers_done = 0;
+  uint64_t layers_failed = 0;
+  uint64_t messages_rejected = 0;
+};
+
+class Reader {
+ public:
+  static Expected<std::unique_ptr<Reader>> start(ReaderConfig config,
+                                                 std::shared_ptr<transfer::TransferEngine> engine,
+                                                 DecodeLayout layout,
+                                                 std::shared_ptr<control::Context> context);
+  ~Reader();
+  Reader(const Reader&) = delete;
+  Reader& operator=(const Reader&) = delete;
+
+  const std::string& url() const { return router_->url(); }
+
+  // Decode expects `ext_id`; its blocks land in these destination lists.
+  Status add_request(const std::string& ext_id, const std::string& internal_id,
+                     std::vector<int64_t> main_blocks, std::vector<int64_t> indexer_blocks);
+  void remove_request(const std::string& ext_id);
+  Expected<Finished> get_finished(const AllGather& all_gather);
+  ReaderStats stats() const;
+
+ private:
+  struct Peer {
+    std::string session;
+    std::map<std::string, layout::LayerTensors> layers;
+  };
+  struct Destinations {
+    std::vector<int64_t> main;
+    std::vector<int64_t> indexer;
+  };
+
+  Reader(ReaderConfig config, std::shared_ptr<transfer::TransferEngine> engine, DecodeLayout layout,
+         std::unique_ptr<control::RouterChannel> router);
+  void run();
+  void handle(const control::Inbound& in);
+  void handle_mf_meta(const std::string& identity, const protocol::MfMeta& meta);
+  void handle_ready(const std::string& identity, const protocol::ReadReadyBatch& ready);
+  // Reads the layer; the error explains why it was not read.
+  Status read_layer(const std::string& identity, const protocol::ReadReadyBatch& ready);
+  void reply(const std::string& identity, const std::vector<std::byte>& payload);
+
+  ReaderConfig config_;
+  std::shared_ptr<transfer::TransferEngine> engine_;
+  DecodeLayout layout_;
+  std::unique_ptr<control::RouterChannel> router_;
+  std::map<std::string, Peer> peers_;  // by ZMQ identity; reader thread only
+
+  mutable std::mutex mu_;  // guards what the worker's thread shares with the reader
+  std::map<std::string, Destinations> requests_;
+  CompletionTracker tracker_;
+  ReaderStats stats_;
+
+  std::atomic<bool> stopping_{false};
+  std::thread thread_;
+};
+
+}  // namespace rd2h::decode

@@ -1,0 +1,207 @@
+#include "rd2h/decode/reader.h"
+
+#include <cstdio>
+
+namespace rd2h::decode {
+
+Expected<std::unique_ptr<Reader>> Reader::start(ReaderConfig config,
+                                                std::shared_ptr<transfer::TransferEngine> engine,
+                                                DecodeLayout layout,
+                                                std::shared_ptr<control::Context> context) {
+  if (config.d_rank < 0 || config.d_rank >= config.d_tp) {
+    return invalid_argument("Decode rank " + std::to_string(config.d_rank) + " is outside 0.." +
+                            std::to_string(config.d_tp - 1));
+  }
+  if (config.tp_ratio < 1) {
+    return invalid_argument("tp_ratio must be at least 1, got " + std::to_string(config.tp_ratio));
+  }
+  auto router = control::RouterChannel::bind(std::move(context), config.host, config.port);
+  if (!router) return router.status();
+  auto reader = std::unique_ptr<Reader>(
+      new Reader(std::move(config), std::move(engine), std::move(layout), std::move(*router)));
+  reader->thread_ = std::thread([r = reader.get()] { r->run(); });
+  return reader;
+}
+
+Reader::Reader(ReaderConfig config, std::shared_ptr<transfer::TransferEngine> engine,
+               DecodeLayout layout, std::unique_ptr<control::RouterChannel> router)
+    : config_(std::move(config)),
+      engine_(std::move(engine)),
+      layout_(std::move(layout)),
+      router_(std::move(router)),
+      tracker_(config_.tp_ratio) {}
+
+Reader::~Reader() {
+  stopping_.store(true);
+  if (thread_.joinable()) thread_.join();
+}
+
+Status Reader::add_request(const std::string& ext_id, const std::string& internal_id,
+                           std::vector<int64_t> main_blocks, std::vector<int64_t> indexer_blocks) {
+  std::lock_guard lock(mu_);
+  RD2H_RETURN_IF_ERROR(tracker_.add_request(ext_id, internal_id));
+  requests_[ext_id] = {std::move(main_blocks), std::move(indexer_blocks)};
+  return Status::ok();
+}
+
+void Reader::remove_request(const std::string& ext_id) {
+  std::lock_guard lock(mu_);
+  requests_.erase(ext_id);
+  tracker_.remove_request(ext_id);
+}
+
+Expected<Finished> Reader::get_finished(const AllGather& all_gather) {
+  std::lock_guard lock(mu_);
+  auto done = tracker_.get_finished(all_gather);
+  return done;
+}
+
+ReaderStats Reader::stats() const {
+  std::lock_guard lock(mu_);
+  return stats_;
+}
+
+void Reader::run() {
+  while (!stopping_.load()) {
+    auto in = router_->receive(config_.poll_interval);
+    if (!in) {
+      std::fprintf(stderr, "rd2h decode reader %d: %s\n", config_.d_rank,
+                   in.status().to_string().c_str());
+      continue;
+    }
+    if (in->has_value()) handle(**in);
+  }
+}
+
+void Reader::reply(const std::string& identity, const std::vector<std::byte>& payload) {
+  // A peer that vanished cannot be answered; its gates fail on its own deadline.
+  (void)router_->send(identity, payload);
+}
+
+void Reader::handle(const control::Inbound& in) {
+  auto message = protocol::decode_message(in.payload);
+  if (!message) {
+    std::lock_guard lock(mu_);
+    ++stats_.messages_rejected;
+    // Answer whatever can be answered: Prefill waits for a reply to every readiness.
+    if (auto layer = protocol::salvage_layer_index(in.payload)) {
+      ++stats_.layers_failed;
+      reply(in.identity,
+            protocol::encode(protocol::ReadFailed{*layer, message.status().message()}));
+    }
+    return;
+  }
+  if (auto* meta = std::get_if<protocol::MfMeta>(&*message)) {
+    handle_mf_meta(in.identity, *meta);
+  } else if (auto* ready = std::get_if<protocol::ReadReadyBatch>(&*message)) {
+    handle_ready(in.identity, *ready);
+  } else {
+    std::lock_guard lock(mu_);
+    ++stats_.messages_rejected;  // replies are Prefill's to receive, not ours
+  }
+}
+
+void Reader::handle_mf_meta(const std::string& identity, const protocol::MfMeta& meta) {
+  auto refuse = [&](const Status& why) {
+    {
+      std::lock_guard lock(mu_);
+      ++stats_.messages_rejected;
+    }
+    // MF_META has no negative answer: a READ_FAILED for layer 0 tells an rd2h Prefill why
+    // no ACK comes; the existing Python Prefill times out waiting for the ACK.
+    reply(identity, protocol::encode(protocol::ReadFailed{0, "MF_META refused: " + why.message()}));
+  };
+  if (Status st = protocol::check_compatible(meta); !st) return refuse(st);
+  if (meta.backend_name != engine_->backend_name()) {
+    return refuse(failed_precondition("Prefill's transfer backend is '" + meta.backend_name +
+                                      "', this Decode uses '" +
+                                      std::string(engine_->backend_name()) + "'"));
+  }
+  Peer peer;
+  for (const auto& [name, layer_meta] : meta.layers) {
+    auto tensors = layout::from_layer_meta(layer_meta);
+    if (!tensors) return refuse(tensors.status().with_context(name));
+    peer.layers.emplace(name, std::move(*tensors));
+  }
+  auto session = engine_->connect(meta.backend_metadata);
+  if (!session) return refuse(session.status().with_context("connecting to " + meta.p_session));
+  peer.session = std::move(*session);
+  peers_[identity] = std::move(peer);
+  reply(identity,
+        std::vector<std::byte>(reinterpret_cast<const std::byte*>(protocol::kAckPayload.data()),
+                               reinterpret_cast<const std::byte*>(protocol::kAckPayload.data()) +
+                                   protocol::kAckPayload.size()));
+}
+
+void Reader::handle_ready(const std::string& identity, const protocol::ReadReadyBatch& ready) {
+  Status st = read_layer(identity, ready);
+  std::lock_guard lock(mu_);
+  if (st.is_ok()) {
+    ++stats_.layers_done;
+    for (const auto& ext_id : ready.done_ext_ids) {
+      (void)tracker_.on_final_layer(ext_id, static_cast<int>(ready.group_member_idx));
+    }
+    reply(identity, protocol::encode(protocol::ReadDone{ready.layer_idx}));
+    return;
+  }
+  ++stats_.layers_failed;
+  // Every request of a failed layer may hold partly written blocks: all of them fail.
+  for (const auto& req : ready.read_reqs) tracker_.on_failed(req.ext_id);
+  for (const auto& ext_id : ready.done_ext_ids) tracker_.on_failed(ext_id);
+  reply(identity, protocol::encode(protocol::ReadFailed{ready.layer_idx, st.message()}));
+}
+
+Status Reader::read_layer(const std::string& identity, const protocol::ReadReadyBatch& ready) {
+  const std::string where = "Decode rank " + std::to_string(config_.d_rank) + ", layer " +
+                            std::to_string(ready.layer_idx);
+  auto peer = peers_.find(identity);
+  if (peer == peers_.end()) {
+    return failed_precondition(where + ": no MF_META on this connection");
+  }
+  if (ready.tp_ratio != config_.tp_ratio) {
+    return failed_precondition(where + ": Prefill says tp_ratio " + std::to_string(ready.tp_ratio) +
+                               ", this Decode expects " + std::to_string(config_.tp_ratio));
+  }
+  auto p_layer = peer->second.layers.find(ready.layer_name);
+  auto d_layer = layout_.find(ready.layer_name);
+  if (p_layer == peer->second.layers.end() || d_layer == layout_.end()) {
+    return not_found(
+        where + ": layer '" + ready.layer_name + "' is not in " +
+        (p_layer == peer->second.layers.end() ? "Prefill's MF_META" : "Decode's cache"));
+  }
+  RD2H_RETURN_IF_ERROR(layout::validate_layer(ready.layer_idx, p_layer->second, d_layer->second)
+                           .with_context("Decode rank " + std::to_string(config_.d_rank)));
+
+  std::vector<layout::Descriptor> descriptors;
+  {
+    std::lock_guard lock(mu_);
+    const layout::ReadRole role{config_.d_rank, config_.d_tp,
+                                static_cast<int>(ready.group_member_idx),
+                                static_cast<int>(ready.tp_ratio)};
+    for (const auto& req : ready.read_reqs) {
+      auto dest = requests_.find(req.ext_id);
+      if (dest == requests_.end()) {
+        return not_found(where + ": request " + req.ext_id + " has no destination on Decode");
+      }
+      RD2H_RETURN_IF_ERROR(layout::append_request_descriptors(
+                               p_layer->second, d_layer->second,
+                               {&req, &dest->second.main, &dest->second.indexer}, role, descriptors)
+                               .with_context(where));
+    }
+  }
+  if (descriptors.empty()) return Status::ok();  // nothing on this rank: still answered
+
+  std::vector<uintptr_t> local, remote;
+  std::vector<size_t> length;
+  local.reserve(descriptors.size());
+  remote.reserve(descriptors.size());
+  length.reserve(descriptors.size());
+  for (const auto& d : descriptors) {
+    local.push_back(d.local);
+    remote.push_back(d.remote);
+    length.push_back(d.length);
+  }
+  return engine_->batch_read_sync(peer->second.session, local, remote, length).with_context(where);
+}
+
+}  // namespace rd2h::decode

@@ -1,0 +1,234 @@
+// A Decode rank's reader against a Prefill made of the real pieces: a UCX engine exposing a
+// KV pool and a ZMQ DEALER speaking the wire protocol, on loopback in one process.
+#include "rd2h/decode/reader.h"
+
+#include <gtest/gtest.h>
+
+#include <cstring>
+
+#include "rd2h/common/pattern.h"
+
+namespace rd2h::decode {
+namespace {
+
+using namespace std::chrono_literals;
+
+constexpr uint64_t kBlocks = 16;
+const std::vector<uint64_t> kBytes = {1024, 128, 64};  // K, V, indexer per block
+constexpr int kLayers = 3;
+
+std::string layer_name(int l) {
+  return "model.layers." + std::to_string(l) + ".self_attn";
+}
+uint64_t key(int layer, size_t tensor, int64_t block) {
+  return (static_cast<uint64_t>(layer) << 32) | (tensor << 16) | static_cast<uint64_t>(block);
+}
+
+// A KV pool of kLayers x 3 tensors x kBlocks in one registration.
+struct Pool {
+  std::unique_ptr<transfer::TransferEngine> engine;
+  std::byte* base = nullptr;
+  std::vector<std::vector<uint64_t>> tensor_base;  // [layer][tensor]
+
+  Pool(transfer::Role role, bool fill) {
+    transfer::EngineConfig cfg;
+    cfg.role = role;
+    cfg.transport = transfer::Transport::kShm;
+    auto created = transfer::create_ucx_engine(cfg);
+    EXPECT_TRUE(created) << created.status().to_string();
+    engine = std::move(created.value());
+    uint64_t per_layer = 0;
+    for (auto b : kBytes) per_layer += b * kBlocks;
+    auto region = engine->allocate_memory(per_layer * kLayers);
+    EXPECT_TRUE(region) << region.status().to_string();
+    base = static_cast<std::byte*>(region->addr);
+    std::memset(base, 0, per_layer * kLayers);
+    uint64_t off = 0;
+    for (int l = 0; l < kLayers; ++l) {
+      tensor_base.emplace_back();
+      for (size_t t = 0; t < kBytes.size(); ++t) {
+        tensor_base[l].push_back(reinterpret_cast<uint64_t>(base) + off);
+        if (fill) {
+          for (uint64_t b = 0; b < kBlocks; ++b) {
+            fill_pattern(base + off + b * kBytes[t], kBytes[t], key(l, t, static_cast<int64_t>(b)));
+          }
+        }
+        off += kBytes[t] * kBlocks;
+      }
+    }
+  }
+  layout::LayerTensors tensors(int l) const {
+    layout::LayerTensors t;
+    t.base_addrs = tensor_base[l];
+    t.bytes_per_block = kBytes;
+    t.main_tensor_count = 2;
+    t.has_indexer = true;
+    t.num_blocks = kBlocks;
+    return t;
+  }
+  // Whether destination block `dst` of tensor t in layer l holds source block `src`.
+  bool holds(int l, size_t t, int64_t dst, int64_t src) const {
+    auto* p = reinterpret_cast<const void*>(tensor_base[l][t] + dst * kBytes[t]);
+    return !find_pattern_mismatch(p, kBytes[t], key(l, t, src));
+  }
+  bool zero(int l, size_t t, int64_t dst) const {
+    auto* p = reinterpret_cast<const std::byte*>(tensor_base[l][t] + dst * kBytes[t]);
+    return std::all_of(p, p + kBytes[t], [](std::byte b) { return b == std::byte{0}; });
+  }
+};
+
+protocol::MfMeta mf_meta(const Pool& prefill) {
+  protocol::MfMeta m;
+  m.p_session = "test-prefill";
+  for (int l = 0; l < kLayers; ++l) {
+    protocol::LayerMeta meta;
+    meta.base_addrs = prefill.tensor_base[l];
+    meta.block_len = kBytes;
+    meta.block_size_scale = {1, 1, 1};
+    meta.tensor_group_idx = {0, 0, 1};
+    meta.main_tensor_count = 2;
+    meta.has_indexer = true;
+    m.layers.emplace_back(layer_name(l), meta);
+  }
+  m.backend_name = "ucx";
+  m.backend_metadata = *prefill.engine->export_metadata();
+  return m;
+}
+
+const AllGather kAlone = [](const RankTerminal& mine) -> Expected<std::vector<RankTerminal>> {
+  return std::vector<RankTerminal>{mine};
+};
+
+class ReaderTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    DecodeLayout layout;
+    for (int l = 0; l < kLayers; ++l) layout[layer_name(l)] = decode_.tensors(l);
+    start_reader(std::move(layout));
+  }
+  void start_reader(DecodeLayout layout) {
+    reader_.reset();
+    std::shared_ptr<transfer::TransferEngine> engine(std::move(decode_.engine));
+    decode_engine_ = engine;
+    auto r = Reader::start({}, engine, std::move(layout), context_);
+    ASSERT_TRUE(r) << r.status().to_string();
+    reader_ = std::move(*r);
+    auto d = control::DealerChannel::connect(context_, reader_->url());
+    ASSERT_TRUE(d);
+    dealer_ = std::move(*d);
+  }
+  std::vector<std::byte> exchange(const std::vector<std::byte>& payload) {
+    EXPECT_TRUE(dealer_->send(payload).is_ok());
+    auto reply = dealer_->receive(10s);
+    EXPECT_TRUE(reply && reply->has_value()) << "no reply within 10 s";
+    return reply && reply->has_value() ? **reply : std::vector<std::byte>{};
+  }
+  protocol::Message exchange_message(const std::vector<std::byte>& payload) {
+    auto m = protocol::decode_message(exchange(payload));
+    EXPECT_TRUE(m) << m.status().to_string();
+    return m ? *m : protocol::Message{};
+  }
+  void send_mf_meta(const protocol::MfMeta& m) {
+    EXPECT_TRUE(protocol::is_ack(exchange(protocol::encode(m))));
+  }
+  protocol::ReadReadyBatch ready(int layer, std::vector<protocol::ReadReq> reqs,
+                                 std::vector<std::string> done = {}) {
+    return {layer, layer_name(layer), std::move(reqs), std::move(done), 0, 1};
+  }
+
+  Pool prefill_{transfer::Role::kPrefill, true};
+  Pool decode_{transfer::Role::kDecode, false};
+  std::shared_ptr<transfer::TransferEngine> decode_engine_;
+  std::shared_ptr<control::Context> context_ = control::Context::create();
+  std::unique_ptr<Reader> reader_;
+  std::unique_ptr<control::DealerChannel> dealer_;
+};
+
+TEST_F(ReaderTest, EveryLayerIsReadIntoItsDestinationsAndTheRequestCompletes) {
+  send_mf_meta(mf_meta(prefill_));
+  ASSERT_TRUE(reader_->add_request("req-0", "int-0", {3, 9, 4}, {11, 12, 13}).is_ok());
+  const std::vector<int64_t> src_main{1, 7, 2}, src_idx{5, 6, 0};
+  for (int l = 0; l < kLayers; ++l) {
+    std::vector<std::string> done;
+    if (l == kLayers - 1) done = {"req-0"};
+    auto m =
+        exchange_message(protocol::encode(ready(l, {{"req-0", src_main, src_idx, 0, 0}}, done)));
+    ASSERT_TRUE(std::holds_alternative<protocol::ReadDone>(m)) << "layer " << l;
+    EXPECT_EQ(std::get<protocol::ReadDone>(m).layer_idx, l);
+    if (l < kLayers - 1) {
+      EXPECT_TRUE(reader_->get_finished(kAlone)->finished.empty());
+    }
+  }
+  for (int l = 0; l < kLayers; ++l) {
+    const std::vector<int64_t> dst_main{3, 9, 4}, dst_idx{11, 12, 13};
+    for (size_t i = 0; i < 3; ++i) {
+      EXPECT_TRUE(decode_.holds(l, 0, dst_main[i], src_main[i]))
+          << "K layer " << l << " block " << i;
+      EXPECT_TRUE(decode_.holds(l, 1, dst_main[i], src_main[i]))
+          << "V layer " << l << " block " << i;
+      EXPECT_TRUE(decode_.holds(l, 2, dst_idx[i], src_idx[i])) << "indexer layer " << l;
+    }
+  }
+  EXPECT_EQ(reader_->get_finished(kAlone)->finished, std::vector<std::string>{"int-0"});
+}
+
+TEST_F(ReaderTest, AReadinessWithNoBlocksIsStillAnswered) {
+  send_mf_meta(mf_meta(prefill_));
+  auto m = exchange_message(protocol::encode(ready(1, {})));
+  ASSERT_TRUE(std::holds_alternative<protocol::ReadDone>(m));
+  EXPECT_EQ(std::get<protocol::ReadDone>(m).layer_idx, 1);
+}
+
+TEST_F(ReaderTest, ReadinessBeforeMfMetaIsAnsweredReadFailed) {
+  auto m = exchange_message(protocol::encode(ready(2, {})));
+  ASSERT_TRUE(std::holds_alternative<protocol::ReadFailed>(m));
+  EXPECT_EQ(std::get<protocol::ReadFailed>(m).layer_idx, 2);
+  EXPECT_NE(std::get<protocol::ReadFailed>(m).error.find("no MF_META"), std::string::npos);
+}
+
+TEST_F(ReaderTest, AMalformedReadinessIsAnsweredForItsLayer) {
+  send_mf_meta(mf_meta(prefill_));
+  // read_reqs as a str: undecodable, but layer 7 can be read and is answered.
+  std::vector<std::byte> broken;
+  for (int b : {0x94, 0xc4, 0x10}) broken.push_back(static_cast<std::byte>(b));
+  for (char c : std::string("read_ready_batch")) broken.push_back(static_cast<std::byte>(c));
+  for (int b : {0x07, 0xa1, int{'x'}, 0xa1, int{'x'}}) broken.push_back(static_cast<std::byte>(b));
+  auto m = exchange_message(broken);
+  ASSERT_TRUE(std::holds_alternative<protocol::ReadFailed>(m));
+  EXPECT_EQ(std::get<protocol::ReadFailed>(m).layer_idx, 7);
+}
+
+TEST_F(ReaderTest, ALayoutMismatchFailsTheLayerAndWritesNothing) {
+  auto meta = mf_meta(prefill_);
+  meta.layers[1].second.block_len[2] = 32;  // Prefill's indexer blocks of layer 1 differ
+  send_mf_meta(meta);
+  ASSERT_TRUE(reader_->add_request("req-1", "int-1", {5}, {6}).is_ok());
+  auto m = exchange_message(protocol::encode(ready(1, {{"req-1", {2}, {3}, 0, 0}}, {"req-1"})));
+  ASSERT_TRUE(std::holds_alternative<protocol::ReadFailed>(m));
+  const auto& failed = std::get<protocol::ReadFailed>(m);
+  EXPECT_EQ(failed.layer_idx, 1);
+  EXPECT_NE(failed.error.find("indexer block bytes 32 on Prefill != 64 on Decode"),
+            std::string::npos)
+      << failed.error;
+  for (size_t t = 0; t < 3; ++t) EXPECT_TRUE(decode_.zero(1, t, t < 2 ? 5 : 6)) << "tensor " << t;
+  auto done = reader_->get_finished(kAlone);
+  EXPECT_EQ(done->failed, std::vector<std::string>{"int-1"});
+}
+
+TEST_F(ReaderTest, AReadForAnUnknownRequestFailsTheLayer) {
+  send_mf_meta(mf_meta(prefill_));
+  auto m = exchange_message(protocol::encode(ready(0, {{"ghost", {1}, {1}, 0, 0}})));
+  ASSERT_TRUE(std::holds_alternative<protocol::ReadFailed>(m));
+  EXPECT_NE(std::get<protocol::ReadFailed>(m).error.find("ghost"), std::string::npos);
+}
+
+TEST_F(ReaderTest, AnIncompatiblePrefillIsRefusedWithBothVersions) {
+  auto meta = mf_meta(prefill_);
+  meta.protocol_version = protocol::kProtocolVersion + 1;
+  auto m = exchange_message(protocol::encode(meta));
+  ASSERT_TRUE(std::holds_alternative<protocol::ReadFailed>(m));
+  EXPECT_NE(std::get<protocol::ReadFailed>(m).error.find("protocol version"), std::string::npos);
+}
+
+}  // namespace
+}  // namespace rd2h::decode
