@@ -67,9 +67,41 @@ void Reader::run() {
     if (!in) {
       std::fprintf(stderr, "rd2h decode reader %d: %s\n", config_.d_rank,
                    in.status().to_string().c_str());
-      continue;
+    } else if (in->has_value()) {
+      handle(**in);
     }
-    if (in->has_value()) handle(**in);
+    if (held_count_ > 0) drain_held();
+  }
+}
+
+bool Reader::destinations_known(const protocol::ReadReadyBatch& ready) const {
+  for (const auto& req : ready.read_reqs) {
+    if (requests_.count(req.ext_id) == 0 && !tracker_.aborted(req.ext_id)) return false;
+  }
+  return true;
+}
+
+void Reader::drain_held() {
+  const auto now = std::chrono::steady_clock::now();
+  for (auto it = held_.begin(); it != held_.end();) {
+    auto& queue = it->second;
+    while (!queue.empty()) {
+      bool ready;
+      {
+        std::lock_guard lock(mu_);
+        ready = destinations_known(queue.front().ready);
+      }
+      if (!ready && now - queue.front().since < config_.hold_timeout) break;
+      Held h = std::move(queue.front());
+      queue.pop_front();
+      --held_count_;
+      {
+        std::lock_guard lock(mu_);
+        stats_.held_now = held_count_;
+      }
+      handle_ready(it->first, h.ready);
+    }
+    it = queue.empty() ? held_.erase(it) : std::next(it);
   }
 }
 
@@ -94,6 +126,21 @@ void Reader::handle(const control::Inbound& in) {
   if (auto* meta = std::get_if<protocol::MfMeta>(&*message)) {
     handle_mf_meta(in.identity, *meta);
   } else if (auto* ready = std::get_if<protocol::ReadReadyBatch>(&*message)) {
+    // Behind a held message, or naming a request Decode does not know yet: hold it.
+    auto queue = held_.find(in.identity);
+    bool hold = queue != held_.end() && !queue->second.empty();
+    if (!hold && held_count_ < config_.max_held) {
+      std::lock_guard lock(mu_);
+      hold = !destinations_known(*ready);
+    }
+    if (hold && held_count_ < config_.max_held) {
+      held_[in.identity].push_back({std::move(*ready), std::chrono::steady_clock::now()});
+      ++held_count_;
+      std::lock_guard lock(mu_);
+      ++stats_.readiness_held;
+      stats_.held_now = held_count_;
+      return;
+    }
     handle_ready(in.identity, *ready);
   } else {
     std::lock_guard lock(mu_);
@@ -181,6 +228,8 @@ Status Reader::read_layer(const std::string& identity, const protocol::ReadReady
     for (const auto& req : ready.read_reqs) {
       auto dest = requests_.find(req.ext_id);
       if (dest == requests_.end()) {
+        // Decode gave the request up: nothing to read for it, and no reason to fail Prefill.
+        if (tracker_.aborted(req.ext_id)) continue;
         return not_found(where + ": request " + req.ext_id + " has no destination on Decode");
       }
       RD2H_RETURN_IF_ERROR(layout::append_request_descriptors(

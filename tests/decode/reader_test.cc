@@ -5,7 +5,9 @@
 #include <gtest/gtest.h>
 
 #include <cstring>
+#include <thread>
 
+#include "rd2h/common/deadline.h"
 #include "rd2h/common/pattern.h"
 
 namespace rd2h::decode {
@@ -102,15 +104,18 @@ const AllGather kAlone = [](const RankTerminal& mine) -> Expected<std::vector<Ra
 class ReaderTest : public ::testing::Test {
  protected:
   void SetUp() override {
+    ReaderConfig config;
+    config.hold_timeout = 500ms;
+    start_reader(config);
+  }
+  void start_reader(const ReaderConfig& config) {
+    dealer_.reset();
+    reader_.reset();
+    if (!decode_engine_)
+      decode_engine_ = std::shared_ptr<transfer::TransferEngine>(std::move(decode_.engine));
     DecodeLayout layout;
     for (int l = 0; l < kLayers; ++l) layout[layer_name(l)] = decode_.tensors(l);
-    start_reader(std::move(layout));
-  }
-  void start_reader(DecodeLayout layout) {
-    reader_.reset();
-    std::shared_ptr<transfer::TransferEngine> engine(std::move(decode_.engine));
-    decode_engine_ = engine;
-    auto r = Reader::start({}, engine, std::move(layout), context_);
+    auto r = Reader::start(config, decode_engine_, std::move(layout), context_);
     ASSERT_TRUE(r) << r.status().to_string();
     reader_ = std::move(*r);
     auto d = control::DealerChannel::connect(context_, reader_->url());
@@ -215,11 +220,55 @@ TEST_F(ReaderTest, ALayoutMismatchFailsTheLayerAndWritesNothing) {
   EXPECT_EQ(done->failed, std::vector<std::string>{"int-1"});
 }
 
-TEST_F(ReaderTest, AReadForAnUnknownRequestFailsTheLayer) {
+// Waits, bounded, until the reader holds `n` readiness messages.
+bool wait_held(const Reader& reader, size_t n) {
+  Deadline deadline(10s);
+  while (reader.stats().held_now != n) {
+    if (deadline.expired()) return false;
+    std::this_thread::yield();
+  }
+  return true;
+}
+
+TEST_F(ReaderTest, ReadinessBeforeTheDestinationsIsHeldUntilTheyArriveAndRepliesKeepOrder) {
+  ReaderConfig config;
+  config.hold_timeout = 30s;
+  start_reader(config);
   send_mf_meta(mf_meta(prefill_));
-  auto m = exchange_message(protocol::encode(ready(0, {{"ghost", {1}, {1}, 0, 0}})));
+  ASSERT_TRUE(dealer_->send(protocol::encode(ready(0, {{"late", {4}, {5}, 0, 0}}))).is_ok());
+  ASSERT_TRUE(dealer_->send(protocol::encode(ready(1, {}))).is_ok());  // queued behind layer 0
+  ASSERT_TRUE(wait_held(*reader_, 2)) << "the reader did not hold the readiness";
+  ASSERT_TRUE(reader_->add_request("late", "int-late", {8}, {9}).is_ok());
+  for (int l : {0, 1}) {
+    auto reply = dealer_->receive(10s);
+    ASSERT_TRUE(reply && reply->has_value());
+    auto m = protocol::decode_message(**reply);
+    ASSERT_TRUE(m && std::holds_alternative<protocol::ReadDone>(*m)) << "layer " << l;
+    EXPECT_EQ(std::get<protocol::ReadDone>(*m).layer_idx, l);
+  }
+  EXPECT_TRUE(decode_.holds(0, 0, 8, 4));
+  EXPECT_TRUE(decode_.holds(0, 2, 9, 5));
+  EXPECT_GE(reader_->stats().readiness_held, 2u);
+}
+
+TEST_F(ReaderTest, AHeldReadinessFailsWhenItsHoldExpires) {
+  send_mf_meta(mf_meta(prefill_));
+  auto m = exchange_message(protocol::encode(ready(2, {{"never", {1}, {1}, 0, 0}})));
   ASSERT_TRUE(std::holds_alternative<protocol::ReadFailed>(m));
-  EXPECT_NE(std::get<protocol::ReadFailed>(m).error.find("ghost"), std::string::npos);
+  EXPECT_NE(std::get<protocol::ReadFailed>(m).error.find("never"), std::string::npos);
+  EXPECT_EQ(reader_->stats().held_now, 0u);
+}
+
+TEST_F(ReaderTest, AnAbortedRequestIsSkippedWithoutFailingTheLayer) {
+  send_mf_meta(mf_meta(prefill_));
+  ASSERT_TRUE(reader_->add_request("gone", "int-gone", {2}, {2}).is_ok());
+  ASSERT_TRUE(reader_->add_request("kept", "int-kept", {3}, {3}).is_ok());
+  reader_->remove_request("gone");
+  auto m = exchange_message(protocol::encode(
+      ready(0, {{"gone", {6}, {6}, 0, 0}, {"kept", {7}, {7}, 0, 0}}, {"gone", "kept"})));
+  ASSERT_TRUE(std::holds_alternative<protocol::ReadDone>(m));
+  EXPECT_TRUE(decode_.zero(0, 0, 2)) << "an aborted request's blocks were written";
+  EXPECT_TRUE(decode_.holds(0, 0, 3, 7));
 }
 
 TEST_F(ReaderTest, AnIncompatiblePrefillIsRefusedWithBothVersions) {

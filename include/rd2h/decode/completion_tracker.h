@@ -50,6 +50,9 @@ class CompletionTracker {
   Expected<Finished> get_finished(const AllGather& all_gather);
 
   size_t tracked() const { return requests_.size() + early_.size(); }
+  bool known(const std::string& ext_id) const { return requests_.count(ext_id) != 0; }
+  // Decode removed the request recently (its late readiness is answered, nothing read).
+  bool aborted(const std::string& ext_id) const { return removed_.count(ext_id) != 0; }
 
  private:
   struct Request {

@@ -7,6 +7,7 @@
 
 #include <atomic>
 #include <chrono>
+#include <deque>
 #include <map>
 #include <memory>
 #include <mutex>
@@ -33,12 +34,19 @@ struct ReaderConfig {
   std::string host = "127.0.0.1";
   int port = 0;  // the rank port; 0 picks a free one (tests)
   std::chrono::milliseconds poll_interval{20};
+  // A readiness naming a request whose destinations Decode has not registered yet is held
+  // (with the connection's later messages, to keep replies in order) until they are, for
+  // at most hold_timeout, and at most max_held messages in all.
+  std::chrono::milliseconds hold_timeout{5000};
+  size_t max_held = 1024;
 };
 
 struct ReaderStats {
   uint64_t layers_done = 0;
   uint64_t layers_failed = 0;
   uint64_t messages_rejected = 0;
+  uint64_t readiness_held = 0;  // ever held for destinations
+  size_t held_now = 0;
 };
 
 class Reader {
@@ -74,6 +82,9 @@ class Reader {
          std::unique_ptr<control::RouterChannel> router);
   void run();
   void handle(const control::Inbound& in);
+  // Answers held readiness whose destinations arrived or whose hold expired, in order.
+  void drain_held();
+  bool destinations_known(const protocol::ReadReadyBatch& ready) const;  // caller holds mu_
   void handle_mf_meta(const std::string& identity, const protocol::MfMeta& meta);
   void handle_ready(const std::string& identity, const protocol::ReadReadyBatch& ready);
   // Reads the layer; the error explains why it was not read.
@@ -85,6 +96,12 @@ class Reader {
   DecodeLayout layout_;
   std::unique_ptr<control::RouterChannel> router_;
   std::map<std::string, Peer> peers_;  // by ZMQ identity; reader thread only
+  struct Held {
+    protocol::ReadReadyBatch ready;
+    std::chrono::steady_clock::time_point since;
+  };
+  std::map<std::string, std::deque<Held>> held_;  // by ZMQ identity; reader thread only
+  size_t held_count_ = 0;
 
   mutable std::mutex mu_;  // guards what the worker's thread shares with the reader
   std::map<std::string, Destinations> requests_;
