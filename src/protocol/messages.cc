@@ -46,6 +46,15 @@ std::vector<std::byte> bytes_of(const msgpack::sbuffer& buf) {
   return {p, p + buf.size()};
 }
 
+// Runs `body` on a fresh packer and returns what it packed.
+template <typename F>
+std::vector<std::byte> packed(F&& body) {
+  msgpack::sbuffer buf;
+  Packer pk(&buf);
+  body(pk);
+  return bytes_of(buf);
+}
+
 std::vector<std::byte> encode_layer_map(
     const std::vector<std::pair<std::string, LayerMeta>>& layers) {
   msgpack::sbuffer buf;
@@ -408,59 +417,55 @@ Expected<ReadReadyBatch> decode_read_ready_batch(const std::vector<Field>& t) {
 }  // namespace
 
 std::vector<std::byte> encode(const MfMeta& m) {
-  msgpack::sbuffer buf;
-  Packer pk(&buf);
-  pk.pack_array(7);
-  pack_bin(pk, kTagMfMeta);
-  pack_str(pk, m.p_session);
-  pack_bin(pk, encode_layer_map(m.layers));
-  pk.pack_uint64(m.protocol_version.value_or(kProtocolVersion));
-  pk.pack_uint64(m.cache_layout_version.value_or(kCacheLayoutVersion));
-  pack_str(pk, m.backend_name);
-  pack_bin(pk, m.backend_metadata);
-  return bytes_of(buf);
+  return packed([&](Packer& pk) {
+    pk.pack_array(7);
+    pack_bin(pk, kTagMfMeta);
+    pack_str(pk, m.p_session);
+    pack_bin(pk, encode_layer_map(m.layers));
+    pk.pack_uint64(m.protocol_version.value_or(kProtocolVersion));
+    pk.pack_uint64(m.cache_layout_version.value_or(kCacheLayoutVersion));
+    pack_str(pk, m.backend_name);
+    pack_bin(pk, m.backend_metadata);
+  });
 }
 
 std::vector<std::byte> encode(const ReadReadyBatch& m) {
-  msgpack::sbuffer buf;
-  Packer pk(&buf);
-  pk.pack_array(7);
-  pack_bin(pk, kTagReadReadyBatch);
-  pk.pack_int64(m.layer_idx);
-  pack_str(pk, m.layer_name);
-  pk.pack_array(static_cast<uint32_t>(m.read_reqs.size()));
-  for (const auto& r : m.read_reqs) {
-    pk.pack_array(5);
-    pack_str(pk, r.ext_id);
-    pack_ints(pk, r.main_block_ids);
-    pack_ints(pk, r.indexer_block_ids);
-    pk.pack_int64(r.main_start);
-    pk.pack_int64(r.indexer_start);
-  }
-  pk.pack_array(static_cast<uint32_t>(m.done_ext_ids.size()));
-  for (const auto& id : m.done_ext_ids) pack_str(pk, id);
-  pk.pack_int64(m.group_member_idx);
-  pk.pack_int64(m.tp_ratio);
-  return bytes_of(buf);
+  return packed([&](Packer& pk) {
+    pk.pack_array(7);
+    pack_bin(pk, kTagReadReadyBatch);
+    pk.pack_int64(m.layer_idx);
+    pack_str(pk, m.layer_name);
+    pk.pack_array(static_cast<uint32_t>(m.read_reqs.size()));
+    for (const auto& r : m.read_reqs) {
+      pk.pack_array(5);
+      pack_str(pk, r.ext_id);
+      pack_ints(pk, r.main_block_ids);
+      pack_ints(pk, r.indexer_block_ids);
+      pk.pack_int64(r.main_start);
+      pk.pack_int64(r.indexer_start);
+    }
+    pk.pack_array(static_cast<uint32_t>(m.done_ext_ids.size()));
+    for (const auto& id : m.done_ext_ids) pack_str(pk, id);
+    pk.pack_int64(m.group_member_idx);
+    pk.pack_int64(m.tp_ratio);
+  });
 }
 
 std::vector<std::byte> encode(const ReadDone& m) {
-  msgpack::sbuffer buf;
-  Packer pk(&buf);
-  pk.pack_array(2);
-  pack_bin(pk, kTagReadDone);
-  pk.pack_int64(m.layer_idx);
-  return bytes_of(buf);
+  return packed([&](Packer& pk) {
+    pk.pack_array(2);
+    pack_bin(pk, kTagReadDone);
+    pk.pack_int64(m.layer_idx);
+  });
 }
 
 std::vector<std::byte> encode(const ReadFailed& m) {
-  msgpack::sbuffer buf;
-  Packer pk(&buf);
-  pk.pack_array(3);
-  pack_bin(pk, kTagReadFailed);
-  pk.pack_int64(m.layer_idx);
-  pack_str(pk, m.error);
-  return bytes_of(buf);
+  return packed([&](Packer& pk) {
+    pk.pack_array(3);
+    pack_bin(pk, kTagReadFailed);
+    pk.pack_int64(m.layer_idx);
+    pack_str(pk, m.error);
+  });
 }
 
 bool is_ack(std::span<const std::byte> payload) {
