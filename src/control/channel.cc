@@ -185,4 +185,23 @@ Expected<std::optional<std::vector<std::byte>>> DealerChannel::receive(
   }
 }
 
+Expected<std::vector<bool>> wait_readable(const std::vector<DealerChannel*>& dealers, int fd,
+                                          std::chrono::milliseconds timeout) {
+  std::vector<zmq::pollitem_t> items;
+  items.reserve(dealers.size() + 1);
+  for (auto* d : dealers) items.push_back({d->impl().socket.handle(), 0, ZMQ_POLLIN, 0});
+  if (fd >= 0) items.push_back({nullptr, fd, ZMQ_POLLIN, 0});
+  try {
+    zmq::poll(items.data(), items.size(), timeout);
+  } catch (const zmq::error_t& e) {
+    if (e.num() != EINTR) return transport_error(std::string("zmq poll: ") + e.what());
+  }
+  std::vector<bool> ready(dealers.size() + 1, false);
+  for (size_t i = 0; i < items.size(); ++i) {
+    const size_t slot = (fd >= 0 && i == items.size() - 1) ? dealers.size() : i;
+    ready[slot] = (items[i].revents & ZMQ_POLLIN) != 0;
+  }
+  return ready;
+}
+
 }  // namespace rd2h::control

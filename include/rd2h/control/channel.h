@@ -84,6 +84,7 @@ class DealerChannel {
   size_t dropped() const { return dropped_; }
 
   struct Impl;
+  Impl& impl() const { return *impl_; }
 
  private:
   DealerChannel(std::shared_ptr<Context> context, std::unique_ptr<Impl> impl, std::string url);
@@ -92,5 +93,11 @@ class DealerChannel {
   std::string url_;
   size_t dropped_ = 0;
 };
+
+// Waits until one of `dealers` has something to receive or `fd` (a plain file descriptor,
+// -1 for none) is readable, for at most `timeout`. Returns which dealers are readable and,
+// last, whether the fd is.
+Expected<std::vector<bool>> wait_readable(const std::vector<DealerChannel*>& dealers, int fd,
+                                          std::chrono::milliseconds timeout);
 
 }  // namespace rd2h::control

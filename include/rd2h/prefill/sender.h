@@ -1,0 +1,101 @@
+// Prefill's sender thread (spec "Layer transfer", "Control Protocol"): owns one DEALER per
+// Decode endpoint, sends MF_META once per connection and waits for its ACK, then sends the
+// queued readiness and routes each Decode answer to the slot gate generation it belongs to.
+// Every wait is bounded: an endpoint that does not ACK, or does not answer a readiness in
+// time, fails the gates waiting on it and is reconnected (with MF_META again) on next use.
+// The gates passed to send() must outlive the sender.
+#pragma once
+
+#include <atomic>
+#include <chrono>
+#include <deque>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <thread>
+
+#include "rd2h/common/status.h"
+#include "rd2h/control/channel.h"
+#include "rd2h/prefill/slot_gate.h"
+#include "rd2h/protocol/messages.h"
+
+namespace rd2h::prefill {
+
+struct SenderConfig {
+  std::chrono::milliseconds ack_timeout{10000};
+  std::chrono::milliseconds reply_timeout{30000};
+};
+
+struct SenderStats {
+  uint64_t mf_meta_sent = 0;
+  uint64_t readiness_sent = 0;
+  uint64_t answers = 0;
+  uint64_t failures = 0;  // gate generations failed by the sender (timeouts, refusals)
+};
+
+class Sender {
+ public:
+  // `meta` is what this Prefill publishes: its session, layers and transfer backend.
+  static Expected<std::unique_ptr<Sender>> start(SenderConfig config,
+                                                 std::shared_ptr<control::Context> context,
+                                                 protocol::MfMeta meta);
+  ~Sender();  // fails what is still pending, stops and joins the thread
+  Sender(const Sender&) = delete;
+  Sender& operator=(const Sender&) = delete;
+
+  // Queues `ready` for the Decode endpoint at `url`; its answer goes to `gate` at
+  // `generation` (from SlotGate::open, which counted this endpoint).
+  void send(const std::string& url, protocol::ReadReadyBatch ready, SlotGate* gate,
+            uint64_t generation);
+
+  SenderStats stats() const;
+
+ private:
+  struct Task {
+    std::string url;
+    protocol::ReadReadyBatch ready;
+    SlotGate* gate;
+    uint64_t generation;
+  };
+  struct Pending {
+    int64_t layer_idx;
+    SlotGate* gate;
+    uint64_t generation;
+    std::chrono::steady_clock::time_point deadline;
+  };
+  struct Endpoint {
+    std::unique_ptr<control::DealerChannel> dealer;
+    bool acked = false;
+    std::chrono::steady_clock::time_point ack_deadline;
+    std::deque<Task> waiting;     // queued until the ACK
+    std::deque<Pending> pending;  // sent, in the order Decode answers
+  };
+
+  Sender(SenderConfig config, std::shared_ptr<control::Context> context, protocol::MfMeta meta,
+         int wake_fd);
+  void run();
+  void take_tasks();
+  void dispatch(Task task);
+  void transmit(Endpoint& ep, Task task);
+  void receive(const std::string& url, Endpoint& ep);
+  void check_deadlines();
+  // Fails every gate waiting on the endpoint and drops its connection.
+  void fail_endpoint(const std::string& url, Endpoint& ep, const std::string& why);
+  void count_failure();
+
+  SenderConfig config_;
+  std::shared_ptr<control::Context> context_;
+  std::vector<std::byte> mf_meta_;
+  int wake_fd_ = -1;
+  std::map<std::string, Endpoint> endpoints_;  // sender thread only
+
+  mutable std::mutex mu_;
+  std::deque<Task> tasks_;
+  SenderStats stats_;
+
+  std::atomic<bool> stopping_{false};
+  std::thread thread_;
+};
+
+}  // namespace rd2h::prefill

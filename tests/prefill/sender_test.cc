@@ -1,0 +1,146 @@
+// Prefill's sender against real Decode readers: ZeroMQ and UCX on loopback, one process.
+#include "rd2h/prefill/sender.h"
+
+#include <gtest/gtest.h>
+
+#include "decode/kv_fixture.h"
+#include "rd2h/decode/reader.h"
+
+namespace rd2h::prefill {
+namespace {
+
+using namespace std::chrono_literals;
+using namespace rd2h::testing;
+
+const decode::AllGather kAlone =
+    [](const decode::RankTerminal& mine) -> Expected<std::vector<decode::RankTerminal>> {
+  return std::vector<decode::RankTerminal>{mine};
+};
+
+class SenderTest : public ::testing::Test {
+ protected:
+  void start_reader(int tp_ratio, int port = 0) {
+    reader_.reset();
+    if (!decode_engine_) {
+      decode_engine_ = std::shared_ptr<transfer::TransferEngine>(std::move(decode_.engine));
+    }
+    decode::DecodeLayout layout;
+    for (int l = 0; l < kLayers; ++l) layout[layer_name(l)] = decode_.tensors(l);
+    decode::ReaderConfig config;
+    config.tp_ratio = tp_ratio;
+    config.port = port;
+    auto r = decode::Reader::start(config, decode_engine_, std::move(layout), context_);
+    ASSERT_TRUE(r) << r.status().to_string();
+    reader_ = std::move(*r);
+  }
+  std::unique_ptr<Sender> sender(SenderConfig config = {}) {
+    auto s = Sender::start(config, context_, mf_meta(prefill_));
+    EXPECT_TRUE(s) << s.status().to_string();
+    return s ? std::move(*s) : nullptr;
+  }
+  static protocol::ReadReadyBatch ready(int layer, std::vector<protocol::ReadReq> reqs,
+                                        std::vector<std::string> done = {}, int member = 0,
+                                        int ratio = 1) {
+    return {layer, layer_name(layer), std::move(reqs), std::move(done), member, ratio};
+  }
+  // Sends one readiness through a fresh gate generation and waits for its answer.
+  Status send_and_wait(Sender& s, const protocol::ReadReadyBatch& r, SlotGate& gate) {
+    const uint64_t g = gate.open(r.layer_idx, 1);
+    s.send(reader_url_or_(), r, &gate, g);
+    return gate.wait(Deadline(10s));
+  }
+  std::string reader_url_or_() const {
+    return url_override_.empty() ? reader_->url() : url_override_;
+  }
+  void sync_with_reader() { (void)reader_->stats(); }
+
+  Pool prefill_{transfer::Role::kPrefill, true};
+  Pool decode_{transfer::Role::kDecode, false};
+  std::shared_ptr<transfer::TransferEngine> decode_engine_;
+  std::shared_ptr<control::Context> context_ = control::Context::create();
+  std::unique_ptr<decode::Reader> reader_;
+  std::string url_override_;
+};
+
+TEST_F(SenderTest, LayersFlowThroughTheSlotGatesAndTheBytesArrive) {
+  start_reader(1);
+  auto s = sender();
+  ASSERT_TRUE(reader_->add_request("r", "i", {3, 9, 4}, {11, 12, 13}).is_ok());
+  SlotGate gate;  // one physical slot reused by every layer
+  for (int l = 0; l < kLayers; ++l) {
+    std::vector<std::string> done;
+    if (l == kLayers - 1) done = {"r"};
+    Status st = send_and_wait(*s, ready(l, {{"r", {1, 7, 2}, {5, 6, 0}, 0, 0}}, done), gate);
+    ASSERT_TRUE(st.is_ok()) << "layer " << l << ": " << st.to_string();
+  }
+  sync_with_reader();
+  for (int l = 0; l < kLayers; ++l) {
+    EXPECT_TRUE(decode_.holds(l, 0, 9, 7)) << "layer " << l;
+    EXPECT_TRUE(decode_.holds(l, 2, 13, 0)) << "layer " << l;
+  }
+  EXPECT_EQ(reader_->get_finished(kAlone)->finished, std::vector<std::string>{"i"});
+  EXPECT_EQ(s->stats().mf_meta_sent, 1u) << "MF_META goes once per connection";
+  EXPECT_EQ(s->stats().answers, static_cast<uint64_t>(kLayers));
+}
+
+TEST_F(SenderTest, TwoContributorsSplitTheIndexerAndBothMustFinish) {
+  start_reader(/*tp_ratio=*/2);
+  auto member0 = sender(), member1 = sender();
+  ASSERT_TRUE(reader_->add_request("r", "i", {1, 2, 3, 4}, {5, 6, 7, 8}).is_ok());
+  const protocol::ReadReq req{"r", {10, 11, 12, 13}, {0, 1, 2, 3}, 0, 0};
+  SlotGate g0, g1;
+  ASSERT_TRUE(send_and_wait(*member0, ready(0, {req}, {"r"}, 0, 2), g0).is_ok());
+  EXPECT_TRUE(reader_->get_finished(kAlone)->finished.empty()) << "finished on one contributor";
+  // A duplicate final signal from member 0 does not finish it either.
+  ASSERT_TRUE(send_and_wait(*member0, ready(0, {}, {"r"}, 0, 2), g0).is_ok());
+  EXPECT_TRUE(reader_->get_finished(kAlone)->finished.empty());
+  ASSERT_TRUE(send_and_wait(*member1, ready(0, {req}, {"r"}, 1, 2), g1).is_ok());
+  sync_with_reader();
+  for (size_t i = 0; i < 4; ++i) {
+    EXPECT_TRUE(decode_.holds(0, 0, 1 + static_cast<int64_t>(i), 10 + static_cast<int64_t>(i)));
+    EXPECT_TRUE(decode_.holds(0, 2, 5 + static_cast<int64_t>(i), static_cast<int64_t>(i)))
+        << "indexer block " << i;
+  }
+  EXPECT_EQ(reader_->get_finished(kAlone)->finished, std::vector<std::string>{"i"});
+}
+
+TEST_F(SenderTest, ADecodeThatNeverAcknowledgesFailsTheGateInTime) {
+  auto silent = control::RouterChannel::bind(context_, "127.0.0.1", 0);  // bound, never read
+  ASSERT_TRUE(silent);
+  url_override_ = (*silent)->url();
+  SenderConfig config;
+  config.ack_timeout = 200ms;
+  auto s = sender(config);
+  SlotGate gate;
+  Status st = send_and_wait(*s, ready(0, {}), gate);
+  EXPECT_EQ(st.code(), StatusCode::kTransport) << st.to_string();
+  EXPECT_NE(st.message().find("no ACK for MF_META"), std::string::npos) << st.message();
+}
+
+TEST_F(SenderTest, ARestartedDecodeGetsMfMetaAgainAndLaterLayersSucceed) {
+  start_reader(1);
+  const std::string url = reader_->url();
+  const int port = std::stoi(url.substr(url.rfind(':') + 1));
+  SenderConfig config;
+  config.reply_timeout = 300ms;
+  auto s = sender(config);
+  SlotGate gate;
+  ASSERT_TRUE(reader_->add_request("r", "i", {3}, {3}).is_ok());
+  ASSERT_TRUE(send_and_wait(*s, ready(0, {{"r", {1}, {1}, 0, 0}}), gate).is_ok());
+
+  url_override_ = url;
+  reader_.reset();  // Decode goes away
+  Status st = send_and_wait(*s, ready(1, {{"r", {1}, {1}, 0, 0}}), gate);
+  EXPECT_FALSE(st.is_ok()) << "a layer with no Decode to read it succeeded";
+
+  start_reader(1, port);  // Decode is back on the same port, knowing nothing of Prefill
+  ASSERT_TRUE(reader_->add_request("r", "i", {3}, {3}).is_ok());
+  st = send_and_wait(*s, ready(2, {{"r", {1}, {1}, 0, 0}}), gate);
+  ASSERT_TRUE(st.is_ok()) << st.to_string();
+  sync_with_reader();
+  EXPECT_TRUE(decode_.holds(2, 0, 3, 1));
+  EXPECT_EQ(s->stats().mf_meta_sent, 2u);
+}
+
+}  // namespace
+}  // namespace rd2h::prefill
