@@ -80,9 +80,14 @@ void Sender::run() {
     }
     check_deadlines();
   }
-  for (auto& [url, ep] : endpoints_) fail_endpoint(url, ep, "the Prefill sender stopped");
-  take_tasks();  // whatever was queued last also gets its failure
-  for (auto& [url, ep] : endpoints_) fail_endpoint(url, ep, "the Prefill sender stopped");
+  const std::string stopped = "the Prefill sender stopped";
+  for (auto& [url, ep] : endpoints_) fail_endpoint(url, ep, stopped);
+  std::lock_guard lock(mu_);
+  for (auto& t : tasks_) {  // queued last: never sent, failed all the same
+    ++stats_.failures;
+    t.gate->answer(t.generation, false, stopped);
+  }
+  tasks_.clear();
 }
 
 void Sender::take_tasks() {
@@ -179,9 +184,12 @@ void Sender::receive(const std::string& url, Endpoint& ep) {
                            "answer for layer " + std::to_string(layer) + " while layer " +
                                std::to_string(p.layer_idx) + " was expected from " + url);
     }
+    {
+      // Counted before the gate opens, so whoever the gate wakes sees the count.
+      std::lock_guard lock(mu_);
+      ++stats_.answers;
+    }
     p.gate->answer(p.generation, ok, reason);
-    std::lock_guard lock(mu_);
-    ++stats_.answers;
   }
 }
 

@@ -117,6 +117,22 @@ TEST_F(SenderTest, ADecodeThatNeverAcknowledgesFailsTheGateInTime) {
   EXPECT_NE(st.message().find("no ACK for MF_META"), std::string::npos) << st.message();
 }
 
+TEST_F(SenderTest, StoppingTheSenderFailsWhatIsStillPending) {
+  auto silent = control::RouterChannel::bind(context_, "127.0.0.1", 0);
+  ASSERT_TRUE(silent);
+  SenderConfig config;
+  config.ack_timeout = 60s;
+  auto s = sender(config);
+  SlotGate gate;
+  const uint64_t g = gate.open(4, 1);
+  s->send((*silent)->url(), ready(4, {}), &gate, g);
+  s.reset();  // the sender thread ends with the answer still owed
+  Status st = gate.wait(Deadline(10s));
+  EXPECT_EQ(st.code(), StatusCode::kTransport) << st.to_string();
+  EXPECT_NE(st.message().find("layer 4: the Prefill sender stopped"), std::string::npos)
+      << st.message();
+}
+
 TEST_F(SenderTest, ARestartedDecodeGetsMfMetaAgainAndLaterLayersSucceed) {
   start_reader(1);
   const std::string url = reader_->url();
