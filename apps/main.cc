@@ -29,7 +29,6 @@ int main(int argc, char** argv) {
       ->check(CLI::IsMember({"auto", "rma", "am"}));
   pd_read->add_option("--layers", pd.layers, "layers in the pool")->check(CLI::Range(1u, 4096u));
   pd_read->add_option("--blocks", pd.blocks, "blocks per tensor")->check(CLI::Range(1u, 1u << 24));
-  pd_read->add_option("--block-tokens", pd.block_tokens, "tokens per block (informational)");
   pd_read->add_option("--main-bytes", pd.main_bytes, "bytes per block of each main tensor")
       ->delimiter(',');
   pd_read->add_option("--indexer-bytes", pd.indexer_bytes,

@@ -26,7 +26,6 @@ struct PdReadOptions {
   std::string memory = "alloc";    // how the source holds its pool: alloc | register
   uint32_t layers = 61;
   uint32_t blocks = 32;
-  uint32_t block_tokens = 128;
   std::vector<uint64_t> main_bytes{131072, 16384};
   uint64_t indexer_bytes = 16384;  // 0: no indexer tensor
   uint32_t batch_blocks = 16;

@@ -256,22 +256,19 @@ Expected<LayerMeta> decode_layer_meta(const Field& f) {
     Field key(map.ptr[i].key, f.path() + " key");
     RD2H_TRY(name, key.str(64));
     Field value(map.ptr[i].val, f.path() + "." + name);
-    if (name == "base_addrs") {
+    // The four per-tensor arrays, in wire order; each sets one bit of `seen`.
+    static constexpr std::pair<std::string_view, std::vector<uint64_t> LayerMeta::*> kArrays[] = {
+        {"base_addrs", &LayerMeta::base_addrs},
+        {"block_len", &LayerMeta::block_len},
+        {"block_size_scale", &LayerMeta::block_size_scale},
+        {"tensor_group_idx", &LayerMeta::tensor_group_idx},
+    };
+    auto array = std::find_if(std::begin(kArrays), std::end(kArrays),
+                              [&](const auto& a) { return a.first == name; });
+    if (array != std::end(kArrays)) {
       RD2H_TRY(v, uints(value));
-      m.base_addrs = std::move(v);
-      seen |= 1;
-    } else if (name == "block_len") {
-      RD2H_TRY(v, uints(value));
-      m.block_len = std::move(v);
-      seen |= 2;
-    } else if (name == "block_size_scale") {
-      RD2H_TRY(v, uints(value));
-      m.block_size_scale = std::move(v);
-      seen |= 4;
-    } else if (name == "tensor_group_idx") {
-      RD2H_TRY(v, uints(value));
-      m.tensor_group_idx = std::move(v);
-      seen |= 8;
+      m.*(array->second) = std::move(v);
+      seen |= 1u << (array - std::begin(kArrays));
     } else if (name == "main_tensor_count") {
       RD2H_TRY(v, value.unsigned_int());
       m.main_tensor_count = v;

@@ -112,7 +112,6 @@ struct LocalRegistration {
   uint64_t length = 0;
   ucp_mem_h memh = nullptr;
   std::vector<std::byte> packed_rkey;
-  bool engine_owned = false;
   std::shared_ptr<ReplyTracker> replies = std::make_shared<ReplyTracker>();
 };
 
@@ -593,7 +592,6 @@ class UcxEngine final : public TransferEngine {
     }
     LocalRegistration reg;
     reg.memh = memh;
-    reg.engine_owned = allocate;
     // Expose exactly what the caller asked for, even if UCX rounded the allocation up.
     reg.length = length;
     const auto* rb = static_cast<const std::byte*>(rkey_buf);
