@@ -90,24 +90,33 @@ Finished combine(const std::vector<RankTerminal>& ranks) {
   return out;
 }
 
-Expected<Finished> CompletionTracker::get_finished(const AllGather& all_gather) {
+RankTerminal CompletionTracker::terminal() const {
   RankTerminal mine;
   for (const auto& [ext_id, r] : requests_) {
     if (r.terminal) mine.emplace(ext_id, r.failed);
   }
-  auto ranks = all_gather(mine);
-  if (!ranks) return ranks.status().with_context("gathering completions across Decode TP ranks");
-  Finished done = combine(*ranks);
-  // Back to Decode's own ids; the state of every request reported ends here.
-  Finished out;
-  for (auto* list : {&done.finished, &done.failed}) {
+  return mine;
+}
+
+std::vector<Ended> CompletionTracker::take(const std::vector<RankTerminal>& ranks) {
+  const Finished done = combine(ranks);
+  std::vector<Ended> ended;
+  for (const auto* list : {&done.finished, &done.failed}) {
     for (const auto& ext_id : *list) {
       auto it = requests_.find(ext_id);
-      if (it == requests_.end()) continue;
-      (list == &done.finished ? out.finished : out.failed).push_back(it->second.internal_id);
+      if (it == requests_.end()) continue;  // removed while the ranks gathered
+      ended.push_back({ext_id, std::move(it->second.internal_id), list == &done.failed});
       requests_.erase(it);
     }
   }
+  return ended;
+}
+
+Expected<Finished> CompletionTracker::get_finished(const AllGather& all_gather) {
+  auto ranks = all_gather(terminal());
+  if (!ranks) return ranks.status().with_context("gathering completions across Decode TP ranks");
+  Finished out;
+  for (auto& e : take(*ranks)) (e.failed ? out.failed : out.finished).push_back(e.internal_id);
   return out;
 }
 

@@ -1,5 +1,6 @@
 #include "rd2h/decode/reader.h"
 
+#include <algorithm>
 #include <cstdio>
 
 namespace rd2h::decode {
@@ -51,14 +52,42 @@ void Reader::remove_request(const std::string& ext_id) {
 }
 
 Expected<Finished> Reader::get_finished(const AllGather& all_gather) {
+  RankTerminal mine;
+  {
+    std::lock_guard lock(mu_);
+    mine = tracker_.terminal();
+  }
+  // Gathered without the lock: the other ranks may take a while, and reads go on meanwhile.
+  auto ranks = all_gather(mine);
+  if (!ranks) return ranks.status().with_context("gathering completions across Decode TP ranks");
   std::lock_guard lock(mu_);
-  auto done = tracker_.get_finished(all_gather);
-  return done;
+  Finished out;
+  for (auto& e : tracker_.take(*ranks)) {
+    auto dest = requests_.find(e.ext_id);
+    if (e.failed) {
+      out.failed.push_back(std::move(e.internal_id));
+      if (dest != requests_.end()) {
+        auto& d = dest->second;
+        out.invalid_main_blocks.insert(out.invalid_main_blocks.end(), d.main.begin(), d.main.end());
+        out.invalid_indexer_blocks.insert(out.invalid_indexer_blocks.end(), d.indexer.begin(),
+                                          d.indexer.end());
+      }
+    } else {
+      out.finished.push_back(std::move(e.internal_id));
+    }
+    if (dest != requests_.end()) requests_.erase(dest);  // the request ends here
+  }
+  return out;
 }
 
 ReaderStats Reader::stats() const {
   std::lock_guard lock(mu_);
   return stats_;
+}
+
+size_t Reader::tracked_requests() const {
+  std::lock_guard lock(mu_);
+  return std::max(requests_.size(), tracker_.tracked());
 }
 
 void Reader::run() {

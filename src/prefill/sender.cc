@@ -36,11 +36,11 @@ Sender::~Sender() {
   ::close(wake_fd_);
 }
 
-void Sender::send(const std::string& url, protocol::ReadReadyBatch ready, SlotGate* gate,
-                  uint64_t generation) {
+void Sender::send(const std::string& url, protocol::ReadReadyBatch ready,
+                  std::vector<GateTicket> tickets, std::shared_ptr<WriteEvent> event) {
   {
     std::lock_guard lock(mu_);
-    tasks_.push_back({url, std::move(ready), gate, generation});
+    tasks_.push_back({url, std::move(ready), std::move(tickets), std::move(event)});
   }
   uint64_t one = 1;
   [[maybe_unused]] auto n = ::write(wake_fd_, &one, sizeof(one));
@@ -51,9 +51,14 @@ SenderStats Sender::stats() const {
   return stats_;
 }
 
-void Sender::count_failure() {
-  std::lock_guard lock(mu_);
-  ++stats_.failures;
+void Sender::settle(const std::vector<GateTicket>& tickets, bool ok, const std::string& why,
+                    bool from_decode) {
+  {
+    // Counted before the gates open, so whoever a gate wakes sees the count.
+    std::lock_guard lock(mu_);
+    ++(from_decode ? stats_.answers : stats_.failures);
+  }
+  for (const auto& t : tickets) t.gate->answer(t.generation, ok, why);
 }
 
 void Sender::run() {
@@ -82,12 +87,12 @@ void Sender::run() {
   }
   const std::string stopped = "the Prefill sender stopped";
   for (auto& [url, ep] : endpoints_) fail_endpoint(url, ep, stopped);
-  std::lock_guard lock(mu_);
-  for (auto& t : tasks_) {  // queued last: never sent, failed all the same
-    ++stats_.failures;
-    t.gate->answer(t.generation, false, stopped);
+  std::deque<Task> unsent;
+  {
+    std::lock_guard lock(mu_);
+    unsent.swap(tasks_);
   }
-  tasks_.clear();
+  for (auto& t : unsent) settle(t.tickets, false, stopped);  // queued last: failed all the same
 }
 
 void Sender::take_tasks() {
@@ -100,16 +105,20 @@ void Sender::take_tasks() {
 }
 
 void Sender::dispatch(Task task) {
+  if (task.event) {
+    // Tasks of one layer share its event: only the first waits.
+    if (Status st = task.event->wait(Deadline(config_.event_timeout)); !st) {
+      return settle(
+          task.tickets, false,
+          "layer " + std::to_string(task.ready.layer_idx) + " was not published: " + st.message());
+    }
+  }
   Endpoint& ep = endpoints_[task.url];
   if (!ep.dealer) {
     // A new connection, or one rebuilt after a failure: it starts with MF_META, since the
     // Decode side keys its metadata by connection.
     auto dealer = control::DealerChannel::connect(context_, task.url);
-    if (!dealer) {
-      count_failure();
-      task.gate->answer(task.generation, false, dealer.status().message());
-      return;
-    }
+    if (!dealer) return settle(task.tickets, false, dealer.status().message());
     ep.dealer = std::move(*dealer);
     ep.acked = false;
     ep.ack_deadline = Clock::now() + config_.ack_timeout;
@@ -130,12 +139,10 @@ void Sender::dispatch(Task task) {
 
 void Sender::transmit(Endpoint& ep, Task task) {
   if (Status st = ep.dealer->send(protocol::encode(task.ready)); !st) {
-    count_failure();
-    task.gate->answer(task.generation, false, st.message());
-    return;
+    return settle(task.tickets, false, st.message());
   }
   ep.pending.push_back(
-      {task.ready.layer_idx, task.gate, task.generation, Clock::now() + config_.reply_timeout});
+      {task.ready.layer_idx, std::move(task.tickets), Clock::now() + config_.reply_timeout});
   std::lock_guard lock(mu_);
   ++stats_.readiness_sent;
 }
@@ -161,7 +168,7 @@ void Sender::receive(const std::string& url, Endpoint& ep) {
     }
     auto message = protocol::decode_message(bytes);
     if (ep.pending.empty()) continue;  // nothing waits for it: a late answer
-    Pending p = ep.pending.front();
+    Pending p = std::move(ep.pending.front());
     ep.pending.pop_front();
     bool ok = false;
     std::string reason;
@@ -179,17 +186,12 @@ void Sender::receive(const std::string& url, Endpoint& ep) {
     }
     if (message && layer != p.layer_idx) {
       // Answers come in request order; one out of order means the connection lost track.
-      ep.pending.push_front(p);
+      ep.pending.push_front(std::move(p));
       return fail_endpoint(url, ep,
                            "answer for layer " + std::to_string(layer) + " while layer " +
                                std::to_string(p.layer_idx) + " was expected from " + url);
     }
-    {
-      // Counted before the gate opens, so whoever the gate wakes sees the count.
-      std::lock_guard lock(mu_);
-      ++stats_.answers;
-    }
-    p.gate->answer(p.generation, ok, reason);
+    settle(p.tickets, ok, reason, /*from_decode=*/true);
   }
 }
 
@@ -211,14 +213,8 @@ void Sender::check_deadlines() {
 }
 
 void Sender::fail_endpoint(const std::string& /*url*/, Endpoint& ep, const std::string& why) {
-  for (auto& p : ep.pending) {
-    count_failure();
-    p.gate->answer(p.generation, false, why);
-  }
-  for (auto& t : ep.waiting) {
-    count_failure();
-    t.gate->answer(t.generation, false, why);
-  }
+  for (auto& p : ep.pending) settle(p.tickets, false, why);
+  for (auto& t : ep.waiting) settle(t.tickets, false, why);
   ep.pending.clear();
   ep.waiting.clear();
   ep.dealer.reset();  // the next readiness reconnects and sends MF_META again

@@ -9,6 +9,7 @@ uint64_t SlotGate::open(int64_t layer_idx, size_t endpoints) {
   expected_ = endpoints;
   answered_ = 0;
   failure_.clear();
+  failure_raised_ = false;
   changed_.notify_all();
   return generation_;
 }
@@ -33,8 +34,7 @@ void SlotGate::fail(const std::string& reason) {
   changed_.notify_all();
 }
 
-Status SlotGate::wait(const Deadline& deadline) {
-  std::unique_lock lock(mu_);
+Status SlotGate::wait_answers(std::unique_lock<std::mutex>& lock, const Deadline& deadline) {
   const bool done =
       changed_.wait_until(lock, deadline.time_point(), [this] { return answered_ >= expected_; });
   if (!done) {
@@ -42,7 +42,24 @@ Status SlotGate::wait(const Deadline& deadline) {
                          std::to_string(expected_ - answered_) + " of " +
                          std::to_string(expected_) + " Decode endpoints have not answered");
   }
+  return Status::ok();
+}
+
+Status SlotGate::wait(const Deadline& deadline) {
+  std::unique_lock lock(mu_);
+  RD2H_RETURN_IF_ERROR(wait_answers(lock, deadline));
   if (!failure_.empty()) {
+    failure_raised_ = true;
+    return transport_error("layer " + std::to_string(layer_) + ": " + failure_);
+  }
+  return Status::ok();
+}
+
+Status SlotGate::settle(const Deadline& deadline) {
+  std::unique_lock lock(mu_);
+  RD2H_RETURN_IF_ERROR(wait_answers(lock, deadline));
+  if (!failure_.empty() && !failure_raised_) {
+    failure_raised_ = true;
     return transport_error("layer " + std::to_string(layer_) + ": " + failure_);
   }
   return Status::ok();

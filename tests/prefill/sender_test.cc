@@ -46,7 +46,7 @@ class SenderTest : public ::testing::Test {
   // Sends one readiness through a fresh gate generation and waits for its answer.
   Status send_and_wait(Sender& s, const protocol::ReadReadyBatch& r, SlotGate& gate) {
     const uint64_t g = gate.open(r.layer_idx, 1);
-    s.send(reader_url_or_(), r, &gate, g);
+    s.send(reader_url_or_(), r, {{&gate, g}});
     return gate.wait(Deadline(10s));
   }
   std::string reader_url_or_() const {
@@ -125,7 +125,7 @@ TEST_F(SenderTest, StoppingTheSenderFailsWhatIsStillPending) {
   auto s = sender(config);
   SlotGate gate;
   const uint64_t g = gate.open(4, 1);
-  s->send((*silent)->url(), ready(4, {}), &gate, g);
+  s->send((*silent)->url(), ready(4, {}), {{&gate, g}});
   s.reset();  // the sender thread ends with the answer still owed
   Status st = gate.wait(Deadline(10s));
   EXPECT_EQ(st.code(), StatusCode::kTransport) << st.to_string();

@@ -91,3 +91,27 @@ TEST(SlotGate, FailWakesEveryWaiter) {
 
 }  // namespace
 }  // namespace rd2h::prefill
+
+namespace rd2h::prefill {
+namespace {
+
+TEST(SlotGate, SettleRaisesAFailureOnlyIfNoWaitRaisedItYet) {
+  using namespace std::chrono_literals;
+  SlotGate gate;
+  uint64_t g = gate.open(3, 1);
+  EXPECT_EQ(gate.settle(Deadline(10ms)).code(), StatusCode::kTimeout) << "the slot is still read";
+  gate.answer(g, false, "boom");
+  Status st = gate.settle(Deadline(10s));
+  EXPECT_EQ(st.code(), StatusCode::kTransport) << "an unseen failure must reach the compute path";
+  EXPECT_NE(st.message().find("layer 3: boom"), std::string::npos) << st.message();
+  EXPECT_TRUE(gate.settle(Deadline(10s)).is_ok()) << "raised once, the slot is free";
+  EXPECT_FALSE(gate.wait(Deadline(10s)).is_ok()) << "wait still reports the generation's result";
+
+  g = gate.open(6, 1);
+  gate.answer(g, false, "again");
+  EXPECT_FALSE(gate.wait(Deadline(10s)).is_ok());
+  EXPECT_TRUE(gate.settle(Deadline(10s)).is_ok()) << "wait already raised it";
+}
+
+}  // namespace
+}  // namespace rd2h::prefill

@@ -26,6 +26,17 @@ using AllGather = std::function<Expected<std::vector<RankTerminal>>(const RankTe
 struct Finished {
   std::vector<std::string> finished;  // internal ids ready to be scheduled
   std::vector<std::string> failed;    // internal ids whose blocks are invalid
+  // The destination blocks of the failed requests (filled by the reader, which knows them):
+  // what they hold must not be used.
+  std::vector<int64_t> invalid_main_blocks;
+  std::vector<int64_t> invalid_indexer_blocks;
+};
+
+// A request whose state ended in a gather.
+struct Ended {
+  std::string ext_id;
+  std::string internal_id;
+  bool failed = false;
 };
 
 class CompletionTracker {
@@ -48,6 +59,10 @@ class CompletionTracker {
   // Gathers terminal states across the TP ranks and returns the requests every rank has
   // finished (failed if any rank failed), freeing their state.
   Expected<Finished> get_finished(const AllGather& all_gather);
+  // The same in two steps, for callers that gather without holding their lock: this rank's
+  // terminal requests, then what every rank's states end.
+  RankTerminal terminal() const;
+  std::vector<Ended> take(const std::vector<RankTerminal>& ranks);
 
   size_t tracked() const { return requests_.size() + early_.size(); }
   bool known(const std::string& ext_id) const { return requests_.count(ext_id) != 0; }

@@ -65,8 +65,12 @@ class Reader {
   Status add_request(const std::string& ext_id, const std::string& internal_id,
                      std::vector<int64_t> main_blocks, std::vector<int64_t> indexer_blocks);
   void remove_request(const std::string& ext_id);
+  // Requests every Decode rank finished (or failed, with their destination blocks): their
+  // state on this rank ends here.
   Expected<Finished> get_finished(const AllGather& all_gather);
   ReaderStats stats() const;
+  // Requests this rank holds state for (known, or signalled before they were known).
+  size_t tracked_requests() const;
 
  private:
   struct Peer {

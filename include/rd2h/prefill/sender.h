@@ -18,6 +18,7 @@
 #include "rd2h/common/status.h"
 #include "rd2h/control/channel.h"
 #include "rd2h/prefill/slot_gate.h"
+#include "rd2h/prefill/write_event.h"
 #include "rd2h/protocol/messages.h"
 
 namespace rd2h::prefill {
@@ -25,6 +26,8 @@ namespace rd2h::prefill {
 struct SenderConfig {
   std::chrono::milliseconds ack_timeout{10000};
   std::chrono::milliseconds reply_timeout{30000};
+  // Bound on waiting for a layer's write event before publishing it.
+  std::chrono::milliseconds event_timeout{30000};
 };
 
 struct SenderStats {
@@ -44,10 +47,11 @@ class Sender {
   Sender(const Sender&) = delete;
   Sender& operator=(const Sender&) = delete;
 
-  // Queues `ready` for the Decode endpoint at `url`; its answer goes to `gate` at
-  // `generation` (from SlotGate::open, which counted this endpoint).
-  void send(const std::string& url, protocol::ReadReadyBatch ready, SlotGate* gate,
-            uint64_t generation);
+  // Queues `ready` for the Decode endpoint at `url`, to be sent once `event` (if any)
+  // completed; its answer goes to every ticket's gate generation (SlotGate::open counted
+  // this endpoint there). Tasks are sent in the order they were queued.
+  void send(const std::string& url, protocol::ReadReadyBatch ready, std::vector<GateTicket> tickets,
+            std::shared_ptr<WriteEvent> event = nullptr);
 
   SenderStats stats() const;
 
@@ -55,13 +59,12 @@ class Sender {
   struct Task {
     std::string url;
     protocol::ReadReadyBatch ready;
-    SlotGate* gate;
-    uint64_t generation;
+    std::vector<GateTicket> tickets;
+    std::shared_ptr<WriteEvent> event;
   };
   struct Pending {
     int64_t layer_idx;
-    SlotGate* gate;
-    uint64_t generation;
+    std::vector<GateTicket> tickets;
     std::chrono::steady_clock::time_point deadline;
   };
   struct Endpoint {
@@ -82,7 +85,10 @@ class Sender {
   void check_deadlines();
   // Fails every gate waiting on the endpoint and drops its connection.
   void fail_endpoint(const std::string& url, Endpoint& ep, const std::string& why);
-  void count_failure();
+  // Answers every ticket: ok, or failed with `why`. Counted as an answer when Decode gave
+  // it, else as a failure of the sender's own.
+  void settle(const std::vector<GateTicket>& tickets, bool ok, const std::string& why,
+              bool from_decode = false);
 
   SenderConfig config_;
   std::shared_ptr<control::Context> context_;

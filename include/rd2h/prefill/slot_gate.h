@@ -35,10 +35,17 @@ class SlotGate {
   // its layer and reason), or a timeout error naming the layer and the missing answers.
   Status wait(const Deadline& deadline);
 
+  // The reuse gate, before a new owner opens the slot: returns once the current generation
+  // has all its answers. Its failure is returned only if no wait() returned it yet, so the
+  // compute path raises each failure once and the slot is free afterwards.
+  Status settle(const Deadline& deadline);
+
   uint64_t generation() const;
   size_t ignored_answers() const;
 
  private:
+  Status wait_answers(std::unique_lock<std::mutex>& lock, const Deadline& deadline);
+
   mutable std::mutex mu_;
   std::condition_variable changed_;
   uint64_t generation_ = 0;
@@ -46,7 +53,14 @@ class SlotGate {
   size_t expected_ = 0;
   size_t answered_ = 0;
   std::string failure_;  // first failure of the current generation
+  bool failure_raised_ = false;
   size_t ignored_ = 0;
+};
+
+// An answer owed to one generation of one gate.
+struct GateTicket {
+  SlotGate* gate = nullptr;
+  uint64_t generation = 0;
 };
 
 }  // namespace rd2h::prefill

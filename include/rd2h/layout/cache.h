@@ -1,0 +1,69 @@
+// The KV caches a host engine hands the connector (spec "Data Ownership", wire-format
+// "MF_META" and "Arithmetic both sides rely on"): one layer's tensors as allocated, what
+// they become on the wire and in the read arithmetic, the memory regions to register, and
+// the block slice a chunk of Prefill publishes. Pure functions over plain structs.
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "rd2h/common/status.h"
+#include "rd2h/layout/layout.h"
+#include "rd2h/protocol/messages.h"
+
+namespace rd2h::layout {
+
+// One cache tensor: `bytes` at `addr`, split into blocks of block_len * block_size_scale.
+struct CacheTensor {
+  uint64_t addr = 0;
+  uint64_t bytes = 0;
+  uint64_t block_len = 0;         // bytes per kernel block
+  uint64_t block_size_scale = 1;  // kernel blocks per block
+  uint64_t group_idx = 0;         // KV-cache group
+
+  uint64_t bytes_per_block() const { return block_len * block_size_scale; }
+};
+
+// One attention layer's caches: K and V (the main tensors), then the indexer, then the
+// optional LIC8 scale.
+struct CacheLayer {
+  std::string name;  // e.g. "model.layers.7.self_attn"
+  std::vector<CacheTensor> tensors;
+  uint64_t main_tensor_count = 2;
+  bool has_indexer = false;
+};
+
+// The layer index the wire carries: the n of "layers.<n>" in the layer's name.
+Expected<int64_t> layer_index_from_name(std::string_view name);
+
+// Checks a layer's shape (tensor count against main/indexer/scale, non-zero sizes, whole
+// blocks, no address overflow) and returns it as the read arithmetic sees it.
+Expected<LayerTensors> to_layer_tensors(const CacheLayer& layer);
+// The layer as MF_META describes it.
+protocol::LayerMeta to_layer_meta(const CacheLayer& layer);
+
+struct Region {
+  uint64_t addr = 0;
+  uint64_t length = 0;
+  bool operator==(const Region&) const = default;
+};
+// The memory to register for these layers: every tensor, with overlapping and adjacent
+// ranges merged (layers sharing a physical slot share its tensors), in address order.
+std::vector<Region> merged_regions(const std::vector<CacheLayer>& layers);
+
+// The blocks one chunk of Prefill publishes for a cache group of `block_size` tokens:
+// [start, end) of the request's allocated block ids, where start = max(remote_cached,
+// transferred) / block_size and end = ceil(computed / block_size) on the final chunk (its
+// partial block included), else computed / block_size; end is raised to start when below
+// it. An end past the `allocated` ids is an error naming both.
+struct ChunkProgress {
+  uint64_t remote_cached_tokens = 0;  // tokens Decode already holds
+  uint64_t transferred_tokens = 0;    // tokens earlier chunks published
+  uint64_t computed_tokens = 0;       // tokens whose KV is written after this chunk
+  bool final_chunk = false;
+};
+Expected<Range> chunk_slice(const ChunkProgress& progress, uint64_t block_size, size_t allocated);
+
+}  // namespace rd2h::layout

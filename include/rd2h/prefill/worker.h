@@ -1,0 +1,126 @@
+// The Prefill side of the connector in one TP rank (spec "Layer transfer", "Physical-storage
+// completion", "Unequal Prefill and Decode TP"): registers the rank's KV caches with the
+// transfer engine, publishes each layer to the Decode endpoints of the step's requests as
+// soon as the layer's write completes, and gates the reuse of every physical storage slot
+// on the answers of every endpoint that was told about the slot's previous owner.
+//
+// The compute thread calls bind_step, save_kv_layer, wait_for_layer_send and wait_for_save;
+// the sender thread does the talking. No wait is unbounded: a failed read, a dead Decode or
+// a dead sender turns into an error on the compute path naming the layer and the reason.
+#pragma once
+
+#include <chrono>
+#include <map>
+#include <memory>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "rd2h/common/status.h"
+#include "rd2h/control/channel.h"
+#include "rd2h/layout/cache.h"
+#include "rd2h/layout/storage_slots.h"
+#include "rd2h/prefill/sender.h"
+#include "rd2h/prefill/slot_gate.h"
+#include "rd2h/prefill/write_event.h"
+#include "rd2h/protocol/messages.h"
+#include "rd2h/transfer/transfer_engine.h"
+
+namespace rd2h::prefill {
+
+struct WorkerConfig {
+  int p_rank = 0;
+  int p_tp = 1;
+  SenderConfig sender;
+  // Bound on wait_for_layer_send, wait_for_save and the reuse gate of save_kv_layer.
+  std::chrono::milliseconds send_timeout{60000};
+  // Register the caches with the engine. False when they live in memory the engine
+  // allocated (allocate_memory), which is registered already.
+  bool register_memory = true;
+};
+
+// What one request publishes in this step: its Decode endpoint and the Prefill blocks that
+// became complete (layout::chunk_slice), with their offsets in Decode's block lists.
+struct SendRequest {
+  std::string ext_id;
+  std::string d_host;
+  int d_base_port = 0;  // Decode's advertised base port
+  int d_tp = 1;
+  std::vector<int64_t> main_block_ids;
+  std::vector<int64_t> indexer_block_ids;
+  int64_t main_start = 0;
+  int64_t indexer_start = 0;
+  bool final_chunk = false;  // the last cache-bearing layer also names it in done_ext_ids
+};
+
+struct WorkerStats {
+  uint64_t layers_saved = 0;
+  uint64_t readiness_queued = 0;
+  SenderStats sender;
+};
+
+class Worker {
+ public:
+  static Expected<std::unique_ptr<Worker>> create(WorkerConfig config,
+                                                  std::shared_ptr<transfer::TransferEngine> engine,
+                                                  std::shared_ptr<control::Context> context,
+                                                  std::vector<layout::CacheLayer> layers);
+  // Stops the sender (what is still owed fails), then unregisters what create registered.
+  ~Worker();
+  Worker(const Worker&) = delete;
+  Worker& operator=(const Worker&) = delete;
+
+  // The requests this step publishes, replacing the previous step's. Checks each request's
+  // topology, Decode port and block ids; on error the previous step stays bound.
+  Status bind_step(std::vector<SendRequest> requests);
+
+  // The layer's KV is written (or will be once `event` completes): waits until its slots may
+  // take a new owner (raising a failure of the previous owner not raised yet), then queues
+  // one readiness per Decode endpoint that has blocks or final ids in this layer.
+  Status save_kv_layer(std::string_view layer_name, std::shared_ptr<WriteEvent> event = nullptr);
+
+  // Returns once every Decode endpoint told about what the layer's physical slots hold now
+  // answered: call it before overwriting a reused slot. An error names the layer and why.
+  // Each failure is raised once (by whichever of these three calls sees it first); the
+  // slot is free after it.
+  Status wait_for_layer_send(std::string_view layer_name);
+  // The same for every slot: the end of a forward pass.
+  Status wait_for_save();
+
+  const protocol::MfMeta& mf_meta() const { return mf_meta_; }
+  const layout::StorageSlots& slots() const { return slots_; }
+  WorkerStats stats() const;
+
+ private:
+  struct Layer {
+    std::string name;
+    int64_t index = 0;
+    layout::LayerTensors tensors;
+  };
+  // The step's messages to one Decode endpoint, before the layer is filled in.
+  struct Target {
+    std::string url;
+    protocol::ReadReadyBatch ready;  // read_reqs, group_member_idx, tp_ratio
+    std::vector<std::string> final_ids;
+  };
+
+  Worker(WorkerConfig config, std::shared_ptr<transfer::TransferEngine> engine);
+  Expected<size_t> find_layer(std::string_view name) const;
+  // The gates of a layer's slots: main, then indexer when it has one.
+  std::vector<SlotGate*> gates_of(size_t layer);
+
+  WorkerConfig config_;
+  std::shared_ptr<transfer::TransferEngine> engine_;
+  std::vector<void*> registered_;
+  std::vector<Layer> layers_;  // ascending layer index
+  std::map<std::string, size_t, std::less<>> by_name_;
+  layout::StorageSlots slots_;
+  std::vector<std::unique_ptr<SlotGate>> main_gates_, indexer_gates_;
+  uint64_t min_blocks_ = 0;  // block ids must be below it
+  protocol::MfMeta mf_meta_;
+  std::vector<Target> targets_;
+  WorkerStats stats_;  // compute thread only
+  std::unique_ptr<Sender> sender_;
+};
+
+}  // namespace rd2h::prefill

@@ -1,0 +1,54 @@
+#include "rd2h/decode/worker.h"
+
+#include "rd2h/topology/topology.h"
+
+namespace rd2h::decode {
+
+Expected<std::unique_ptr<Worker>> Worker::create(WorkerConfig config,
+                                                 std::shared_ptr<transfer::TransferEngine> engine,
+                                                 std::shared_ptr<control::Context> context,
+                                                 const std::vector<layout::CacheLayer>& layers) {
+  ReaderConfig reader = config.reader;
+  auto tp = topology::make_tp_mapping(config.p_tp, reader.d_tp);
+  if (!tp) return tp.status();
+  reader.tp_ratio = tp->ratio;
+  auto worker = std::unique_ptr<Worker>(new Worker(std::move(engine)));
+  if (config.kv_port != 0) {
+    auto base = topology::base_port(config.kv_port, config.global_dp_rank, reader.d_tp);
+    if (!base) return base.status();
+    auto port = topology::rank_port(*base, reader.d_rank, reader.d_tp);
+    if (!port) return port.status();
+    worker->base_port_ = *base;
+    reader.port = *port;
+  } else {
+    reader.port = 0;
+  }
+  DecodeLayout layout;
+  for (const auto& layer : layers) {
+    auto tensors = layout::to_layer_tensors(layer);
+    if (!tensors) return tensors.status();
+    if (!layout.emplace(layer.name, std::move(*tensors)).second) {
+      return invalid_argument("layer '" + layer.name + "' is given twice");
+    }
+  }
+  if (config.register_memory) {
+    for (const auto& region : layout::merged_regions(layers)) {
+      void* addr = reinterpret_cast<void*>(region.addr);
+      RD2H_RETURN_IF_ERROR(worker->engine_->register_memory(addr, region.length)
+                               .with_context("registering Decode rank " +
+                                             std::to_string(reader.d_rank) + "'s destinations"));
+      worker->registered_.push_back(addr);
+    }
+  }
+  auto started = Reader::start(reader, worker->engine_, std::move(layout), std::move(context));
+  if (!started) return started.status();
+  worker->reader_ = std::move(*started);
+  return worker;
+}
+
+Worker::~Worker() {
+  reader_.reset();
+  for (void* addr : registered_) (void)engine_->unregister_memory(addr);
+}
+
+}  // namespace rd2h::decode

@@ -1,0 +1,224 @@
+#include "rd2h/prefill/worker.h"
+
+#include <algorithm>
+#include <set>
+
+#include "rd2h/topology/topology.h"
+
+namespace rd2h::prefill {
+
+Expected<std::unique_ptr<Worker>> Worker::create(WorkerConfig config,
+                                                 std::shared_ptr<transfer::TransferEngine> engine,
+                                                 std::shared_ptr<control::Context> context,
+                                                 std::vector<layout::CacheLayer> layers) {
+  if (config.p_tp < 1 || config.p_rank < 0 || config.p_rank >= config.p_tp) {
+    return invalid_argument("Prefill rank " + std::to_string(config.p_rank) +
+                            " is outside TP size " + std::to_string(config.p_tp));
+  }
+  if (layers.empty()) return invalid_argument("no KV cache layers to register");
+  auto worker = std::unique_ptr<Worker>(new Worker(config, std::move(engine)));
+  std::vector<layout::CacheLayer> sorted;
+  for (auto& layer : layers) {
+    auto index = layout::layer_index_from_name(layer.name);
+    if (!index) return index.status();
+    auto tensors = layout::to_layer_tensors(layer);
+    if (!tensors) return tensors.status();
+    worker->layers_.push_back({layer.name, *index, std::move(*tensors)});
+  }
+  std::vector<size_t> order(layers.size());
+  for (size_t i = 0; i < order.size(); ++i) order[i] = i;
+  std::sort(order.begin(), order.end(), [&](size_t a, size_t b) {
+    return worker->layers_[a].index < worker->layers_[b].index;
+  });
+  std::vector<Layer> ordered;
+  for (size_t i : order) {
+    ordered.push_back(std::move(worker->layers_[i]));
+    sorted.push_back(std::move(layers[i]));
+  }
+  worker->layers_ = std::move(ordered);
+
+  std::vector<layout::LayerTensors> tensors;
+  worker->min_blocks_ = UINT64_MAX;
+  for (size_t i = 0; i < worker->layers_.size(); ++i) {
+    const Layer& l = worker->layers_[i];
+    if (i > 0 && l.index == worker->layers_[i - 1].index) {
+      return invalid_argument("layers '" + worker->layers_[i - 1].name + "' and '" + l.name +
+                              "' have the same layer index " + std::to_string(l.index));
+    }
+    worker->by_name_.emplace(l.name, i);
+    tensors.push_back(l.tensors);
+    worker->min_blocks_ = std::min(worker->min_blocks_, l.tensors.num_blocks);
+  }
+  worker->slots_ = layout::StorageSlots::infer(tensors);
+  for (size_t i = 0; i < worker->slots_.main_slot_count(); ++i) {
+    worker->main_gates_.push_back(std::make_unique<SlotGate>());
+  }
+  for (size_t i = 0; i < worker->slots_.indexer_slot_count(); ++i) {
+    worker->indexer_gates_.push_back(std::make_unique<SlotGate>());
+  }
+
+  if (config.register_memory) {
+    for (const auto& region : layout::merged_regions(sorted)) {
+      void* addr = reinterpret_cast<void*>(region.addr);
+      RD2H_RETURN_IF_ERROR(worker->engine_->register_memory(addr, region.length)
+                               .with_context("registering the KV caches"));
+      worker->registered_.push_back(addr);
+    }
+  }
+  auto metadata = worker->engine_->export_metadata();
+  if (!metadata) return metadata.status();
+  protocol::MfMeta& meta = worker->mf_meta_;
+  meta.p_session = worker->engine_->session_id();
+  for (const auto& layer : sorted)
+    meta.layers.emplace_back(layer.name, layout::to_layer_meta(layer));
+  meta.protocol_version = protocol::kProtocolVersion;
+  meta.cache_layout_version = protocol::kCacheLayoutVersion;
+  meta.backend_name = std::string(worker->engine_->backend_name());
+  meta.backend_metadata = std::move(*metadata);
+
+  auto sender = Sender::start(config.sender, std::move(context), meta);
+  if (!sender) return sender.status();
+  worker->sender_ = std::move(*sender);
+  return worker;
+}
+
+Worker::Worker(WorkerConfig config, std::shared_ptr<transfer::TransferEngine> engine)
+    : config_(config), engine_(std::move(engine)) {}
+
+Worker::~Worker() {
+  sender_.reset();
+  for (void* addr : registered_) (void)engine_->unregister_memory(addr);
+}
+
+Expected<size_t> Worker::find_layer(std::string_view name) const {
+  auto it = by_name_.find(name);
+  if (it == by_name_.end()) {
+    return not_found("layer '" + std::string(name) + "' is not a registered KV cache layer");
+  }
+  return it->second;
+}
+
+std::vector<SlotGate*> Worker::gates_of(size_t layer) {
+  const layout::LayerSlots& s = slots_.of(layer);
+  std::vector<SlotGate*> gates{main_gates_[s.main].get()};
+  if (s.indexer) gates.push_back(indexer_gates_[*s.indexer].get());
+  return gates;
+}
+
+Status Worker::bind_step(std::vector<SendRequest> requests) {
+  std::vector<Target> targets;
+  std::set<std::string> seen;
+  auto check_blocks = [&](const SendRequest& r, const std::vector<int64_t>& ids,
+                          const char* what) -> Status {
+    for (int64_t id : ids) {
+      if (id < 0 || static_cast<uint64_t>(id) >= min_blocks_) {
+        return out_of_range("request " + r.ext_id + ": " + what + " block " + std::to_string(id) +
+                            " is outside the " + std::to_string(min_blocks_) +
+                            " blocks of Prefill's cache");
+      }
+    }
+    return Status::ok();
+  };
+  for (auto& r : requests) {
+    if (!seen.insert(r.ext_id).second) {
+      return invalid_argument("request " + r.ext_id + " appears twice in one step");
+    }
+    if (r.main_start < 0 || r.indexer_start < 0) {
+      return invalid_argument("request " + r.ext_id + ": negative destination offset");
+    }
+    RD2H_RETURN_IF_ERROR(check_blocks(r, r.main_block_ids, "main"));
+    RD2H_RETURN_IF_ERROR(check_blocks(r, r.indexer_block_ids, "indexer"));
+    auto tp = topology::make_tp_mapping(config_.p_tp, r.d_tp);
+    if (!tp) return tp.status().with_context("request " + r.ext_id);
+    auto position = topology::contributor_of(*tp, config_.p_rank);
+    if (!position) return position.status().with_context("request " + r.ext_id);
+    auto port = topology::remote_rank_port(r.d_base_port, *tp, config_.p_rank);
+    if (!port) return port.status().with_context("request " + r.ext_id);
+    const std::string url = control::endpoint_url(r.d_host, *port);
+    auto target =
+        std::find_if(targets.begin(), targets.end(), [&](const Target& t) { return t.url == url; });
+    if (target == targets.end()) {
+      Target t;
+      t.url = url;
+      t.ready.group_member_idx = position->group_member_idx;
+      t.ready.tp_ratio = tp->ratio;
+      targets.push_back(std::move(t));
+      target = targets.end() - 1;
+    } else if (target->ready.tp_ratio != tp->ratio) {
+      return invalid_argument("request " + r.ext_id + ": Decode endpoint " + url +
+                              " is given TP size " + std::to_string(r.d_tp) +
+                              " by one request and another by an earlier one");
+    }
+    if (!r.main_block_ids.empty() || !r.indexer_block_ids.empty()) {
+      target->ready.read_reqs.push_back({r.ext_id, std::move(r.main_block_ids),
+                                         std::move(r.indexer_block_ids), r.main_start,
+                                         r.indexer_start});
+    }
+    if (r.final_chunk) target->final_ids.push_back(r.ext_id);
+  }
+  targets_ = std::move(targets);
+  return Status::ok();
+}
+
+Status Worker::save_kv_layer(std::string_view layer_name, std::shared_ptr<WriteEvent> event) {
+  auto found = find_layer(layer_name);
+  if (!found) return found.status();
+  const Layer& layer = layers_[*found];
+  const bool last = *found + 1 == layers_.size();  // the last cache-bearing layer
+
+  std::vector<const Target*> sending;
+  for (const auto& t : targets_) {
+    if (!t.ready.read_reqs.empty() || (last && !t.final_ids.empty())) sending.push_back(&t);
+  }
+  // The reuse gate: what the slots held before must be answered for. Checked for every
+  // slot before any is opened, so a failure leaves every gate as it was.
+  const std::vector<SlotGate*> gates = gates_of(*found);
+  const Deadline deadline(config_.send_timeout);
+  for (SlotGate* gate : gates) {
+    RD2H_RETURN_IF_ERROR(gate->settle(deadline).with_context(
+        "layer " + std::to_string(layer.index) + " cannot take its storage slot"));
+  }
+  std::vector<GateTicket> tickets;
+  for (SlotGate* gate : gates) tickets.push_back({gate, gate->open(layer.index, sending.size())});
+  for (const Target* t : sending) {
+    protocol::ReadReadyBatch ready = t->ready;
+    ready.layer_idx = layer.index;
+    ready.layer_name = layer.name;
+    if (last) ready.done_ext_ids = t->final_ids;
+    sender_->send(t->url, std::move(ready), tickets, event);
+  }
+  ++stats_.layers_saved;
+  stats_.readiness_queued += sending.size();
+  return Status::ok();
+}
+
+Status Worker::wait_for_layer_send(std::string_view layer_name) {
+  auto found = find_layer(layer_name);
+  if (!found) return found.status();
+  const Deadline deadline(config_.send_timeout);
+  for (SlotGate* gate : gates_of(*found)) {
+    RD2H_RETURN_IF_ERROR(gate->settle(deadline).with_context("waiting for Decode to read " +
+                                                             std::string(layer_name)));
+  }
+  return Status::ok();
+}
+
+Status Worker::wait_for_save() {
+  const Deadline deadline(config_.send_timeout);
+  Status first;
+  for (auto* gates : {&main_gates_, &indexer_gates_}) {
+    for (auto& gate : *gates) {
+      Status st = gate->settle(deadline);
+      if (!st && first.is_ok()) first = st.with_context("waiting for Decode to read the step");
+    }
+  }
+  return first;
+}
+
+WorkerStats Worker::stats() const {
+  WorkerStats s = stats_;
+  s.sender = sender_->stats();
+  return s;
+}
+
+}  // namespace rd2h::prefill
