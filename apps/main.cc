@@ -2,6 +2,7 @@
 #include <CLI/CLI.hpp>
 
 #include "bench_engine.h"
+#include "bench_layers.h"
 #include "pd_read.h"
 
 int main(int argc, char** argv) {
@@ -58,7 +59,23 @@ int main(int argc, char** argv) {
   bench_engine->add_option("--min-seconds", be.min_seconds, "time per measurement");
   bench_engine->add_flag("!--no-perftest", be.perftest, "skip ucx_perftest");
 
+  rd2h::tools::BenchLayersOptions bl;
+  auto* bench_layers = bench->add_subcommand(
+      "layers", "Per-layer control overhead and GB/s of the connector over shm, 1 vs N requests");
+  bench_layers->add_option("--layers", bl.layers, "layers measured per configuration")
+      ->check(CLI::Range(1u, 1000000u));
+  bench_layers->add_option("--warmup", bl.warmup, "layers run before measuring");
+  bench_layers->add_option("--requests", bl.requests, "requests per layer")->delimiter(',');
+  bench_layers->add_option("--blocks", bl.blocks, "blocks per layer")
+      ->check(CLI::Range(1u, 65536u));
+  bench_layers->add_option("--main-bytes", bl.main_bytes, "bytes per block of K, V")
+      ->delimiter(',');
+  bench_layers->add_option("--indexer-bytes", bl.indexer_bytes, "bytes per indexer block");
+  bench_layers->add_option("--timeout-ms", bl.timeout_ms, "bound on every wait")
+      ->check(CLI::Range(1u, 3600000u));
+
   CLI11_PARSE(app, argc, argv);
+  if (bench_layers->parsed()) return rd2h::tools::run_bench_layers(bl);
   if (pd_read->parsed()) return rd2h::tools::run_pd_read(pd);
   if (bench_engine->parsed()) return rd2h::tools::run_bench_engine(be);
   return 2;

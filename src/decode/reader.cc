@@ -279,7 +279,18 @@ Status Reader::read_layer(const std::string& identity, const protocol::ReadReady
     remote.push_back(d.remote);
     length.push_back(d.length);
   }
-  return engine_->batch_read_sync(peer->second.session, local, remote, length).with_context(where);
+  uint64_t bytes = 0;
+  for (size_t n : length) bytes += n;
+  const auto start = std::chrono::steady_clock::now();
+  Status st = engine_->batch_read_sync(peer->second.session, local, remote, length);
+  const auto ns =
+      std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now() - start)
+          .count();
+  std::lock_guard lock(mu_);
+  ++stats_.reads;
+  stats_.read_ns += static_cast<uint64_t>(ns);
+  if (st.is_ok()) stats_.bytes_read += bytes;
+  return st.with_context(where);
 }
 
 }  // namespace rd2h::decode

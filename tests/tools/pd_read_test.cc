@@ -91,3 +91,24 @@ TEST(PdReadErrors, BatchLargerThanThePoolIsRejected) {
 
 }  // namespace
 }  // namespace rd2h
+
+namespace rd2h::tools {
+namespace {
+
+TEST(BenchLayers, ReportsOverheadAndThroughputPerRequestCount) {
+  auto r = run_rd2h({"bench", "layers", "--layers", "20", "--warmup", "5", "--requests", "1,4",
+                     "--blocks", "8", "--main-bytes", "4096,512", "--indexer-bytes", "512"});
+  EXPECT_EQ(r.exit_code, 0) << r.output;
+  for (const char* part : {"overhead p50", "bare ZeroMQ", "4 requests: overhead p50"}) {
+    EXPECT_NE(r.output.find(part), std::string::npos) << part << " missing:\n" << r.output;
+  }
+}
+
+TEST(BenchLayers, RequestCountsThatDoNotSplitTheBlocksAreRefused) {
+  auto r = run_rd2h({"bench", "layers", "--requests", "3", "--blocks", "8"});
+  EXPECT_EQ(r.exit_code, 2) << r.output;
+  EXPECT_NE(r.output.find("3 requests do not split 8 blocks"), std::string::npos) << r.output;
+}
+
+}  // namespace
+}  // namespace rd2h::tools

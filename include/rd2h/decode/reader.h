@@ -47,6 +47,9 @@ struct ReaderStats {
   uint64_t messages_rejected = 0;
   uint64_t readiness_held = 0;  // ever held for destinations
   size_t held_now = 0;
+  uint64_t reads = 0;       // batched engine reads done
+  uint64_t bytes_read = 0;  // by reads that succeeded
+  uint64_t read_ns = 0;     // time spent inside the engine's batched reads
 };
 
 class Reader {

@@ -1,0 +1,307 @@
+#include "bench_layers.h"
+
+#include <algorithm>
+#include <atomic>
+#include <chrono>
+#include <condition_variable>
+#include <cstdio>
+#include <cstring>
+#include <mutex>
+#include <thread>
+
+#include "rd2h/decode/worker.h"
+#include "rd2h/prefill/worker.h"
+
+namespace rd2h::tools {
+
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+struct Sample {
+  double round_trip_us = 0;
+  double read_us = 0;
+};
+
+double percentile(std::vector<double> v, double p) {
+  if (v.empty()) return 0;
+  std::sort(v.begin(), v.end());
+  const size_t i = std::min(v.size() - 1, static_cast<size_t>(p * static_cast<double>(v.size())));
+  return v[i];
+}
+
+std::shared_ptr<transfer::TransferEngine> make_engine(transfer::Role role, uint32_t timeout_ms) {
+  transfer::EngineConfig cfg;
+  cfg.role = role;
+  cfg.transport = transfer::Transport::kShm;
+  cfg.read_timeout = std::chrono::milliseconds(timeout_ms);
+  auto e = transfer::create_ucx_engine(cfg);
+  if (!e) {
+    std::fprintf(stderr, "rd2h bench layers: %s\n", e.status().to_string().c_str());
+    return nullptr;
+  }
+  return std::shared_ptr<transfer::TransferEngine>(std::move(*e));
+}
+
+// Every layer name of the model aliases one physical slot of `blocks` blocks per tensor.
+Expected<std::vector<layout::CacheLayer>> slot_layers(transfer::TransferEngine& engine,
+                                                      const BenchLayersOptions& o, uint32_t names,
+                                                      bool fill) {
+  std::vector<uint64_t> bytes = o.main_bytes;
+  if (o.indexer_bytes) bytes.push_back(o.indexer_bytes);
+  uint64_t total = 0;
+  for (auto b : bytes) total += b * o.blocks;
+  auto region = engine.allocate_memory(total);
+  if (!region) return region.status();
+  std::memset(region->addr, fill ? 0x5a : 0, total);
+  std::vector<layout::CacheLayer> layers;
+  for (uint32_t l = 0; l < names; ++l) {
+    layout::CacheLayer layer{"model.layers." + std::to_string(l) + ".self_attn",
+                             {},
+                             o.main_bytes.size(),
+                             o.indexer_bytes != 0};
+    uint64_t addr = reinterpret_cast<uint64_t>(region->addr);
+    for (size_t t = 0; t < bytes.size(); ++t) {
+      layer.tensors.push_back(
+          {addr, bytes[t] * o.blocks, bytes[t], 1, t < o.main_bytes.size() ? 0u : 1u});
+      addr += bytes[t] * o.blocks;
+    }
+    layers.push_back(std::move(layer));
+  }
+  return layers;
+}
+
+// One Prefill and one Decode worker, and the step they run: `requests` requests sharing
+// the layer's blocks evenly.
+struct Setup {
+  uint32_t requests = 0;
+  uint64_t layer_bytes = 0;
+  std::unique_ptr<decode::Worker> decode;
+  std::unique_ptr<prefill::Worker> prefill;
+  uint64_t next_layer = 0;
+  std::vector<Sample> samples;
+};
+
+constexpr uint32_t kNames = 61;
+
+Expected<std::unique_ptr<Setup>> make_setup(const BenchLayersOptions& o, uint32_t requests) {
+  auto p_engine = make_engine(transfer::Role::kPrefill, o.timeout_ms);
+  auto d_engine = make_engine(transfer::Role::kDecode, o.timeout_ms);
+  if (!p_engine || !d_engine) return internal_error("no transfer engine");
+  auto p_layers = slot_layers(*p_engine, o, kNames, true);
+  if (!p_layers) return p_layers.status();
+  auto d_layers = slot_layers(*d_engine, o, kNames, false);
+  if (!d_layers) return d_layers.status();
+
+  auto setup = std::make_unique<Setup>();
+  setup->requests = requests;
+  decode::WorkerConfig dc;
+  dc.register_memory = false;
+  // Prefill and Decode each with their own ZeroMQ context, as in two processes.
+  auto decode = decode::Worker::create(dc, d_engine, control::Context::create(), *d_layers);
+  if (!decode) return decode.status();
+  setup->decode = std::move(*decode);
+  prefill::WorkerConfig pc;
+  pc.register_memory = false;
+  pc.send_timeout = std::chrono::milliseconds(o.timeout_ms);
+  auto prefill = prefill::Worker::create(pc, p_engine, control::Context::create(), *p_layers);
+  if (!prefill) return prefill.status();
+  setup->prefill = std::move(*prefill);
+  const std::string url = setup->decode->url();
+  const int port = std::stoi(url.substr(url.rfind(':') + 1));
+
+  std::vector<prefill::SendRequest> step;
+  const uint32_t per = o.blocks / requests;
+  for (uint32_t r = 0; r < requests; ++r) {
+    prefill::SendRequest s;
+    s.ext_id = "bench-" + std::to_string(r);
+    s.d_host = "127.0.0.1";
+    s.d_base_port = port;
+    for (uint32_t b = r * per; b < (r + 1) * per; ++b) s.main_block_ids.push_back(b);
+    s.indexer_block_ids = s.main_block_ids;  // Decode's destinations mirror them
+    RD2H_RETURN_IF_ERROR(
+        setup->decode->add_request(s.ext_id, s.ext_id, s.main_block_ids, s.indexer_block_ids));
+    step.push_back(std::move(s));
+  }
+  RD2H_RETURN_IF_ERROR(setup->prefill->bind_step(step));
+  uint64_t per_block = o.indexer_bytes;
+  for (auto b : o.main_bytes) per_block += b;
+  setup->layer_bytes = per_block * per * requests;
+  return setup;
+}
+
+// Publishes `count` layers one at a time, each waited for; records them unless warming up.
+Status run_layers(Setup& s, uint32_t count, bool record) {
+  for (uint32_t i = 0; i < count; ++i) {
+    const std::string name =
+        "model.layers." + std::to_string(s.next_layer++ % kNames) + ".self_attn";
+    const uint64_t read_ns_before = s.decode->reader().stats().read_ns;
+    const auto start = Clock::now();
+    RD2H_RETURN_IF_ERROR(s.prefill->save_kv_layer(name));
+    RD2H_RETURN_IF_ERROR(s.prefill->wait_for_layer_send(name));
+    const auto end = Clock::now();
+    // The reader counts a read before it answers, so the answer implies the count.
+    const uint64_t read_ns = s.decode->reader().stats().read_ns - read_ns_before;
+    if (record) {
+      s.samples.push_back({std::chrono::duration<double, std::micro>(end - start).count(),
+                           static_cast<double>(read_ns) / 1e3});
+    }
+  }
+  return Status::ok();
+}
+
+// The floor under any control overhead on this machine: a bare DEALER/ROUTER round trip
+// of a readiness-sized message between two ZeroMQ contexts, and a two-thread wake-up.
+std::vector<double> zmq_round_trips(uint32_t count) {
+  std::vector<double> out;
+  auto router = control::RouterChannel::bind(control::Context::create(), "127.0.0.1", 0);
+  if (!router) return out;
+  std::atomic<bool> stop{false};
+  std::thread echo([&] {
+    while (!stop.load()) {
+      auto in = (*router)->receive(std::chrono::milliseconds(20));
+      if (in && in->has_value()) (void)(*router)->send((*in)->identity, (*in)->payload);
+    }
+  });
+  auto dealer = control::DealerChannel::connect(control::Context::create(), (*router)->url());
+  const std::vector<std::byte> message(96, std::byte{0x5a});
+  for (uint32_t i = 0; dealer && i < count + 50; ++i) {
+    const auto start = Clock::now();
+    if (!(*dealer)->send(message)) break;
+    auto reply = (*dealer)->receive(std::chrono::seconds(5));
+    if (!reply || !reply->has_value()) break;
+    if (i >= 50)
+      out.push_back(std::chrono::duration<double, std::micro>(Clock::now() - start).count());
+  }
+  stop.store(true);
+  echo.join();
+  return out;
+}
+
+std::vector<double> wakeup_round_trips(uint32_t count) {
+  std::mutex mu;
+  std::condition_variable cv;
+  int turn = 0;
+  bool stop = false;
+  std::thread peer([&] {
+    std::unique_lock lock(mu);
+    while (true) {
+      cv.wait(lock, [&] { return turn == 1 || stop; });
+      if (stop) return;
+      turn = 0;
+      cv.notify_all();
+    }
+  });
+  std::vector<double> out;
+  for (uint32_t i = 0; i < count + 50; ++i) {
+    const auto start = Clock::now();
+    std::unique_lock lock(mu);
+    turn = 1;
+    cv.notify_all();
+    cv.wait(lock, [&] { return turn == 0; });
+    if (i >= 50)
+      out.push_back(std::chrono::duration<double, std::micro>(Clock::now() - start).count());
+  }
+  {
+    std::lock_guard lock(mu);
+    stop = true;
+    cv.notify_all();
+  }
+  peer.join();
+  return out;
+}
+
+}  // namespace
+
+int run_bench_layers(const BenchLayersOptions& o) {
+  if (o.layers == 0 || o.blocks == 0 || o.main_bytes.empty() || o.requests.empty()) {
+    std::fprintf(stderr,
+                 "rd2h bench layers: layers, blocks, main bytes and requests must be set\n");
+    return 2;
+  }
+  for (uint32_t r : o.requests) {
+    if (r == 0 || o.blocks % r != 0) {
+      std::fprintf(stderr, "rd2h bench layers: %u requests do not split %u blocks evenly\n", r,
+                   o.blocks);
+      return 2;
+    }
+  }
+  std::vector<std::unique_ptr<Setup>> setups;
+  for (uint32_t requests : o.requests) {
+    auto s = make_setup(o, requests);
+    if (!s) {
+      std::fprintf(stderr, "rd2h bench layers: %u requests: %s\n", requests,
+                   s.status().to_string().c_str());
+      return 1;
+    }
+    setups.push_back(std::move(*s));
+  }
+  // Configurations alternate in rounds, so a noisy spell of the machine hits them alike.
+  constexpr uint32_t kRounds = 5;
+  for (auto& s : setups) {
+    if (Status st = run_layers(*s, o.warmup, false); !st) {
+      std::fprintf(stderr, "rd2h bench layers: %s\n", st.to_string().c_str());
+      return 1;
+    }
+  }
+  for (uint32_t round = 0; round < kRounds; ++round) {
+    for (auto& s : setups) {
+      const uint32_t count = o.layers / kRounds + (round < o.layers % kRounds ? 1 : 0);
+      if (Status st = run_layers(*s, count, true); !st) {
+        std::fprintf(stderr, "rd2h bench layers: %u requests: %s\n", s->requests,
+                     st.to_string().c_str());
+        return 1;
+      }
+    }
+  }
+  const auto zmq = zmq_round_trips(o.layers);
+  const auto wake = wakeup_round_trips(o.layers);
+  const double zmq_p50 = percentile(zmq, 0.5);
+
+  std::printf("rd2h bench layers: shm, one Prefill and one Decode worker in one process\n");
+  std::printf(
+      "%u layers measured per configuration (in %u alternating rounds, after %u warm-up);"
+      " %u blocks per layer\n\n",
+      o.layers, kRounds, o.warmup, o.blocks);
+  std::printf("%9s %10s %14s %14s %15s %14s %8s %9s\n", "requests", "MiB/layer", "overhead p50",
+              "overhead p99", "round trip p50", "read p50", "GB/s", "vs first");
+  double first_gbps = 0;
+  for (const auto& s : setups) {
+    std::vector<double> overhead, round_trip, read;
+    double total_us = 0;
+    for (const auto& x : s->samples) {
+      overhead.push_back(std::max(0.0, x.round_trip_us - x.read_us));
+      round_trip.push_back(x.round_trip_us);
+      read.push_back(x.read_us);
+      total_us += x.round_trip_us;
+    }
+    const double gbps = static_cast<double>(s->layer_bytes) *
+                        static_cast<double>(s->samples.size()) / (total_us * 1e3);
+    if (first_gbps == 0) first_gbps = gbps;
+    std::printf("%9u %10.2f %11.1f us %11.1f us %12.1f us %11.1f us %8.2f %8.2fx\n", s->requests,
+                static_cast<double>(s->layer_bytes) / (1 << 20), percentile(overhead, 0.5),
+                percentile(overhead, 0.99), percentile(round_trip, 0.5), percentile(read, 0.5),
+                gbps, gbps / first_gbps);
+  }
+  std::printf("\nfloor on this machine, same run:\n");
+  std::printf(
+      "  bare ZeroMQ DEALER/ROUTER round trip (two contexts, tcp loopback): p50 %.1f us, "
+      "p99 %.1f us\n",
+      zmq_p50, percentile(zmq, 0.99));
+  std::printf(
+      "  two-thread wake-up round trip (condition variable):              p50 %.1f us, "
+      "p99 %.1f us\n",
+      percentile(wake, 0.5), percentile(wake, 0.99));
+  for (const auto& s : setups) {
+    std::vector<double> overhead;
+    for (const auto& x : s->samples) overhead.push_back(std::max(0.0, x.round_trip_us - x.read_us));
+    std::printf("  %u requests: overhead p50 = %.2fx the bare ZeroMQ round trip\n", s->requests,
+                zmq_p50 > 0 ? percentile(overhead, 0.5) / zmq_p50 : 0.0);
+  }
+  std::printf(
+      "\noverhead = round trip (save_kv_layer until every answer is in) - the reader's engine "
+      "read time\n");
+  return 0;
+}
+
+}  // namespace rd2h::tools
