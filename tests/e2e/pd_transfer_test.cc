@@ -25,6 +25,13 @@ PdRequest make_request(std::string id, size_t blocks, int64_t p_first, int64_t d
   return r;
 }
 
+ClusterShape with_tp(int p_tp, int d_tp) {
+  ClusterShape shape;
+  shape.p_tp = p_tp;
+  shape.d_tp = d_tp;
+  return shape;
+}
+
 void expect_all_ok(const std::vector<Status>& results) {
   for (size_t r = 0; r < results.size(); ++r) {
     EXPECT_TRUE(results[r].is_ok()) << "Prefill rank " << r << ": " << results[r].to_string();
@@ -96,9 +103,8 @@ INSTANTIATE_TEST_SUITE_P(Topologies, PdTopology,
                          });
 
 TEST(PdTransfer, ZeroBlockContributorsStillAnswerAndCompleteTheRequest) {
-  ClusterShape shape;
-  shape.p_tp = 4;
-  shape.d_tp = 1;  // four contributors, one block: three of them read nothing at all
+  ClusterShape shape =
+      with_tp(4, 1);  // four contributors, one block: three of them read nothing at all
   Cluster c(shape);
   const PdRequest r = make_request("one", 1, 3, 4, shape.blocks);
   c.expect_request(r);
@@ -112,9 +118,7 @@ TEST(PdTransfer, ZeroBlockContributorsStillAnswerAndCompleteTheRequest) {
 }
 
 TEST(PdTransfer, ADuplicateFinalSignalDoesNotCompleteARequestEarly) {
-  ClusterShape shape;
-  shape.p_tp = 2;
-  shape.d_tp = 1;
+  ClusterShape shape = with_tp(2, 1);
   Cluster c(shape);
   const PdRequest r = make_request("dup", 2, 0, 0, shape.blocks);
   c.expect_request(r);
@@ -151,9 +155,7 @@ TEST(PdTransfer, EachLayoutMismatchFailsTheLayerOnBothSidesAndWritesNothing) {
   };
   for (const auto& k : cases) {
     SCOPED_TRACE(k.what);
-    ClusterShape shape;
-    shape.p_tp = 2;
-    shape.d_tp = 2;
+    ClusterShape shape = with_tp(2, 2);
     shape.bytes = {512, 64, 128, 32};
     shape.decode_bytes = k.decode_bytes;
     Cluster c(shape);
@@ -180,9 +182,7 @@ TEST(PdTransfer, EachLayoutMismatchFailsTheLayerOnBothSidesAndWritesNothing) {
 }
 
 TEST(PdTransfer, AFailedReadReachesDecodeStateAndThePrefillComputePathAndFreesTheSlots) {
-  ClusterShape shape;
-  shape.p_tp = 2;
-  shape.d_tp = 2;
+  ClusterShape shape = with_tp(2, 2);
   Cluster c(shape);
   const PdRequest bad = make_request("bad", 4, 0, 0, shape.blocks);
   c.expect_request(bad);
@@ -210,9 +210,7 @@ TEST(PdTransfer, AFailedReadReachesDecodeStateAndThePrefillComputePathAndFreesTh
 }
 
 TEST(PdTransfer, AKilledDecodeRankMakesPrefillWaitsFailInsteadOfHanging) {
-  ClusterShape shape;
-  shape.p_tp = 2;
-  shape.d_tp = 2;
+  ClusterShape shape = with_tp(2, 2);
   shape.reply_timeout = 300ms;
   Cluster c(shape);
   const PdRequest first = make_request("first", 2, 0, 0, shape.blocks);
@@ -228,9 +226,7 @@ TEST(PdTransfer, AKilledDecodeRankMakesPrefillWaitsFailInsteadOfHanging) {
 }
 
 TEST(PdTransfer, SixtyOneLayersShareThreeSlotsAndNoSlotIsOverwrittenBeforeItIsRead) {
-  ClusterShape shape;
-  shape.p_tp = 2;
-  shape.d_tp = 1;
+  ClusterShape shape = with_tp(2, 1);
   shape.decode_instances = 2;  // every Prefill rank talks to two Decode endpoints
   shape.layers = 61;
   shape.prefill_slots = 3;
