@@ -51,6 +51,11 @@ void Reader::remove_request(const std::string& ext_id) {
   tracker_.remove_request(ext_id);
 }
 
+void Reader::expire_request(const std::string& ext_id) {
+  std::lock_guard lock(mu_);
+  if (tracker_.known(ext_id)) tracker_.on_failed(ext_id);
+}
+
 Expected<Finished> Reader::get_finished(const AllGather& all_gather) {
   RankTerminal mine;
   {
@@ -63,6 +68,7 @@ Expected<Finished> Reader::get_finished(const AllGather& all_gather) {
   std::lock_guard lock(mu_);
   Finished out;
   for (auto& e : tracker_.take(*ranks)) {
+    out.ended_ext_ids.push_back(e.ext_id);
     auto dest = requests_.find(e.ext_id);
     if (e.failed) {
       out.failed.push_back(std::move(e.internal_id));

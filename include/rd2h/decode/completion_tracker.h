@@ -30,6 +30,8 @@ struct Finished {
   // what they hold must not be used.
   std::vector<int64_t> invalid_main_blocks;
   std::vector<int64_t> invalid_indexer_blocks;
+  // The external ids of everything above (filled by the reader).
+  std::vector<std::string> ended_ext_ids;
 };
 
 // A request whose state ended in a gather.

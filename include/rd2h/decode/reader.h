@@ -68,6 +68,8 @@ class Reader {
   Status add_request(const std::string& ext_id, const std::string& internal_id,
                      std::vector<int64_t> main_blocks, std::vector<int64_t> indexer_blocks);
   void remove_request(const std::string& ext_id);
+  // Gives up waiting for the request's KV on this rank: it becomes terminal and failed.
+  void expire_request(const std::string& ext_id);
   // Requests every Decode rank finished (or failed, with their destination blocks): their
   // state on this rank ends here.
   Expected<Finished> get_finished(const AllGather& all_gather);

@@ -1,0 +1,60 @@
+// The connector's configuration, in the shape of vLLM's kv_transfer_config JSON:
+//
+//   {"kv_connector": "SfaRemoteD2HConnector", "kv_role": "kv_consumer", "kv_port": 30000,
+//    "engine_id": "decode-0", "kv_ip": "10.0.0.2",
+//    "kv_connector_extra_config": {"transfer_backend": "ucx", "use_layerwise": true, ...}}
+//
+// Top-level keys the connector does not use (vLLM has many) are ignored; every key inside
+// kv_connector_extra_config must be known. A bad value is refused naming its key.
+#pragma once
+
+#include <chrono>
+#include <cstdint>
+#include <string>
+#include <string_view>
+
+#include "rd2h/common/status.h"
+#include "rd2h/transfer/transfer_engine.h"
+
+namespace rd2h::connector {
+
+enum class KvRole { kProducer, kConsumer };  // Prefill, Decode
+
+// How a host engine's internal request id relates to the external id the proxy, Prefill
+// and Decode share. vLLM appends "-" and 8 characters: suffix_chars = 9. An id that does
+// not carry the suffix is an error, never cut blindly. suffix_chars = 0: the ids are equal.
+struct RequestIdRule {
+  size_t suffix_chars = 9;
+  char separator = '-';
+
+  Expected<std::string> to_external(std::string_view internal_id) const;
+};
+
+struct ConnectorConfig {
+  KvRole role = KvRole::kConsumer;
+  std::string engine_id;
+  std::string host = "127.0.0.1";  // kv_ip: where Decode binds and what it advertises
+  int kv_port = 0;
+
+  // kv_connector_extra_config
+  std::string transfer_backend = "ucx";
+  transfer::Transport transport = transfer::Transport::kAuto;
+  bool use_layerwise = true;
+  RequestIdRule request_ids;
+  // Decode: the TP size of the Prefill instances it serves (their contributors per Decode
+  // rank follow from it); 0 means the same as Decode's own.
+  int prefill_tp_size = 0;
+  std::chrono::milliseconds ack_timeout{10000};
+  std::chrono::milliseconds reply_timeout{30000};
+  std::chrono::milliseconds send_timeout{60000};         // Prefill's waits for its layers
+  std::chrono::milliseconds read_timeout{5000};          // one batched engine read
+  std::chrono::milliseconds hold_timeout{5000};          // readiness held for unseeded requests
+  std::chrono::milliseconds kv_arrival_timeout{120000};  // a Decode request's KV must arrive
+  std::chrono::milliseconds metaserver_timeout{5000};    // one metaserver POST
+  int metaserver_attempts = 3;                           // before resubmitting
+  std::chrono::milliseconds metaserver_resubmit{1000};
+
+  static Expected<ConnectorConfig> from_json(std::string_view text);
+};
+
+}  // namespace rd2h::connector

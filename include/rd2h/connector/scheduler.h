@@ -1,0 +1,126 @@
+// The scheduler half of the connector, in the shape of vLLM's KV Connector V1 scheduler
+// role (spec "Request Lifecycle"). The host engine's scheduler calls it; what it returns
+// from build_connector_meta goes to every worker of the engine for the step.
+//
+// Decode (kv_consumer): a request with do_remote_prefill gets its remaining prompt tokens
+// matched asynchronously; once blocks are allocated, their ids are kept here (they never
+// leave Decode) and the rendezvous (host, base port, parallel sizes, engine id, cached
+// tokens) is posted to the request's metaserver in the background.
+//
+// Prefill (kv_producer): a request with do_remote_decode is tracked with its Decode
+// endpoint, source blocks and token counts; every step publishes its newly complete
+// blocks, and the final chunk its partial block too.
+//
+// Not thread-safe: the host's scheduler thread calls it.
+#pragma once
+
+#include <map>
+#include <memory>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "rd2h/common/status.h"
+#include "rd2h/connector/config.h"
+#include "rd2h/connector/metadata.h"
+#include "rd2h/metaserver/client.h"
+
+namespace rd2h::connector {
+
+// One KV-cache group of the host engine: the layers whose blocks it allocates, and its block
+// size in tokens. The main group is the one whose layers carry no "indexer" in their name,
+// the indexer group the one whose layers do; a uniform group serves both.
+struct KvCacheGroup {
+  std::vector<std::string> layer_names;
+  uint64_t block_size = 0;
+};
+
+struct Parallel {
+  int tp_size = 1;
+  int pcp_size = 1;
+  int dcp_size = 1;
+  int global_dp_rank = 0;
+};
+
+// A request as the scheduler sees it.
+struct Request {
+  std::string request_id;  // the host engine's id
+  uint64_t num_prompt_tokens = 0;
+  std::optional<KvTransferParams> params;  // its kv_transfer_params, when it has them
+};
+
+// A request scheduled in this step (Prefill): its KV-cache blocks allocated since the last
+// call, per group, and how many of its tokens are computed once this step ran.
+struct ScheduledRequest {
+  std::string request_id;
+  std::vector<std::vector<int64_t>> new_block_ids;  // per group; empty: none
+  uint64_t num_computed_tokens = 0;
+};
+
+struct MatchedTokens {
+  uint64_t tokens = 0;
+  bool load_async = false;
+};
+
+struct FinishedRequest {
+  bool delay_free_blocks = false;
+  std::optional<KvTransferParams> params;  // for the proxy; rd2h returns none
+};
+
+// Which group holds main KV and which the indexer, found from layer names.
+struct GroupRoles {
+  size_t main = 0;
+  size_t indexer = 0;
+};
+Expected<GroupRoles> find_group_roles(const std::vector<KvCacheGroup>& groups);
+
+class Scheduler {
+ public:
+  static Expected<std::unique_ptr<Scheduler>> create(ConnectorConfig config, Parallel parallel,
+                                                     std::vector<KvCacheGroup> groups);
+  ~Scheduler();
+
+  MatchedTokens get_num_new_matched_tokens(const Request& request, uint64_t num_computed_tokens);
+  // `block_ids` per group, as allocated for the request. On Decode this also clears
+  // do_remote_prefill in `request.params`.
+  Status update_state_after_alloc(Request& request,
+                                  const std::vector<std::vector<int64_t>>& block_ids,
+                                  uint64_t num_external_tokens);
+  Expected<ConnectorMetadata> build_connector_meta(const std::vector<ScheduledRequest>& scheduled);
+  FinishedRequest request_finished(const Request& request);
+  // rd2h needs every block group on update_state_after_alloc, even when a composed
+  // connector is the one chosen for lookup.
+  bool requires_full_blocks_on_update_after_alloc() const { return true; }
+
+  // Decode's advertised base port.
+  int base_port() const { return base_port_; }
+  // Requests with state here.
+  size_t tracked() const { return recv_.size() + send_.size(); }
+  const metaserver::Client* metaserver() const { return metaserver_.get(); }
+
+ private:
+  struct Send {  // Prefill
+    std::string ext_id;
+    KvTransferParams decode;
+    uint64_t num_prompt_tokens = 0;
+    uint64_t transferred_tokens = 0;
+    std::vector<int64_t> main_blocks, indexer_blocks;
+  };
+  Scheduler(ConnectorConfig config, Parallel parallel, std::vector<KvCacheGroup> groups,
+            GroupRoles roles);
+  Status update_decode(Request& request, const std::vector<std::vector<int64_t>>& block_ids);
+  Status update_prefill(Request& request, const std::vector<std::vector<int64_t>>& block_ids);
+
+  ConnectorConfig config_;
+  Parallel parallel_;
+  std::vector<KvCacheGroup> groups_;
+  GroupRoles roles_;
+  int base_port_ = 0;
+  std::unique_ptr<metaserver::Client> metaserver_;  // Decode
+  std::map<std::string, uint64_t> computed_;        // Decode: local prefix hits at match
+  std::map<std::string, std::string> recv_;         // Decode: internal id -> ext id, loading
+  std::map<std::string, Send> send_;                // Prefill: by internal id
+  ConnectorMetadata pending_;
+};
+
+}  // namespace rd2h::connector

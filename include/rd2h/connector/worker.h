@@ -1,0 +1,89 @@
+// The worker half of the connector, in the shape of vLLM's KV Connector V1 worker role: one
+// per TP rank process. On Prefill it wraps prefill::Worker (publish each layer, gate slot
+// reuse); on Decode it wraps decode::Worker (expect requests, read layers, gather
+// completion across the TP group, report the blocks of failed requests).
+//
+// The host calls, per step: bind_connector_metadata, start_load_kv, then per layer
+// wait_for_layer_load / save_kv_layer (and wait_for_layer_send before reusing a slot),
+// then wait_for_save, clear_connector_metadata, get_finished. One thread calls them.
+#pragma once
+
+#include <chrono>
+#include <map>
+#include <memory>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "rd2h/common/status.h"
+#include "rd2h/connector/config.h"
+#include "rd2h/connector/metadata.h"
+#include "rd2h/connector/scheduler.h"
+#include "rd2h/decode/worker.h"
+#include "rd2h/layout/cache.h"
+#include "rd2h/prefill/worker.h"
+#include "rd2h/transfer/transfer_engine.h"
+
+namespace rd2h::connector {
+
+struct FinishedTransfers {
+  std::vector<std::string> sending;  // Prefill: requests whose blocks may be freed now
+  std::vector<std::string> recving;  // Decode: requests done loading (or failed: see errors)
+};
+
+class ConnectorWorker {
+ public:
+  // `engine` is this process's transfer engine; null binds the process engine from `config`.
+  static Expected<std::unique_ptr<ConnectorWorker>> create(
+      ConnectorConfig config, Parallel parallel, int tp_rank,
+      std::shared_ptr<transfer::TransferEngine> engine = nullptr);
+  ~ConnectorWorker();
+
+  // The rank's caches, one entry per attention layer (main tensors, indexer, scale).
+  // `engine_allocated`: they live in memory the engine allocated (already registered).
+  Status register_kv_caches(std::vector<layout::CacheLayer> layers, bool engine_allocated = false);
+
+  Status bind_connector_metadata(const ConnectorMetadata& metadata);
+  void clear_connector_metadata();
+  // Decode: expect the step's new requests and drop the aborted ones.
+  Status start_load_kv();
+  // Decode loads whole requests in the background: a layer never waits here.
+  Status wait_for_layer_load(std::string_view layer_name);
+  // Prefill: the layer's KV is written (or will be once `event` completes): publish it.
+  Status save_kv_layer(std::string_view layer_name,
+                       std::shared_ptr<prefill::WriteEvent> event = nullptr);
+  // Layerwise hosts report the write here; rd2h publishes in save_kv_layer.
+  Status on_kv_cache_written(std::string_view layer_name);
+  Status wait_for_layer_send(std::string_view layer_name);
+  Status wait_for_save();
+  // Decode gathers over the TP group with `all_gather`; a request whose KV has not arrived
+  // within kv_arrival_timeout fails. Prefill returns nothing (blocks are free once
+  // wait_for_save returned).
+  Expected<FinishedTransfers> get_finished(const decode::AllGather& all_gather);
+  // Decode: destination blocks of the requests that failed since the last call.
+  std::vector<int64_t> get_block_ids_with_load_errors();
+  // Stops the connector's threads and unregisters its memory. Idempotent.
+  void shutdown();
+
+  prefill::Worker* prefill() { return prefill_.get(); }
+  decode::Worker* decode() { return decode_.get(); }
+  const std::shared_ptr<transfer::TransferEngine>& engine() const { return engine_; }
+
+ private:
+  ConnectorWorker(ConnectorConfig config, Parallel parallel, int tp_rank,
+                  std::shared_ptr<transfer::TransferEngine> engine);
+  Status need(const void* worker, const char* call) const;
+
+  ConnectorConfig config_;
+  Parallel parallel_;
+  int tp_rank_;
+  std::shared_ptr<transfer::TransferEngine> engine_;
+  std::shared_ptr<control::Context> context_;
+  std::unique_ptr<prefill::Worker> prefill_;
+  std::unique_ptr<decode::Worker> decode_;
+  ConnectorMetadata metadata_;
+  std::map<std::string, std::chrono::steady_clock::time_point> arrival_deadline_;  // Decode
+  std::vector<int64_t> load_errors_;
+};
+
+}  // namespace rd2h::connector

@@ -1,0 +1,82 @@
+// Decode's metaserver client (spec "Decode allocation and rendezvous", "Failure and
+// Compatibility"): posts each request's rendezvous JSON to the proxy's metaserver in the
+// background. Transport errors are retried (`attempts` times, with a short backoff), then
+// the post is resubmitted every `resubmit` until it is delivered, cancelled (the request
+// finished) or the client stops. An HTTP error response counts as delivered, and is
+// logged. Every post is bounded by `timeout`, so a slow or holding server occupies a worker
+// thread for at most that long and never wedges the pool.
+#pragma once
+
+#include <chrono>
+#include <condition_variable>
+#include <cstdint>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <set>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "rd2h/common/status.h"
+
+namespace rd2h::metaserver {
+
+struct ClientConfig {
+  std::chrono::milliseconds timeout{5000};
+  int attempts = 3;
+  std::chrono::milliseconds backoff{50};
+  std::chrono::milliseconds resubmit{1000};
+  size_t threads = 4;
+};
+
+struct ClientStats {
+  uint64_t delivered = 0;         // answered 2xx
+  uint64_t http_errors = 0;       // answered otherwise: delivered all the same
+  uint64_t transport_errors = 0;  // attempts that got no answer
+  uint64_t cancelled = 0;
+};
+
+// "http://host:port/path" split for the HTTP client; an unsupported URL is an error.
+struct Url {
+  std::string origin;  // scheme://host:port
+  std::string path;
+};
+Expected<Url> parse_url(const std::string& url);
+
+class Client {
+ public:
+  explicit Client(ClientConfig config);
+  ~Client();  // drops what is pending and joins the threads
+  Client(const Client&) = delete;
+  Client& operator=(const Client&) = delete;
+
+  // Posts `json` to `url` on behalf of request `key`. A malformed URL is refused at once.
+  Status post(const std::string& key, const std::string& url, std::string json);
+  // The request finished: stop trying (a post in flight completes, and is not retried).
+  void cancel(const std::string& key);
+  bool pending(const std::string& key) const;
+  ClientStats stats() const;
+
+ private:
+  struct Job {
+    std::string key;
+    Url url;
+    std::string body;
+    int attempts = 0;
+  };
+  using Clock = std::chrono::steady_clock;
+  void run();
+  void attempt(Job job);
+
+  ClientConfig config_;
+  mutable std::mutex mu_;
+  std::condition_variable cv_;
+  std::multimap<Clock::time_point, Job> queue_;  // by when to try next
+  std::set<std::string> keys_;                   // queued or in flight
+  ClientStats stats_;
+  bool stopping_ = false;
+  std::vector<std::thread> threads_;
+};
+
+}  // namespace rd2h::metaserver

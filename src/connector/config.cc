@@ -1,0 +1,142 @@
+#include "rd2h/connector/config.h"
+
+#include <nlohmann/json.hpp>
+
+namespace rd2h::connector {
+
+using nlohmann::json;
+
+Expected<std::string> RequestIdRule::to_external(std::string_view internal_id) const {
+  if (suffix_chars == 0) return std::string(internal_id);
+  if (internal_id.size() <= suffix_chars ||
+      internal_id[internal_id.size() - suffix_chars] != separator) {
+    return invalid_argument("request id '" + std::string(internal_id) + "' does not end in '" +
+                            std::string(1, separator) + "' and " +
+                            std::to_string(suffix_chars - 1) +
+                            " characters, so it has no external id under the configured rule");
+  }
+  return std::string(internal_id.substr(0, internal_id.size() - suffix_chars));
+}
+
+namespace {
+
+Status bad(const std::string& key, const std::string& why) {
+  return invalid_argument("kv_transfer_config: '" + key + "' " + why);
+}
+
+Status read_string(const json& j, const std::string& key, std::string& out) {
+  if (!j.is_string()) return bad(key, "must be a string");
+  out = j.get<std::string>();
+  return Status::ok();
+}
+
+Status read_int(const json& j, const std::string& key, int64_t lo, int64_t hi, int64_t& out) {
+  if (!j.is_number_integer()) return bad(key, "must be an integer");
+  out = j.get<int64_t>();
+  if (out < lo || out > hi) {
+    return bad(key, "is " + std::to_string(out) + ", outside " + std::to_string(lo) + ".." +
+                        std::to_string(hi));
+  }
+  return Status::ok();
+}
+
+Status read_ms(const json& j, const std::string& key, std::chrono::milliseconds& out) {
+  int64_t v = 0;
+  RD2H_RETURN_IF_ERROR(read_int(j, key, 1, 24LL * 3600 * 1000, v));
+  out = std::chrono::milliseconds(v);
+  return Status::ok();
+}
+
+Status read_extra(const json& extra, ConnectorConfig& c) {
+  if (!extra.is_object()) return bad("kv_connector_extra_config", "must be an object");
+  for (const auto& [key, value] : extra.items()) {
+    const std::string where = "kv_connector_extra_config." + key;
+    if (key == "transfer_backend") {
+      RD2H_RETURN_IF_ERROR(read_string(value, where, c.transfer_backend));
+      if (c.transfer_backend != "ucx") {
+        return bad(where, "is '" + c.transfer_backend + "'; this build has the 'ucx' backend");
+      }
+    } else if (key == "transport") {
+      std::string t;
+      RD2H_RETURN_IF_ERROR(read_string(value, where, t));
+      auto parsed = transfer::parse_transport(t);
+      if (!parsed) return bad(where, "is '" + t + "', expected shm, tcp or auto");
+      c.transport = *parsed;
+    } else if (key == "use_layerwise") {
+      if (!value.is_boolean()) return bad(where, "must be true or false");
+      c.use_layerwise = value.get<bool>();
+    } else if (key == "request_id_suffix_chars") {
+      int64_t v = 0;
+      RD2H_RETURN_IF_ERROR(read_int(value, where, 0, 64, v));
+      c.request_ids.suffix_chars = static_cast<size_t>(v);
+    } else if (key == "prefill_tp_size") {
+      int64_t v = 0;
+      RD2H_RETURN_IF_ERROR(read_int(value, where, 1, 4096, v));
+      c.prefill_tp_size = static_cast<int>(v);
+    } else if (key == "metaserver_attempts") {
+      int64_t v = 0;
+      RD2H_RETURN_IF_ERROR(read_int(value, where, 1, 100, v));
+      c.metaserver_attempts = static_cast<int>(v);
+    } else if (key == "ack_timeout_ms") {
+      RD2H_RETURN_IF_ERROR(read_ms(value, where, c.ack_timeout));
+    } else if (key == "reply_timeout_ms") {
+      RD2H_RETURN_IF_ERROR(read_ms(value, where, c.reply_timeout));
+    } else if (key == "send_timeout_ms") {
+      RD2H_RETURN_IF_ERROR(read_ms(value, where, c.send_timeout));
+    } else if (key == "read_timeout_ms") {
+      RD2H_RETURN_IF_ERROR(read_ms(value, where, c.read_timeout));
+    } else if (key == "hold_timeout_ms") {
+      RD2H_RETURN_IF_ERROR(read_ms(value, where, c.hold_timeout));
+    } else if (key == "kv_arrival_timeout_ms") {
+      RD2H_RETURN_IF_ERROR(read_ms(value, where, c.kv_arrival_timeout));
+    } else if (key == "metaserver_timeout_ms") {
+      RD2H_RETURN_IF_ERROR(read_ms(value, where, c.metaserver_timeout));
+    } else if (key == "metaserver_resubmit_ms") {
+      RD2H_RETURN_IF_ERROR(read_ms(value, where, c.metaserver_resubmit));
+    } else {
+      return bad(where, "is not a setting of this connector");
+    }
+  }
+  return Status::ok();
+}
+
+}  // namespace
+
+Expected<ConnectorConfig> ConnectorConfig::from_json(std::string_view text) {
+  json j = json::parse(text, nullptr, /*allow_exceptions=*/false);
+  if (j.is_discarded()) return invalid_argument("kv_transfer_config is not valid JSON");
+  if (!j.is_object()) return invalid_argument("kv_transfer_config must be a JSON object");
+  ConnectorConfig c;
+  std::string connector;
+  if (!j.contains("kv_connector")) return bad("kv_connector", "is missing");
+  RD2H_RETURN_IF_ERROR(read_string(j["kv_connector"], "kv_connector", connector));
+  if (connector != "SfaRemoteD2HConnector" && connector != "rd2h") {
+    return bad("kv_connector", "is '" + connector + "', expected SfaRemoteD2HConnector or rd2h");
+  }
+  std::string role;
+  if (!j.contains("kv_role")) return bad("kv_role", "is missing");
+  RD2H_RETURN_IF_ERROR(read_string(j["kv_role"], "kv_role", role));
+  if (role == "kv_producer") {
+    c.role = KvRole::kProducer;
+  } else if (role == "kv_consumer") {
+    c.role = KvRole::kConsumer;
+  } else {
+    return bad("kv_role", "is '" + role + "', expected kv_producer or kv_consumer");
+  }
+  if (!j.contains("kv_port")) return bad("kv_port", "is missing");
+  int64_t port = 0;
+  RD2H_RETURN_IF_ERROR(read_int(j["kv_port"], "kv_port", 1, 65535, port));
+  c.kv_port = static_cast<int>(port);
+  if (j.contains("engine_id") && !j["engine_id"].is_null()) {
+    RD2H_RETURN_IF_ERROR(read_string(j["engine_id"], "engine_id", c.engine_id));
+  }
+  if (j.contains("kv_ip") && !j["kv_ip"].is_null()) {
+    RD2H_RETURN_IF_ERROR(read_string(j["kv_ip"], "kv_ip", c.host));
+  }
+  if (j.contains("kv_connector_extra_config") && !j["kv_connector_extra_config"].is_null()) {
+    RD2H_RETURN_IF_ERROR(read_extra(j["kv_connector_extra_config"], c));
+  }
+  return c;
+}
+
+}  // namespace rd2h::connector

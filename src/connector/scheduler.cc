@@ -1,0 +1,200 @@
+#include "rd2h/connector/scheduler.h"
+
+#include "rd2h/layout/cache.h"
+#include "rd2h/topology/topology.h"
+
+namespace rd2h::connector {
+
+Expected<GroupRoles> find_group_roles(const std::vector<KvCacheGroup>& groups) {
+  std::optional<size_t> main, indexer;
+  for (size_t g = 0; g < groups.size(); ++g) {
+    if (groups[g].block_size == 0) {
+      return invalid_argument("KV-cache group " + std::to_string(g) + " has block size 0");
+    }
+    for (const auto& name : groups[g].layer_names) {
+      const bool is_indexer = name.find("indexer") != std::string::npos;
+      if (is_indexer && !indexer) indexer = g;
+      if (!is_indexer && !main) main = g;
+    }
+  }
+  if (!main) return invalid_argument("no KV-cache group holds a main attention layer");
+  return GroupRoles{*main, indexer.value_or(*main)};
+}
+
+Expected<std::unique_ptr<Scheduler>> Scheduler::create(ConnectorConfig config, Parallel parallel,
+                                                       std::vector<KvCacheGroup> groups) {
+  auto roles = find_group_roles(groups);
+  if (!roles) return roles.status();
+  auto s = std::unique_ptr<Scheduler>(
+      new Scheduler(std::move(config), parallel, std::move(groups), *roles));
+  if (s->config_.role == KvRole::kConsumer) {
+    auto base = topology::base_port(s->config_.kv_port, parallel.global_dp_rank, parallel.tp_size);
+    if (!base) return base.status();
+    s->base_port_ = *base;
+    metaserver::ClientConfig mc;
+    mc.timeout = s->config_.metaserver_timeout;
+    mc.attempts = s->config_.metaserver_attempts;
+    mc.resubmit = s->config_.metaserver_resubmit;
+    s->metaserver_ = std::make_unique<metaserver::Client>(mc);
+  }
+  return s;
+}
+
+Scheduler::Scheduler(ConnectorConfig config, Parallel parallel, std::vector<KvCacheGroup> groups,
+                     GroupRoles roles)
+    : config_(std::move(config)), parallel_(parallel), groups_(std::move(groups)), roles_(roles) {}
+
+Scheduler::~Scheduler() = default;
+
+MatchedTokens Scheduler::get_num_new_matched_tokens(const Request& request,
+                                                    uint64_t num_computed_tokens) {
+  if (config_.role != KvRole::kConsumer || !request.params || !request.params->do_remote_prefill ||
+      num_computed_tokens >= request.num_prompt_tokens) {
+    return {};
+  }
+  computed_[request.request_id] = num_computed_tokens;
+  return {request.num_prompt_tokens - num_computed_tokens, true};
+}
+
+Status Scheduler::update_state_after_alloc(Request& request,
+                                           const std::vector<std::vector<int64_t>>& block_ids,
+                                           uint64_t num_external_tokens) {
+  if (block_ids.size() != groups_.size()) {
+    return invalid_argument("request " + request.request_id + ": blocks of " +
+                            std::to_string(block_ids.size()) + " KV-cache groups, the engine has " +
+                            std::to_string(groups_.size()));
+  }
+  if (config_.role == KvRole::kConsumer) {
+    if (!request.params || !request.params->do_remote_prefill) return Status::ok();
+    if (num_external_tokens == 0) {  // everything is cached here: nothing to pull
+      request.params->do_remote_prefill = false;
+      computed_.erase(request.request_id);
+      return Status::ok();
+    }
+    return update_decode(request, block_ids);
+  }
+  if (!request.params || !request.params->do_remote_decode) return Status::ok();
+  return update_prefill(request, block_ids);
+}
+
+Status Scheduler::update_decode(Request& request,
+                                const std::vector<std::vector<int64_t>>& block_ids) {
+  auto ext = config_.request_ids.to_external(request.request_id);
+  if (!ext) return ext.status();
+  if (request.params->metaserver.empty()) {
+    return invalid_argument("request " + *ext +
+                            " asks for a remote prefill but names no metaserver");
+  }
+  KvTransferParams rendezvous;
+  rendezvous.request_id = *ext;
+  rendezvous.remote_engine_id = config_.engine_id;
+  rendezvous.remote_host = config_.host;
+  rendezvous.remote_port = base_port_;
+  rendezvous.remote_tp_size = parallel_.tp_size;
+  rendezvous.remote_pcp_size = parallel_.pcp_size;
+  rendezvous.remote_dcp_size = parallel_.dcp_size;
+  auto computed = computed_.find(request.request_id);
+  rendezvous.remote_cached_tokens = computed == computed_.end() ? 0 : computed->second;
+  RD2H_RETURN_IF_ERROR(
+      metaserver_->post(*ext, request.params->metaserver, rendezvous.rendezvous_json()));
+  if (computed != computed_.end()) computed_.erase(computed);
+  pending_.load.push_back(
+      {*ext, request.request_id, block_ids[roles_.main], block_ids[roles_.indexer]});
+  recv_[request.request_id] = *ext;
+  request.params->do_remote_prefill = false;
+  return Status::ok();
+}
+
+Status Scheduler::update_prefill(Request& request,
+                                 const std::vector<std::vector<int64_t>>& block_ids) {
+  auto ext = config_.request_ids.to_external(request.request_id);
+  if (!ext) return ext.status();
+  auto decode = request.params->for_request(*ext);
+  if (!decode) return decode.status();
+  if (decode->remote_host.empty() || decode->remote_port <= 0) {
+    return invalid_argument("request " + *ext +
+                            ": kv_transfer_params name no Decode endpoint "
+                            "(remote_host, remote_port)");
+  }
+  Send s;
+  s.ext_id = *ext;
+  s.decode = std::move(*decode);
+  s.decode.batch.clear();
+  s.num_prompt_tokens = request.num_prompt_tokens;
+  s.main_blocks = block_ids[roles_.main];
+  s.indexer_blocks = block_ids[roles_.indexer];
+  send_[request.request_id] = std::move(s);
+  return Status::ok();
+}
+
+Expected<ConnectorMetadata> Scheduler::build_connector_meta(
+    const std::vector<ScheduledRequest>& scheduled) {
+  ConnectorMetadata meta;
+  std::swap(meta, pending_);
+  for (const auto& step : scheduled) {
+    auto it = send_.find(step.request_id);
+    if (it == send_.end()) continue;  // not a request this connector publishes
+    Send& s = it->second;
+    if (!step.new_block_ids.empty()) {
+      if (step.new_block_ids.size() != groups_.size()) {
+        return invalid_argument("request " + s.ext_id + ": new blocks of " +
+                                std::to_string(step.new_block_ids.size()) + " groups, expected " +
+                                std::to_string(groups_.size()));
+      }
+      const auto& m = step.new_block_ids[roles_.main];
+      s.main_blocks.insert(s.main_blocks.end(), m.begin(), m.end());
+      if (roles_.indexer != roles_.main) {
+        const auto& i = step.new_block_ids[roles_.indexer];
+        s.indexer_blocks.insert(s.indexer_blocks.end(), i.begin(), i.end());
+      } else {
+        s.indexer_blocks = s.main_blocks;
+      }
+    }
+    const bool final_chunk = step.num_computed_tokens >= s.num_prompt_tokens;
+    const layout::ChunkProgress progress{s.decode.remote_cached_tokens, s.transferred_tokens,
+                                         step.num_computed_tokens, final_chunk};
+    auto main =
+        layout::chunk_slice(progress, groups_[roles_.main].block_size, s.main_blocks.size());
+    if (!main) return main.status().with_context("request " + s.ext_id + ", main blocks");
+    auto indexer =
+        layout::chunk_slice(progress, groups_[roles_.indexer].block_size, s.indexer_blocks.size());
+    if (!indexer) return indexer.status().with_context("request " + s.ext_id + ", indexer blocks");
+    s.transferred_tokens = std::max(s.transferred_tokens, step.num_computed_tokens);
+    if (main->size() == 0 && indexer->size() == 0 && !final_chunk) continue;
+    prefill::SendRequest out;
+    out.ext_id = s.ext_id;
+    out.d_host = s.decode.remote_host;
+    out.d_base_port = s.decode.remote_port;
+    out.d_tp = s.decode.remote_tp_size;
+    auto slice = [](const std::vector<int64_t>& ids, layout::Range r) {
+      return std::vector<int64_t>(ids.begin() + static_cast<long>(r.begin),
+                                  ids.begin() + static_cast<long>(r.end));
+    };
+    out.main_block_ids = slice(s.main_blocks, *main);
+    out.indexer_block_ids = slice(s.indexer_blocks, *indexer);
+    out.main_start = static_cast<int64_t>(main->begin);
+    out.indexer_start = static_cast<int64_t>(indexer->begin);
+    out.final_chunk = final_chunk;
+    meta.save.push_back(std::move(out));
+  }
+  return meta;
+}
+
+FinishedRequest Scheduler::request_finished(const Request& request) {
+  if (config_.role == KvRole::kConsumer) {
+    computed_.erase(request.request_id);
+    auto it = recv_.find(request.request_id);
+    if (it != recv_.end()) {
+      metaserver_->cancel(it->second);
+      // The worker drops whatever it still holds for it; a request already completed there
+      // is already gone, and the abort is a no-op.
+      pending_.abort.push_back(it->second);
+      recv_.erase(it);
+    }
+  } else {
+    send_.erase(request.request_id);
+  }
+  return {};
+}
+
+}  // namespace rd2h::connector

@@ -1,0 +1,158 @@
+#include "rd2h/connector/worker.h"
+
+namespace rd2h::connector {
+
+Expected<std::unique_ptr<ConnectorWorker>> ConnectorWorker::create(
+    ConnectorConfig config, Parallel parallel, int tp_rank,
+    std::shared_ptr<transfer::TransferEngine> engine) {
+  if (tp_rank < 0 || tp_rank >= parallel.tp_size) {
+    return invalid_argument("TP rank " + std::to_string(tp_rank) + " is outside TP size " +
+                            std::to_string(parallel.tp_size));
+  }
+  if (!engine) {
+    transfer::EngineConfig ec;
+    ec.role = config.role == KvRole::kProducer ? transfer::Role::kPrefill : transfer::Role::kDecode;
+    ec.device_id = tp_rank;
+    ec.transport = config.transport;
+    ec.read_timeout = config.read_timeout;
+    auto bound = transfer::bind_process_engine(ec);
+    if (!bound) return bound.status();
+    engine = std::move(*bound);
+  }
+  return std::unique_ptr<ConnectorWorker>(
+      new ConnectorWorker(std::move(config), parallel, tp_rank, std::move(engine)));
+}
+
+ConnectorWorker::ConnectorWorker(ConnectorConfig config, Parallel parallel, int tp_rank,
+                                 std::shared_ptr<transfer::TransferEngine> engine)
+    : config_(std::move(config)),
+      parallel_(parallel),
+      tp_rank_(tp_rank),
+      engine_(std::move(engine)),
+      context_(control::Context::create()) {}
+
+ConnectorWorker::~ConnectorWorker() {
+  shutdown();
+}
+
+void ConnectorWorker::shutdown() {
+  prefill_.reset();
+  decode_.reset();
+}
+
+Status ConnectorWorker::need(const void* worker, const char* call) const {
+  if (worker) return Status::ok();
+  return failed_precondition(std::string(call) + " before register_kv_caches (or after shutdown)");
+}
+
+Status ConnectorWorker::register_kv_caches(std::vector<layout::CacheLayer> layers,
+                                           bool engine_allocated) {
+  if (prefill_ || decode_) return failed_precondition("register_kv_caches called twice");
+  if (config_.role == KvRole::kProducer) {
+    prefill::WorkerConfig pc;
+    pc.p_rank = tp_rank_;
+    pc.p_tp = parallel_.tp_size;
+    pc.sender.ack_timeout = config_.ack_timeout;
+    pc.sender.reply_timeout = config_.reply_timeout;
+    pc.send_timeout = config_.send_timeout;
+    pc.register_memory = !engine_allocated;
+    auto w = prefill::Worker::create(pc, engine_, context_, std::move(layers));
+    if (!w) return w.status();
+    prefill_ = std::move(*w);
+    return Status::ok();
+  }
+  decode::WorkerConfig dc;
+  dc.reader.d_rank = tp_rank_;
+  dc.reader.d_tp = parallel_.tp_size;
+  dc.reader.host = config_.host;
+  dc.reader.hold_timeout = config_.hold_timeout;
+  dc.p_tp = config_.prefill_tp_size > 0 ? config_.prefill_tp_size : parallel_.tp_size;
+  dc.kv_port = config_.kv_port;
+  dc.global_dp_rank = parallel_.global_dp_rank;
+  dc.register_memory = !engine_allocated;
+  auto w = decode::Worker::create(dc, engine_, context_, layers);
+  if (!w) return w.status();
+  decode_ = std::move(*w);
+  return Status::ok();
+}
+
+Status ConnectorWorker::bind_connector_metadata(const ConnectorMetadata& metadata) {
+  metadata_ = metadata;
+  if (prefill_) return prefill_->bind_step(metadata_.save);
+  return Status::ok();
+}
+
+void ConnectorWorker::clear_connector_metadata() {
+  metadata_ = {};
+}
+
+Status ConnectorWorker::start_load_kv() {
+  if (!decode_) return Status::ok();
+  for (const auto& ext_id : metadata_.abort) {
+    decode_->remove_request(ext_id);
+    arrival_deadline_.erase(ext_id);
+  }
+  const auto deadline = std::chrono::steady_clock::now() + config_.kv_arrival_timeout;
+  for (const auto& r : metadata_.load) {
+    RD2H_RETURN_IF_ERROR(
+        decode_->add_request(r.ext_id, r.internal_id, r.main_blocks, r.indexer_blocks));
+    arrival_deadline_[r.ext_id] = deadline;
+  }
+  return Status::ok();
+}
+
+Status ConnectorWorker::wait_for_layer_load(std::string_view) {
+  return Status::ok();
+}
+
+Status ConnectorWorker::save_kv_layer(std::string_view layer_name,
+                                      std::shared_ptr<prefill::WriteEvent> event) {
+  if (config_.role != KvRole::kProducer) return Status::ok();
+  RD2H_RETURN_IF_ERROR(need(prefill_.get(), "save_kv_layer"));
+  return prefill_->save_kv_layer(layer_name, std::move(event));
+}
+
+Status ConnectorWorker::on_kv_cache_written(std::string_view) {
+  return Status::ok();
+}
+
+Status ConnectorWorker::wait_for_layer_send(std::string_view layer_name) {
+  if (config_.role != KvRole::kProducer) return Status::ok();
+  RD2H_RETURN_IF_ERROR(need(prefill_.get(), "wait_for_layer_send"));
+  return prefill_->wait_for_layer_send(layer_name);
+}
+
+Status ConnectorWorker::wait_for_save() {
+  if (config_.role != KvRole::kProducer) return Status::ok();
+  RD2H_RETURN_IF_ERROR(need(prefill_.get(), "wait_for_save"));
+  return prefill_->wait_for_save();
+}
+
+Expected<FinishedTransfers> ConnectorWorker::get_finished(const decode::AllGather& all_gather) {
+  FinishedTransfers out;
+  if (config_.role != KvRole::kConsumer) return out;
+  RD2H_RETURN_IF_ERROR(need(decode_.get(), "get_finished"));
+  const auto now = std::chrono::steady_clock::now();
+  for (const auto& [ext_id, deadline] : arrival_deadline_) {
+    if (now >= deadline) decode_->reader().expire_request(ext_id);
+  }
+  auto done = decode_->get_finished(all_gather);
+  if (!done) return done.status();
+  for (auto* ids : {&done->finished, &done->failed}) {
+    for (auto& id : *ids) out.recving.push_back(id);
+  }
+  load_errors_.insert(load_errors_.end(), done->invalid_main_blocks.begin(),
+                      done->invalid_main_blocks.end());
+  load_errors_.insert(load_errors_.end(), done->invalid_indexer_blocks.begin(),
+                      done->invalid_indexer_blocks.end());
+  for (const auto& ext_id : done->ended_ext_ids) arrival_deadline_.erase(ext_id);
+  return out;
+}
+
+std::vector<int64_t> ConnectorWorker::get_block_ids_with_load_errors() {
+  std::vector<int64_t> out;
+  out.swap(load_errors_);
+  return out;
+}
+
+}  // namespace rd2h::connector

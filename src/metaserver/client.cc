@@ -1,0 +1,135 @@
+#include "rd2h/metaserver/client.h"
+
+#include <httplib.h>
+
+#include <cstdio>
+
+namespace rd2h::metaserver {
+
+Expected<Url> parse_url(const std::string& url) {
+  const std::string scheme = "http://";
+  if (url.rfind(scheme, 0) != 0) {
+    return invalid_argument("metaserver URL '" + url + "' does not start with http://");
+  }
+  const size_t slash = url.find('/', scheme.size());
+  Url u;
+  u.origin = url.substr(0, slash);
+  u.path = slash == std::string::npos ? "/" : url.substr(slash);
+  if (u.origin.size() == scheme.size()) {
+    return invalid_argument("metaserver URL '" + url + "' has no host");
+  }
+  return u;
+}
+
+Client::Client(ClientConfig config) : config_(config) {
+  if (config_.threads == 0) config_.threads = 1;
+  if (config_.attempts < 1) config_.attempts = 1;
+  for (size_t i = 0; i < config_.threads; ++i) threads_.emplace_back([this] { run(); });
+}
+
+Client::~Client() {
+  {
+    std::lock_guard lock(mu_);
+    stopping_ = true;
+    queue_.clear();
+  }
+  cv_.notify_all();
+  for (auto& t : threads_) t.join();
+}
+
+Status Client::post(const std::string& key, const std::string& url, std::string json) {
+  auto parsed = parse_url(url);
+  if (!parsed) return parsed.status().with_context("request " + key);
+  {
+    std::lock_guard lock(mu_);
+    if (!keys_.insert(key).second) {
+      return already_exists("request " + key + " already has a rendezvous post pending");
+    }
+    queue_.emplace(Clock::now(), Job{key, std::move(*parsed), std::move(json), 0});
+  }
+  cv_.notify_one();
+  return Status::ok();
+}
+
+void Client::cancel(const std::string& key) {
+  std::lock_guard lock(mu_);
+  if (keys_.erase(key) == 0) return;
+  ++stats_.cancelled;
+  for (auto it = queue_.begin(); it != queue_.end();) {
+    it = it->second.key == key ? queue_.erase(it) : std::next(it);
+  }
+}
+
+bool Client::pending(const std::string& key) const {
+  std::lock_guard lock(mu_);
+  return keys_.count(key) != 0;
+}
+
+ClientStats Client::stats() const {
+  std::lock_guard lock(mu_);
+  return stats_;
+}
+
+void Client::run() {
+  std::unique_lock lock(mu_);
+  while (!stopping_) {
+    if (queue_.empty()) {
+      cv_.wait(lock);
+      continue;
+    }
+    const auto when = queue_.begin()->first;
+    if (Clock::now() < when) {
+      cv_.wait_until(lock, when);
+      continue;
+    }
+    Job job = std::move(queue_.begin()->second);
+    queue_.erase(queue_.begin());
+    lock.unlock();
+    attempt(std::move(job));
+    lock.lock();
+  }
+}
+
+void Client::attempt(Job job) {
+  httplib::Client http(job.url.origin);
+  const auto seconds = std::chrono::duration_cast<std::chrono::seconds>(config_.timeout);
+  const auto micros =
+      std::chrono::duration_cast<std::chrono::microseconds>(config_.timeout - seconds);
+  http.set_connection_timeout(seconds.count(), micros.count());
+  http.set_read_timeout(seconds.count(), micros.count());
+  http.set_write_timeout(seconds.count(), micros.count());
+  auto res = http.Post(job.url.path, job.body, "application/json");
+
+  std::lock_guard lock(mu_);
+  if (keys_.count(job.key) == 0) return;  // cancelled while in flight
+  if (res) {
+    keys_.erase(job.key);
+    if (res->status >= 200 && res->status < 300) {
+      ++stats_.delivered;
+    } else {
+      // Older proxies answer errors for requests they handled: delivered, as the spec says.
+      ++stats_.http_errors;
+      std::fprintf(stderr, "rd2h metaserver: request %s: HTTP %d from %s%s: %s\n", job.key.c_str(),
+                   res->status, job.url.origin.c_str(), job.url.path.c_str(),
+                   res->body.substr(0, 200).c_str());
+    }
+    return;
+  }
+  ++stats_.transport_errors;
+  ++job.attempts;
+  const auto delay =
+      job.attempts < config_.attempts ? config_.backoff * job.attempts : config_.resubmit;
+  if (job.attempts == config_.attempts) {
+    std::fprintf(stderr,
+                 "rd2h metaserver: request %s: %s%s unreachable after %d attempts (%s); "
+                 "resubmitting every %lld ms\n",
+                 job.key.c_str(), job.url.origin.c_str(), job.url.path.c_str(), job.attempts,
+                 httplib::to_string(res.error()).c_str(),
+                 static_cast<long long>(config_.resubmit.count()));
+  }
+  if (stopping_) return;
+  queue_.emplace(Clock::now() + delay, std::move(job));
+  cv_.notify_one();
+}
+
+}  // namespace rd2h::metaserver
