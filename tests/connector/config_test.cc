@@ -1,0 +1,140 @@
+#include "rd2h/connector/config.h"
+
+#include <gtest/gtest.h>
+
+#include "rd2h/connector/metadata.h"
+
+namespace rd2h::connector {
+namespace {
+
+TEST(ConnectorConfig, ReadsVllmKvTransferConfig) {
+  auto c = ConnectorConfig::from_json(R"({
+    "kv_connector": "SfaRemoteD2HConnector", "kv_role": "kv_consumer", "kv_port": 30000,
+    "engine_id": "decode-0", "kv_ip": "10.1.2.3", "kv_buffer_device": "cpu", "kv_rank": 1,
+    "kv_connector_extra_config": {"transfer_backend": "ucx", "transport": "tcp",
+      "use_layerwise": false, "reply_timeout_ms": 1500, "request_id_suffix_chars": 0,
+      "prefill_tp_size": 4, "metaserver_attempts": 5}})");
+  ASSERT_TRUE(c) << c.status().to_string();
+  EXPECT_EQ(c->role, KvRole::kConsumer);
+  EXPECT_EQ(c->kv_port, 30000);
+  EXPECT_EQ(c->engine_id, "decode-0");
+  EXPECT_EQ(c->host, "10.1.2.3");
+  EXPECT_EQ(c->transport, transfer::Transport::kTcp);
+  EXPECT_FALSE(c->use_layerwise);
+  EXPECT_EQ(c->reply_timeout, std::chrono::milliseconds(1500));
+  EXPECT_EQ(c->request_ids.suffix_chars, 0u);
+  EXPECT_EQ(c->prefill_tp_size, 4);
+  EXPECT_EQ(c->metaserver_attempts, 5);
+  auto p = ConnectorConfig::from_json(
+      R"({"kv_connector": "rd2h", "kv_role": "kv_producer", "kv_port": 1})");
+  ASSERT_TRUE(p);
+  EXPECT_EQ(p->role, KvRole::kProducer);
+  EXPECT_EQ(p->request_ids.suffix_chars, 9u) << "vLLM's id rule by default";
+}
+
+TEST(ConnectorConfig, BadConfigsAreRefusedNamingTheKey) {
+  const std::vector<std::pair<const char*, const char*>> cases = {
+      {R"({"kv_role": "kv_producer", "kv_port": 1})", "'kv_connector' is missing"},
+      {R"({"kv_connector": "Nixl", "kv_role": "kv_producer", "kv_port": 1})", "'kv_connector'"},
+      {R"({"kv_connector": "rd2h", "kv_role": "kv_both", "kv_port": 1})", "'kv_role' is 'kv_both'"},
+      {R"({"kv_connector": "rd2h", "kv_role": "kv_producer", "kv_port": 70000})",
+       "'kv_port' is 70000"},
+      {R"({"kv_connector": "rd2h", "kv_role": "kv_producer", "kv_port": "1"})",
+       "'kv_port' must be"},
+      {R"({"kv_connector": "rd2h", "kv_role": "kv_producer", "kv_port": 1,
+          "kv_connector_extra_config": {"transfer_backend": "memfabric"}})",
+       "'kv_connector_extra_config.transfer_backend' is 'memfabric'"},
+      {R"({"kv_connector": "rd2h", "kv_role": "kv_producer", "kv_port": 1,
+          "kv_connector_extra_config": {"reply_timout_ms": 5}})",
+       "'kv_connector_extra_config.reply_timout_ms' is not a setting"},
+      {R"({"kv_connector": "rd2h", "kv_role": "kv_producer", "kv_port": 1,
+          "kv_connector_extra_config": {"send_timeout_ms": 0}})",
+       "'kv_connector_extra_config.send_timeout_ms' is 0"},
+      {R"({"kv_connector": "rd2h", "kv_role": "kv_producer", "kv_port": 1,
+          "kv_connector_extra_config": {"transport": "rdma"}})",
+       "'kv_connector_extra_config.transport'"},
+      {R"([1, 2])", "must be a JSON object"},
+      {R"({"kv_connector": )", "not valid JSON"},
+  };
+  for (const auto& [text, reason] : cases) {
+    auto c = ConnectorConfig::from_json(text);
+    ASSERT_FALSE(c) << text;
+    EXPECT_NE(c.status().message().find(reason), std::string::npos)
+        << "expected \"" << reason << "\" in: " << c.status().message();
+  }
+}
+
+TEST(RequestIdRule, StripsVllmSuffixAndRefusesIdsWithoutOne) {
+  RequestIdRule vllm;
+  EXPECT_EQ(*vllm.to_external("cmpl-5f2e-0-1a2b3c4d"), "cmpl-5f2e-0");
+  EXPECT_EQ(*vllm.to_external("chatcmpl-abc-deadbeef"), "chatcmpl-abc");
+  auto plain = vllm.to_external("cmpl-5f2e-0");  // an engine that adds no suffix
+  ASSERT_FALSE(plain) << "an id without the suffix was cut: " << *plain;
+  EXPECT_NE(plain.status().message().find("cmpl-5f2e-0"), std::string::npos);
+  EXPECT_FALSE(vllm.to_external("-1234567"));
+  RequestIdRule none{0};
+  EXPECT_EQ(*none.to_external("cmpl-5f2e-0"), "cmpl-5f2e-0");
+}
+
+TEST(KvTransferParams, RendezvousKeysFollowTheWireOrder) {
+  KvTransferParams p;
+  p.request_id = "cmpl-x-0";
+  p.remote_engine_id = "decode-0";
+  p.remote_host = "10.0.0.2";
+  p.remote_port = 30002;
+  p.remote_tp_size = 2;
+  p.remote_cached_tokens = 128;
+  EXPECT_EQ(p.rendezvous_json(),
+            R"({"request_id":"cmpl-x-0","do_remote_prefill":false,"do_remote_decode":true,)"
+            R"("remote_engine_id":"decode-0","remote_host":"10.0.0.2","remote_port":30002,)"
+            R"("remote_tp_size":2,"remote_pcp_size":1,"remote_dcp_size":1,)"
+            R"("remote_cached_tokens":128})");
+  auto back = KvTransferParams::from_json(p.rendezvous_json());
+  ASSERT_TRUE(back);
+  EXPECT_TRUE(back->do_remote_decode);
+  EXPECT_EQ(back->remote_port, 30002);
+  EXPECT_EQ(back->remote_cached_tokens, 128u);
+}
+
+TEST(KvTransferParams, PromptListChildrenAreFoundByIdAndAMissingOneIsNamed) {
+  auto p = KvTransferParams::from_json(R"({"request_id": "cmpl-p-0", "do_remote_decode": true,
+    "remote_host": "h", "remote_port": 100, "batch_kv_transfer_params": {
+      "cmpl-p-0": {"request_id": "cmpl-p-0", "remote_host": "h", "remote_port": 100},
+      "cmpl-p-1": {"request_id": "cmpl-p-1", "remote_host": "h2", "remote_port": 200,
+                   "remote_cached_tokens": 16}}})");
+  ASSERT_TRUE(p) << p.status().to_string();
+  ASSERT_EQ(p->batch.size(), 2u);
+  auto child = p->for_request("cmpl-p-1");
+  ASSERT_TRUE(child);
+  EXPECT_EQ(child->remote_host, "h2");
+  EXPECT_EQ(child->remote_cached_tokens, 16u);
+  auto missing = p->for_request("cmpl-p-2");
+  ASSERT_FALSE(missing);
+  EXPECT_NE(missing.status().message().find("cmpl-p-2"), std::string::npos);
+  auto wrong = KvTransferParams::from_json(R"({"remote_port": "x"})");
+  ASSERT_FALSE(wrong);
+  EXPECT_NE(wrong.status().message().find("'remote_port'"), std::string::npos);
+}
+
+TEST(ConnectorMetadata, RoundTripsAndRefusesBrokenBytes) {
+  ConnectorMetadata m;
+  m.load.push_back({"e1", "e1-abcdefgh", {1, 2, 3}, {4}});
+  m.abort = {"e0"};
+  m.save.push_back({"e2", "10.0.0.2", 30000, 2, {7, 8}, {9}, 3, 1, true});
+  const auto bytes = encode(m);
+  auto back = decode_metadata(bytes);
+  ASSERT_TRUE(back) << back.status().to_string();
+  ASSERT_EQ(back->load.size(), 1u);
+  EXPECT_EQ(back->load[0].main_blocks, (std::vector<int64_t>{1, 2, 3}));
+  EXPECT_EQ(back->abort, m.abort);
+  ASSERT_EQ(back->save.size(), 1u);
+  EXPECT_EQ(back->save[0].d_base_port, 30000);
+  EXPECT_EQ(back->save[0].main_start, 3);
+  EXPECT_TRUE(back->save[0].final_chunk);
+  for (size_t n = 0; n < bytes.size(); ++n) {
+    EXPECT_FALSE(decode_metadata(std::span(bytes.data(), n))) << "truncated at " << n;
+  }
+}
+
+}  // namespace
+}  // namespace rd2h::connector

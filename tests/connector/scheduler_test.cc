@@ -1,0 +1,165 @@
+// The scheduler half of the connector on both roles, Decode's rendezvous over real HTTP.
+#include "rd2h/connector/scheduler.h"
+
+#include <gtest/gtest.h>
+
+#include "support/http_server.h"
+
+namespace rd2h::connector {
+namespace {
+
+using rd2h::testing::eventually;
+using rd2h::testing::MetaserverStub;
+
+const std::string kMain = "model.layers.0.self_attn";
+const std::string kIndexer = "model.layers.0.self_attn.indexer";
+
+ConnectorConfig config(KvRole role) {
+  ConnectorConfig c;
+  c.role = role;
+  c.kv_port = 30000;
+  c.engine_id = role == KvRole::kConsumer ? "decode-0" : "prefill-0";
+  c.host = "10.0.0.2";
+  return c;
+}
+
+TEST(GroupRoles, FoundFromLayerNamesNotFromGroupOrder) {
+  auto split = find_group_roles({{{kIndexer}, 64}, {{kMain}, 128}});
+  ASSERT_TRUE(split);
+  EXPECT_EQ(split->main, 1u);
+  EXPECT_EQ(split->indexer, 0u);
+  auto uniform = find_group_roles({{{kMain, kIndexer}, 128}});
+  ASSERT_TRUE(uniform);
+  EXPECT_EQ(uniform->main, 0u);
+  EXPECT_EQ(uniform->indexer, 0u);
+  EXPECT_FALSE(find_group_roles({{{kIndexer}, 64}})) << "no main group";
+  EXPECT_FALSE(find_group_roles({{{kMain}, 0}})) << "block size 0";
+}
+
+TEST(DecodeScheduler, MatchesAllocatesAndPostsTheRendezvousOnce) {
+  MetaserverStub meta(200);
+  auto s = Scheduler::create(config(KvRole::kConsumer), Parallel{2, 1, 1, 1},
+                             {{{kIndexer}, 128}, {{kMain}, 128}});
+  ASSERT_TRUE(s) << s.status().to_string();
+  EXPECT_EQ((*s)->base_port(), 30002) << "kv_port + global_dp_rank * tp_size";
+  KvTransferParams p;
+  p.do_remote_prefill = true;
+  p.metaserver = meta.url();
+  Request r{"cmpl-x-0-abcdefgh", 300, p};
+  const auto matched = (*s)->get_num_new_matched_tokens(r, 128);
+  EXPECT_EQ(matched.tokens, 172u);
+  EXPECT_TRUE(matched.load_async);
+  ASSERT_TRUE((*s)->update_state_after_alloc(r, {{20, 21, 22}, {1, 2, 3}}, 172).is_ok());
+  EXPECT_FALSE(r.params->do_remote_prefill) << "do_remote_prefill stays set";
+  EXPECT_EQ((*s)->get_num_new_matched_tokens(r, 128).tokens, 0u);
+
+  ASSERT_TRUE(eventually([&] { return meta.bodies().size() == 1; }));
+  EXPECT_EQ(meta.bodies()[0],
+            R"({"request_id":"cmpl-x-0","do_remote_prefill":false,"do_remote_decode":true,)"
+            R"("remote_engine_id":"decode-0","remote_host":"10.0.0.2","remote_port":30002,)"
+            R"("remote_tp_size":2,"remote_pcp_size":1,"remote_dcp_size":1,)"
+            R"("remote_cached_tokens":128})");
+  EXPECT_EQ(meta.bodies()[0].find("[1,2,3]"), std::string::npos) << "block ids left Decode";
+
+  auto m = (*s)->build_connector_meta({});
+  ASSERT_TRUE(m);
+  ASSERT_EQ(m->load.size(), 1u);
+  EXPECT_EQ(m->load[0].ext_id, "cmpl-x-0");
+  EXPECT_EQ(m->load[0].internal_id, "cmpl-x-0-abcdefgh");
+  EXPECT_EQ(m->load[0].main_blocks, (std::vector<int64_t>{1, 2, 3}));
+  EXPECT_EQ(m->load[0].indexer_blocks, (std::vector<int64_t>{20, 21, 22}));
+  EXPECT_TRUE((*s)->build_connector_meta({})->empty()) << "a load is handed out once";
+
+  (*s)->request_finished(r);
+  EXPECT_EQ((*s)->build_connector_meta({})->abort, std::vector<std::string>{"cmpl-x-0"});
+  EXPECT_EQ((*s)->tracked(), 0u);
+}
+
+TEST(DecodeScheduler, RequestsWithoutRemotePrefillAreLeftAlone) {
+  auto s = Scheduler::create(config(KvRole::kConsumer), {}, {{{kMain}, 128}});
+  ASSERT_TRUE(s);
+  Request plain{"r-abcdefgh", 100, std::nullopt};
+  EXPECT_EQ((*s)->get_num_new_matched_tokens(plain, 0).tokens, 0u);
+  EXPECT_TRUE((*s)->update_state_after_alloc(plain, {{1}}, 0).is_ok());
+  EXPECT_TRUE((*s)->build_connector_meta({})->empty());
+  KvTransferParams p;
+  p.do_remote_prefill = true;  // but no metaserver to post to
+  Request bad{"r-abcdefgh", 100, p};
+  Status st = (*s)->update_state_after_alloc(bad, {{1}}, 100);
+  EXPECT_NE(st.message().find("names no metaserver"), std::string::npos) << st.to_string();
+}
+
+KvTransferParams from_decode(uint64_t cached) {
+  KvTransferParams p;
+  p.do_remote_decode = true;
+  p.request_id = "cmpl-x-0";
+  p.remote_host = "10.0.0.2";
+  p.remote_port = 30002;
+  p.remote_tp_size = 2;
+  p.remote_cached_tokens = cached;
+  return p;
+}
+
+TEST(PrefillScheduler, EachChunkPublishesItsNewlyCompleteBlocksAndTheLastItsPartialBlock) {
+  auto s = Scheduler::create(config(KvRole::kProducer), {4, 1, 1, 0}, {{{kMain, kIndexer}, 16}});
+  ASSERT_TRUE(s);
+  // 100 prompt tokens, of which Decode caches 32 (2 blocks); chunks of 64 and 36 tokens.
+  Request r{"cmpl-x-0-abcdefgh", 100, from_decode(32)};
+  EXPECT_EQ((*s)->get_num_new_matched_tokens(r, 0).tokens, 0u);
+  ASSERT_TRUE((*s)->update_state_after_alloc(r, {{10, 11, 12, 13}}, 0).is_ok());
+  auto first = (*s)->build_connector_meta({{r.request_id, {}, 64}});
+  ASSERT_TRUE(first) << first.status().to_string();
+  ASSERT_EQ(first->save.size(), 1u);
+  const auto& a = first->save[0];
+  EXPECT_EQ(a.ext_id, "cmpl-x-0");
+  EXPECT_EQ(a.d_host, "10.0.0.2");
+  EXPECT_EQ(a.d_base_port, 30002);
+  EXPECT_EQ(a.d_tp, 2);
+  EXPECT_EQ(a.main_block_ids, (std::vector<int64_t>{12, 13}));
+  EXPECT_EQ(a.indexer_block_ids, (std::vector<int64_t>{12, 13}));
+  EXPECT_EQ(a.main_start, 2);
+  EXPECT_FALSE(a.final_chunk);
+
+  auto last = (*s)->build_connector_meta({{r.request_id, {{14, 15, 16}}, 100}});
+  ASSERT_TRUE(last);
+  ASSERT_EQ(last->save.size(), 1u);
+  EXPECT_EQ(last->save[0].main_block_ids, (std::vector<int64_t>{14, 15, 16}));
+  EXPECT_EQ(last->save[0].main_start, 4);
+  EXPECT_TRUE(last->save[0].final_chunk);
+  (*s)->request_finished(r);
+  EXPECT_EQ((*s)->tracked(), 0u);
+}
+
+TEST(PrefillScheduler, SeparateIndexerGroupsSliceByTheirOwnBlockSize) {
+  auto s = Scheduler::create(config(KvRole::kProducer), {}, {{{kIndexer}, 32}, {{kMain}, 16}});
+  ASSERT_TRUE(s);
+  Request r{"cmpl-x-0-abcdefgh", 40, from_decode(0)};
+  ASSERT_TRUE((*s)->update_state_after_alloc(r, {{7, 8}, {1, 2, 3}}, 0).is_ok());
+  auto m = (*s)->build_connector_meta({{r.request_id, {}, 40}});
+  ASSERT_TRUE(m);
+  ASSERT_EQ(m->save.size(), 1u);
+  EXPECT_EQ(m->save[0].main_block_ids, (std::vector<int64_t>{1, 2, 3}));
+  EXPECT_EQ(m->save[0].indexer_block_ids, (std::vector<int64_t>{7, 8}));
+}
+
+TEST(PrefillScheduler, APromptListChildIsFoundAndAMissingOneIsNamed) {
+  auto s = Scheduler::create(config(KvRole::kProducer), {}, {{{kMain}, 16}});
+  ASSERT_TRUE(s);
+  KvTransferParams list = from_decode(0);
+  auto child = from_decode(0);
+  child.request_id = "cmpl-p-1";
+  child.remote_port = 40000;
+  list.batch = {{"cmpl-p-0", from_decode(0)}, {"cmpl-p-1", child}};
+  Request second{"cmpl-p-1-abcdefgh", 16, list};
+  ASSERT_TRUE((*s)->update_state_after_alloc(second, {{5}}, 0).is_ok());
+  auto m = (*s)->build_connector_meta({{second.request_id, {}, 16}});
+  ASSERT_TRUE(m);
+  ASSERT_EQ(m->save.size(), 1u);
+  EXPECT_EQ(m->save[0].d_base_port, 40000) << "the child's own Decode endpoint";
+  Request third{"cmpl-p-2-abcdefgh", 16, list};
+  Status st = (*s)->update_state_after_alloc(third, {{6}}, 0);
+  EXPECT_NE(st.message().find("cmpl-p-2"), std::string::npos) << st.to_string();
+}
+
+}  // namespace
+}  // namespace rd2h::connector
