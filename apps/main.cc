@@ -4,6 +4,7 @@
 #include "bench_engine.h"
 #include "bench_layers.h"
 #include "pd_read.h"
+#include "proxy_command.h"
 
 int main(int argc, char** argv) {
   CLI::App app{"rd2h: layerwise KV-cache transfer for prefill/decode disaggregated serving"};
@@ -74,7 +75,25 @@ int main(int argc, char** argv) {
   bench_layers->add_option("--timeout-ms", bl.timeout_ms, "bound on every wait")
       ->check(CLI::Range(1u, 3600000u));
 
+  rd2h::metaserver::ProxyConfig px;
+  auto* proxy = app.add_subcommand(
+      "proxy", "OpenAI-style front over Prefill and Decode instances, with the metaserver");
+  proxy->add_option("--host", px.host, "address to bind (no wildcard by default)");
+  proxy->add_option("--port", px.port, "client API port (0: any)")->check(CLI::Range(0, 65535));
+  proxy->add_option("--metaserver-port", px.metaserver_port, "rendezvous port (0: any)")
+      ->check(CLI::Range(0, 65535));
+  proxy->add_option("--prefill", px.prefill, "Prefill engines, http://host:port")
+      ->delimiter(',')
+      ->required();
+  proxy->add_option("--decode", px.decode, "Decode engines, http://host:port")
+      ->delimiter(',')
+      ->required();
+  proxy->add_option("--max-body-bytes", px.max_body_bytes, "largest request body accepted");
+  proxy->add_option("--max-concurrent", px.max_concurrent, "client requests served at once")
+      ->check(CLI::Range(1u, 65536u));
+
   CLI11_PARSE(app, argc, argv);
+  if (proxy->parsed()) return rd2h::tools::run_proxy(px);
   if (bench_layers->parsed()) return rd2h::tools::run_bench_layers(bl);
   if (pd_read->parsed()) return rd2h::tools::run_pd_read(pd);
   if (bench_engine->parsed()) return rd2h::tools::run_bench_engine(be);

@@ -112,3 +112,32 @@ TEST(BenchLayers, RequestCountsThatDoNotSplitTheBlocksAreRefused) {
 
 }  // namespace
 }  // namespace rd2h::tools
+
+namespace rd2h::tools {
+namespace {
+
+TEST(ProxyCommand, ServesUntilSigtermAndNamesItsAddresses) {
+  Subprocess::Options options;
+  options.merge_stderr = true;
+  auto p = Subprocess::spawn({RD2H_BINARY, "proxy", "--prefill", "http://127.0.0.1:9",
+                              "--decode", "http://127.0.0.1:10"},
+                             options);
+  ASSERT_TRUE(p) << p.status().to_string();
+  auto line = p->read_line(30s);
+  ASSERT_TRUE(line) << line.status().to_string();
+  EXPECT_NE(line->find("serving http://127.0.0.1:"), std::string::npos) << *line;
+  EXPECT_NE(line->find("/v1/metaserver"), std::string::npos) << *line;
+  p->kill(SIGTERM);
+  auto status = p->wait(30s);
+  ASSERT_TRUE(status) << status.status().to_string();
+  EXPECT_TRUE(WIFEXITED(*status) && WEXITSTATUS(*status) == 0);
+}
+
+TEST(ProxyCommand, AnEngineAddressThatIsNotAnOriginIsRefused) {
+  auto r = run_rd2h({"proxy", "--prefill", "127.0.0.1:9", "--decode", "http://127.0.0.1:10"});
+  EXPECT_EQ(r.exit_code, 1) << r.output;
+  EXPECT_NE(r.output.find("'127.0.0.1:9' is not http://host:port"), std::string::npos) << r.output;
+}
+
+}  // namespace
+}  // namespace rd2h::tools

@@ -1,0 +1,64 @@
+// rd2h proxy (spec "Request Lifecycle"; wire-format "HTTP rendezvous"): an OpenAI-style HTTP
+// front over Prefill and Decode instances, with the metaserver that pairs them.
+//
+// A client request goes to the least-loaded Decode first, with kv_transfer_params
+// {do_remote_decode: false, do_remote_prefill: true, metaserver: <url>}; Decode's output
+// streams back to the client. Decode posts each child's rendezvous to the metaserver; once
+// every child of a request reported, the proxy dispatches the original request to the
+// least-loaded Prefill once (max_tokens=1, first child's params plus
+// batch_kv_transfer_params for a prompt list). A metaserver post is answered at once and
+// never held; it is served by a listener of its own, so client requests cannot starve it.
+// If the Prefill dispatch fails, the client's request fails cleanly (its Decode request
+// is closed) with a 502.
+#pragma once
+
+#include <atomic>
+#include <chrono>
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "rd2h/common/status.h"
+
+namespace rd2h::metaserver {
+
+struct ProxyConfig {
+  std::string host = "127.0.0.1";    // binds this address only
+  int port = 0;                      // client API; 0 picks a free port
+  int metaserver_port = 0;           // rendezvous listener; 0 picks a free port
+  std::vector<std::string> prefill;  // engine origins, "http://host:port"
+  std::vector<std::string> decode;
+  size_t max_body_bytes = 16u << 20;
+  size_t max_concurrent = 256;  // client requests served at once
+  std::chrono::milliseconds upstream_timeout{600000};
+};
+
+struct ProxyStats {
+  uint64_t requests = 0;
+  uint64_t rendezvous = 0;
+  uint64_t unknown_rendezvous = 0;
+  uint64_t prefill_dispatches = 0;
+  uint64_t prefill_failures = 0;
+};
+
+class Proxy {
+ public:
+  static Expected<std::unique_ptr<Proxy>> start(ProxyConfig config);
+  ~Proxy();  // stops both listeners and every upstream request, joins every thread
+  Proxy(const Proxy&) = delete;
+  Proxy& operator=(const Proxy&) = delete;
+
+  int port() const;
+  std::string url() const;             // http://host:port
+  std::string metaserver_url() const;  // what Decode is told to post to
+  ProxyStats stats() const;
+
+  struct Impl;
+
+ private:
+  explicit Proxy(std::unique_ptr<Impl> impl);
+  std::unique_ptr<Impl> impl_;
+};
+
+}  // namespace rd2h::metaserver

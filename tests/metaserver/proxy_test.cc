@@ -1,0 +1,239 @@
+// The proxy over real HTTP on loopback, between stand-in engines that behave as vLLM's
+// OpenAI servers do toward it: Decode posts each child's rendezvous (with rd2h's metaserver
+// client) and answers once Prefill has run; Prefill records what it was sent.
+#include "rd2h/metaserver/proxy.h"
+
+#include <gtest/gtest.h>
+#include <httplib.h>
+
+#include <condition_variable>
+#include <cstring>
+#include <nlohmann/json.hpp>
+
+#include "rd2h/metaserver/client.h"
+#include "support/http_server.h"
+
+namespace rd2h::metaserver {
+namespace {
+
+using nlohmann::json;
+using rd2h::testing::eventually;
+using namespace std::chrono_literals;
+
+// An engine on a free loopback port; `handle` serves both OpenAI routes.
+class Engine {
+ public:
+  using Handler = std::function<void(const httplib::Request&, httplib::Response&)>;
+  explicit Engine(Handler handle) {
+    server_.Post("/v1/completions", handle);
+    server_.Post("/v1/chat/completions", handle);
+    port_ = server_.bind_to_any_port("127.0.0.1");
+    thread_ = std::thread([this] { server_.listen_after_bind(); });
+    EXPECT_TRUE(eventually([this] { return server_.is_running(); }));
+  }
+  ~Engine() {
+    server_.stop();
+    thread_.join();
+  }
+  std::string origin() const { return "http://127.0.0.1:" + std::to_string(port_); }
+
+ private:
+  httplib::Server server_;
+  int port_ = 0;
+  std::thread thread_;
+};
+
+// What Prefill got, and whether it ran.
+struct PrefillLog {
+  std::mutex mu;
+  std::condition_variable cv;
+  std::vector<json> bodies;
+  std::vector<std::string> request_ids;
+  int succeeded = 0;      // Prefill runs that answered 200
+  bool released = false;  // the test lets Decode's handlers return
+};
+
+class ProxyTest : public ::testing::Test {
+ protected:
+  void start(int prefill_status = 200) {
+    prefill_ = std::make_unique<Engine>(
+        [this, prefill_status](const httplib::Request& req, httplib::Response& res) {
+          {
+            std::lock_guard lock(log_.mu);
+            log_.bodies.push_back(json::parse(req.body));
+            log_.request_ids.push_back(req.get_header_value("X-Request-Id"));
+          }
+          res.status = prefill_status;
+          res.set_content(prefill_status == 200 ? R"({"choices":[{"text":"x"}]})" : "engine error",
+                          "application/json");
+          std::lock_guard lock(log_.mu);
+          if (prefill_status == 200) ++log_.succeeded;
+          log_.cv.notify_all();
+        });
+    decode_ = std::make_unique<Engine>(
+        [this](const httplib::Request& req, httplib::Response& res) { serve_decode(req, res); });
+    ProxyConfig config;
+    config.prefill = {prefill_->origin()};
+    config.decode = {decode_->origin()};
+    config.max_body_bytes = 1 << 20;
+    auto p = Proxy::start(config);
+    ASSERT_TRUE(p) << p.status().to_string();
+    proxy_ = std::move(*p);
+  }
+
+  // Decode as vLLM's server is toward the proxy: child ids from X-Request-Id, one
+  // rendezvous per child, an answer once Prefill ran.
+  void serve_decode(const httplib::Request& req, httplib::Response& res) {
+    const json body = json::parse(req.body);
+    {
+      std::lock_guard lock(log_.mu);
+      decode_bodies_.push_back(body);
+    }
+    const std::string parent = req.get_header_value("X-Request-Id");
+    std::vector<std::string> children;
+    if (req.path == "/v1/chat/completions") {
+      children.push_back("chatcmpl-" + parent);
+    } else {
+      const auto& prompt = body["prompt"];
+      const size_t n = prompt.is_array() && !prompt[0].is_number() ? prompt.size() : 1;
+      for (size_t i = 0; i < n; ++i) children.push_back("cmpl-" + parent + "-" + std::to_string(i));
+    }
+    const std::string url = body["kv_transfer_params"]["metaserver"];
+    for (size_t i = 0; i < children.size(); ++i) {
+      json r = {{"request_id", children[i]},  {"do_remote_prefill", false},
+                {"do_remote_decode", true},   {"remote_engine_id", "decode-0"},
+                {"remote_host", "127.0.0.1"}, {"remote_port", 30000 + static_cast<int>(i)}};
+      EXPECT_TRUE(metaserver_.post(children[i], url, r.dump()).is_ok());
+    }
+    // Like a Decode whose KV arrives only if Prefill ran: without it, it waits on.
+    std::unique_lock lock(log_.mu);
+    log_.cv.wait_for(lock, 30s, [&] { return log_.succeeded > 0 || log_.released; });
+    if (body.value("stream", false)) {
+      res.set_chunked_content_provider("text/event-stream", [](size_t, httplib::DataSink& sink) {
+        for (const char* chunk :
+             {"data: {\"t\":\"a\"}\n\n", "data: {\"t\":\"b\"}\n\n", "data: [DONE]\n\n"}) {
+          sink.write(chunk, std::strlen(chunk));
+        }
+        sink.done();
+        return true;
+      });
+    } else {
+      res.set_content(R"({"choices":[{"text":"decoded"}]})", "application/json");
+    }
+  }
+
+  httplib::Result client_post(const std::string& path, const json& body) {
+    httplib::Client c(proxy_->url());
+    c.set_read_timeout(60, 0);
+    return c.Post(path, body.dump(), "application/json");
+  }
+
+  void TearDown() override {
+    std::lock_guard lock(log_.mu);
+    log_.released = true;
+    log_.cv.notify_all();
+  }
+
+  PrefillLog log_;
+  std::vector<json> decode_bodies_;
+  Client metaserver_{ClientConfig{}};
+  std::unique_ptr<Engine> prefill_, decode_;
+  std::unique_ptr<Proxy> proxy_;
+};
+
+TEST_F(ProxyTest, ASinglePromptGoesToDecodeThenPrefillOnceWithDecodesRendezvous) {
+  start();
+  auto r = client_post("/v1/completions", {{"model", "m"}, {"prompt", "hello"}, {"max_tokens", 8}});
+  ASSERT_TRUE(r) << httplib::to_string(r.error());
+  EXPECT_EQ(r->status, 200);
+  EXPECT_EQ(r->body, R"({"choices":[{"text":"decoded"}]})");
+  std::lock_guard lock(log_.mu);
+  ASSERT_EQ(decode_bodies_.size(), 1u);
+  const json& to_decode = decode_bodies_[0]["kv_transfer_params"];
+  EXPECT_EQ(to_decode["do_remote_decode"], false);
+  EXPECT_EQ(to_decode["do_remote_prefill"], true);
+  EXPECT_EQ(to_decode["metaserver"], proxy_->metaserver_url());
+  ASSERT_EQ(log_.bodies.size(), 1u);
+  const json& to_prefill = log_.bodies[0];
+  EXPECT_EQ(to_prefill["stream"], false);
+  EXPECT_EQ(to_prefill["max_tokens"], 1);
+  EXPECT_EQ(to_prefill["min_tokens"], 1);
+  EXPECT_EQ(to_prefill["prompt"], "hello");
+  EXPECT_EQ(to_prefill["kv_transfer_params"]["request_id"], "cmpl-" + log_.request_ids[0] + "-0");
+  EXPECT_EQ(to_prefill["kv_transfer_params"]["do_remote_decode"], true);
+  EXPECT_FALSE(to_prefill["kv_transfer_params"].contains("batch_kv_transfer_params"));
+}
+
+TEST_F(ProxyTest, APromptListOf200IsDispatchedToPrefillOnceAfterEveryChildReported) {
+  start();
+  json prompts = json::array();
+  for (int i = 0; i < 200; ++i) prompts.push_back("prompt " + std::to_string(i));
+  auto r = client_post("/v1/completions", {{"model", "m"}, {"prompt", prompts}});
+  ASSERT_TRUE(r) << httplib::to_string(r.error());
+  EXPECT_EQ(r->status, 200);
+  std::lock_guard lock(log_.mu);
+  ASSERT_EQ(log_.bodies.size(), 1u) << "Prefill dispatched more than once";
+  const json& params = log_.bodies[0]["kv_transfer_params"];
+  const json& batch = params["batch_kv_transfer_params"];
+  ASSERT_EQ(batch.size(), 200u);
+  const std::string parent = log_.request_ids[0];
+  EXPECT_EQ(params["request_id"], "cmpl-" + parent + "-0") << "the first child's params on top";
+  EXPECT_EQ(batch["cmpl-" + parent + "-199"]["remote_port"], 30199);
+  EXPECT_EQ(log_.bodies[0]["prompt"].size(), 200u) << "the original list goes to Prefill";
+  EXPECT_EQ(proxy_->stats().rendezvous, 200u);
+}
+
+TEST_F(ProxyTest, ChatAndStreamingPassDecodesOutputThrough) {
+  start();
+  auto r = client_post(
+      "/v1/chat/completions",
+      {{"model", "m"}, {"messages", {{{"role", "user"}, {"content", "hi"}}}}, {"stream", true}});
+  ASSERT_TRUE(r) << httplib::to_string(r.error());
+  EXPECT_EQ(r->status, 200);
+  EXPECT_EQ(r->body, "data: {\"t\":\"a\"}\n\ndata: {\"t\":\"b\"}\n\ndata: [DONE]\n\n");
+  std::lock_guard lock(log_.mu);
+  ASSERT_EQ(log_.bodies.size(), 1u);
+  EXPECT_EQ(log_.bodies[0]["kv_transfer_params"]["request_id"], "chatcmpl-" + log_.request_ids[0]);
+  EXPECT_EQ(log_.bodies[0]["stream"], false);
+}
+
+TEST_F(ProxyTest, AFailedPrefillDispatchFailsTheClientRequestWith502) {
+  start(/*prefill_status=*/500);
+  auto r = client_post("/v1/completions", {{"model", "m"}, {"prompt", "hello"}});
+  ASSERT_TRUE(r) << httplib::to_string(r.error());
+  EXPECT_EQ(r->status, 502);
+  EXPECT_NE(r->body.find("answered HTTP 500"), std::string::npos) << r->body;
+  EXPECT_EQ(proxy_->stats().prefill_failures, 1u);
+}
+
+TEST_F(ProxyTest, AnUnknownRendezvousIs404AndOversizedOrBrokenBodiesAreRefused) {
+  start();
+  httplib::Client meta(proxy_->metaserver_url().substr(0, proxy_->metaserver_url().find("/v1")));
+  auto r = meta.Post("/v1/metaserver", R"({"request_id":"cmpl-nobody-0"})", "application/json");
+  ASSERT_TRUE(r);
+  EXPECT_EQ(r->status, 404);
+  EXPECT_NE(r->body.find("cmpl-nobody-0"), std::string::npos);
+  r = meta.Post("/v1/metaserver", "[1]", "application/json");
+  ASSERT_TRUE(r);
+  EXPECT_EQ(r->status, 400);
+  auto big = client_post("/v1/completions", {{"prompt", std::string(2 << 20, 'x')}});
+  ASSERT_TRUE(big);
+  EXPECT_EQ(big->status, 413);
+  httplib::Client c(proxy_->url());
+  auto broken = c.Post("/v1/completions", "{not json", "application/json");
+  ASSERT_TRUE(broken);
+  EXPECT_EQ(broken->status, 400);
+  std::lock_guard lock(log_.mu);
+  EXPECT_TRUE(decode_bodies_.empty()) << "a refused request reached Decode";
+}
+
+TEST(Proxy, RefusesEngineAddressesThatAreNotOrigins) {
+  ProxyConfig config;
+  config.prefill = {"127.0.0.1:8000"};
+  auto p = Proxy::start(config);
+  ASSERT_FALSE(p);
+  EXPECT_NE(p.status().message().find("127.0.0.1:8000"), std::string::npos);
+}
+
+}  // namespace
+}  // namespace rd2h::metaserver
