@@ -82,6 +82,12 @@ Status ConnectorWorker::bind_connector_metadata(const ConnectorMetadata& metadat
   return Status::ok();
 }
 
+Status ConnectorWorker::bind_connector_metadata(std::span<const std::byte> metadata) {
+  auto decoded = decode_metadata(metadata);
+  if (!decoded) return decoded.status();
+  return bind_connector_metadata(*decoded);
+}
+
 void ConnectorWorker::clear_connector_metadata() {
   metadata_ = {};
 }

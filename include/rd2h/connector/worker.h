@@ -17,6 +17,7 @@
 
 #include "rd2h/common/status.h"
 #include "rd2h/connector/config.h"
+#include "rd2h/connector/kv_connector.h"
 #include "rd2h/connector/metadata.h"
 #include "rd2h/connector/scheduler.h"
 #include "rd2h/decode/worker.h"
@@ -26,44 +27,42 @@
 
 namespace rd2h::connector {
 
-struct FinishedTransfers {
-  std::vector<std::string> sending;  // Prefill: requests whose blocks may be freed now
-  std::vector<std::string> recving;  // Decode: requests done loading (or failed: see errors)
-};
-
-class ConnectorWorker {
+class ConnectorWorker final : public KvConnectorWorker {
  public:
   // `engine` is this process's transfer engine; null binds the process engine from `config`.
   static Expected<std::unique_ptr<ConnectorWorker>> create(
       ConnectorConfig config, Parallel parallel, int tp_rank,
       std::shared_ptr<transfer::TransferEngine> engine = nullptr);
-  ~ConnectorWorker();
+  ~ConnectorWorker() override;
 
+  std::string_view name() const override { return "rd2h"; }
   // The rank's caches, one entry per attention layer (main tensors, indexer, scale).
   // `engine_allocated`: they live in memory the engine allocated (already registered).
-  Status register_kv_caches(std::vector<layout::CacheLayer> layers, bool engine_allocated = false);
+  Status register_kv_caches(std::vector<layout::CacheLayer> layers,
+                            bool engine_allocated = false) override;
 
   Status bind_connector_metadata(const ConnectorMetadata& metadata);
-  void clear_connector_metadata();
+  Status bind_connector_metadata(std::span<const std::byte> metadata) override;
+  void clear_connector_metadata() override;
   // Decode: expect the step's new requests and drop the aborted ones.
-  Status start_load_kv();
+  Status start_load_kv() override;
   // Decode loads whole requests in the background: a layer never waits here.
-  Status wait_for_layer_load(std::string_view layer_name);
+  Status wait_for_layer_load(std::string_view layer_name) override;
   // Prefill: the layer's KV is written (or will be once `event` completes): publish it.
   Status save_kv_layer(std::string_view layer_name,
-                       std::shared_ptr<prefill::WriteEvent> event = nullptr);
+                       std::shared_ptr<prefill::WriteEvent> event = nullptr) override;
   // Layerwise hosts report the write here; rd2h publishes in save_kv_layer.
-  Status on_kv_cache_written(std::string_view layer_name);
-  Status wait_for_layer_send(std::string_view layer_name);
-  Status wait_for_save();
+  Status on_kv_cache_written(std::string_view layer_name) override;
+  Status wait_for_layer_send(std::string_view layer_name) override;
+  Status wait_for_save() override;
   // Decode gathers over the TP group with `all_gather`; a request whose KV has not arrived
   // within kv_arrival_timeout fails. Prefill returns nothing (blocks are free once
   // wait_for_save returned).
-  Expected<FinishedTransfers> get_finished(const decode::AllGather& all_gather);
+  Expected<FinishedTransfers> get_finished(const decode::AllGather& all_gather) override;
   // Decode: destination blocks of the requests that failed since the last call.
-  std::vector<int64_t> get_block_ids_with_load_errors();
+  std::vector<int64_t> get_block_ids_with_load_errors() override;
   // Stops the connector's threads and unregisters its memory. Idempotent.
-  void shutdown();
+  void shutdown() override;
 
   prefill::Worker* prefill() { return prefill_.get(); }
   decode::Worker* decode() { return decode_.get(); }

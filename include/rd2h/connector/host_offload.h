@@ -1,0 +1,92 @@
+// A layerwise host-offload connector, the second connector rd2h is composed with (spec
+// "AscendMultiConnector Integration"). On Prefill it saves each layer's blocks into a host
+// store keyed by their content (so a prefix computed once can be reused) and, before a
+// layer computes, loads stored blocks back into the layer's buffers. It shares those
+// layerwise physical buffers with rd2h: before it overwrites a buffer it waits on the
+// buffer-reuse waiter, which MultiConnector sets to rd2h's wait_for_layer_send.
+#pragma once
+
+#include <cstddef>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <span>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "rd2h/connector/kv_connector.h"
+
+namespace rd2h::connector {
+
+// Host memory holding saved blocks: (content key, layer name) -> the block's tensors.
+class HostStore {
+ public:
+  void put(const std::string& key, const std::string& layer, std::vector<std::byte> bytes);
+  // The saved bytes, or null.
+  std::shared_ptr<const std::vector<std::byte>> get(const std::string& key,
+                                                    const std::string& layer) const;
+  size_t size() const;
+
+ private:
+  mutable std::mutex mu_;
+  std::map<std::pair<std::string, std::string>, std::shared_ptr<const std::vector<std::byte>>>
+      blocks_;
+};
+
+// A block and its content key (e.g. a hash of the token prefix it ends).
+struct OffloadBlock {
+  std::string key;
+  int64_t block_id = 0;
+};
+
+struct OffloadMetadata {
+  std::vector<OffloadBlock> save;  // computed this step: store them
+  std::vector<OffloadBlock> load;  // found in the store: load them before each layer runs
+};
+std::vector<std::byte> encode(const OffloadMetadata& m);
+Expected<OffloadMetadata> decode_offload_metadata(std::span<const std::byte> bytes);
+
+struct OffloadStats {
+  uint64_t blocks_saved = 0;
+  uint64_t blocks_loaded = 0;
+  uint64_t reuse_waits = 0;
+};
+
+class HostOffloadWorker final : public KvConnectorWorker {
+ public:
+  explicit HostOffloadWorker(std::shared_ptr<HostStore> store) : store_(std::move(store)) {}
+
+  std::string_view name() const override { return "host-offload"; }
+  Status register_kv_caches(std::vector<layout::CacheLayer> layers, bool engine_allocated) override;
+  Status bind_connector_metadata(std::span<const std::byte> metadata) override;
+  void clear_connector_metadata() override { metadata_ = {}; }
+  Status start_load_kv() override { return Status::ok(); }
+  // Waits for the layer's buffers to be free, then copies the stored blocks into them.
+  Status wait_for_layer_load(std::string_view layer_name) override;
+  // Copies the step's computed blocks of the layer into the store.
+  Status save_kv_layer(std::string_view layer_name,
+                       std::shared_ptr<prefill::WriteEvent> event) override;
+  Status on_kv_cache_written(std::string_view) override { return Status::ok(); }
+  Status wait_for_layer_send(std::string_view) override { return Status::ok(); }
+  Status wait_for_save() override { return Status::ok(); }
+  Expected<FinishedTransfers> get_finished(const decode::AllGather&) override {
+    return FinishedTransfers{};
+  }
+  std::vector<int64_t> get_block_ids_with_load_errors() override { return {}; }
+  void shutdown() override {}
+  void set_buffer_reuse_waiter(BufferReuseWaiter waiter) override { waiter_ = std::move(waiter); }
+
+  OffloadStats stats() const { return stats_; }
+
+ private:
+  Expected<const layout::CacheLayer*> layer(std::string_view name) const;
+
+  std::shared_ptr<HostStore> store_;
+  std::map<std::string, layout::CacheLayer, std::less<>> layers_;
+  OffloadMetadata metadata_;
+  BufferReuseWaiter waiter_;
+  OffloadStats stats_;
+};
+
+}  // namespace rd2h::connector

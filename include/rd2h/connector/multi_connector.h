@@ -1,0 +1,54 @@
+// MultiConnector, worker role (spec "AscendMultiConnector Integration"): composes
+// connectors behind one KvConnectorWorker. rd2h's completion provider runs first for
+// wait_for_layer_load, save_kv_layer and on_kv_cache_written, so rd2h's storage-reuse gate
+// closes before another connector publishes or reuses the same physical buffer; rd2h's
+// wait_for_layer_send is handed to the others as their buffer-reuse waiter. The per-step
+// metadata is one blob per connector, in composition order.
+#pragma once
+
+#include <memory>
+#include <span>
+#include <vector>
+
+#include "rd2h/connector/kv_connector.h"
+
+namespace rd2h::connector {
+
+std::vector<std::byte> encode_multi(const std::vector<std::vector<std::byte>>& per_connector);
+Expected<std::vector<std::vector<std::byte>>> decode_multi(std::span<const std::byte> bytes);
+
+class MultiConnectorWorker final : public KvConnectorWorker {
+ public:
+  // `connectors` in composition order; the one named "rd2h", if any, is the completion
+  // provider.
+  explicit MultiConnectorWorker(std::vector<std::unique_ptr<KvConnectorWorker>> connectors);
+
+  std::string_view name() const override { return "multi"; }
+  Status register_kv_caches(std::vector<layout::CacheLayer> layers, bool engine_allocated) override;
+  Status bind_connector_metadata(std::span<const std::byte> metadata) override;
+  void clear_connector_metadata() override;
+  Status start_load_kv() override;
+  Status wait_for_layer_load(std::string_view layer_name) override;
+  Status save_kv_layer(std::string_view layer_name,
+                       std::shared_ptr<prefill::WriteEvent> event) override;
+  Status on_kv_cache_written(std::string_view layer_name) override;
+  Status wait_for_layer_send(std::string_view layer_name) override;
+  Status wait_for_save() override;
+  Expected<FinishedTransfers> get_finished(const decode::AllGather& all_gather) override;
+  std::vector<int64_t> get_block_ids_with_load_errors() override;
+  void shutdown() override;
+
+  KvConnectorWorker& connector(size_t i) { return *connectors_[i]; }
+
+ private:
+  // Calls `f` on every connector, the completion provider first; returns the first error
+  // after all were called.
+  template <typename F>
+  Status each(F f);
+
+  std::vector<std::unique_ptr<KvConnectorWorker>> connectors_;
+  std::vector<KvConnectorWorker*> order_;  // the completion provider first
+  KvConnectorWorker* provider_ = nullptr;
+};
+
+}  // namespace rd2h::connector

@@ -1,0 +1,139 @@
+#include "rd2h/connector/host_offload.h"
+
+#include <cstring>
+#include <nlohmann/json.hpp>
+
+namespace rd2h::connector {
+
+using nlohmann::json;
+
+void HostStore::put(const std::string& key, const std::string& layer,
+                    std::vector<std::byte> bytes) {
+  auto value = std::make_shared<const std::vector<std::byte>>(std::move(bytes));
+  std::lock_guard lock(mu_);
+  blocks_[{key, layer}] = std::move(value);
+}
+
+std::shared_ptr<const std::vector<std::byte>> HostStore::get(const std::string& key,
+                                                             const std::string& layer) const {
+  std::lock_guard lock(mu_);
+  auto it = blocks_.find({key, layer});
+  return it == blocks_.end() ? nullptr : it->second;
+}
+
+size_t HostStore::size() const {
+  std::lock_guard lock(mu_);
+  return blocks_.size();
+}
+
+std::vector<std::byte> encode(const OffloadMetadata& m) {
+  json j;
+  for (const auto* list : {&m.save, &m.load}) {
+    json a = json::array();
+    for (const auto& b : *list) a.push_back({b.key, b.block_id});
+    j[list == &m.save ? "save" : "load"] = a;
+  }
+  const auto bytes = json::to_msgpack(j);
+  std::vector<std::byte> out(bytes.size());
+  std::memcpy(out.data(), bytes.data(), bytes.size());
+  return out;
+}
+
+Expected<OffloadMetadata> decode_offload_metadata(std::span<const std::byte> bytes) {
+  auto j = json::from_msgpack(reinterpret_cast<const uint8_t*>(bytes.data()),
+                              reinterpret_cast<const uint8_t*>(bytes.data()) + bytes.size(),
+                              /*strict=*/true, /*allow_exceptions=*/false);
+  if (j.is_discarded() || !j.is_object()) return invalid_argument("offload metadata: not a map");
+  OffloadMetadata m;
+  try {
+    for (const auto& b : j.at("save")) m.save.push_back({b.at(0), b.at(1)});
+    for (const auto& b : j.at("load")) m.load.push_back({b.at(0), b.at(1)});
+  } catch (const std::exception& e) {
+    return invalid_argument(std::string("offload metadata: ") + e.what());
+  }
+  return m;
+}
+
+Status HostOffloadWorker::register_kv_caches(std::vector<layout::CacheLayer> layers, bool) {
+  for (auto& l : layers) {
+    auto checked = layout::to_layer_tensors(l);
+    if (!checked) return checked.status();
+    std::string name = l.name;
+    layers_.emplace(std::move(name), std::move(l));
+  }
+  return Status::ok();
+}
+
+Status HostOffloadWorker::bind_connector_metadata(std::span<const std::byte> metadata) {
+  auto m = decode_offload_metadata(metadata);
+  if (!m) return m.status();
+  for (const auto* list : {&m->save, &m->load}) {
+    for (const auto& b : *list) {
+      for (const auto& [name, l] : layers_) {
+        if (b.block_id < 0 || static_cast<uint64_t>(b.block_id) * l.tensors[0].bytes_per_block() >=
+                                  l.tensors[0].bytes) {
+          return out_of_range("offload block " + std::to_string(b.block_id) +
+                              " is outside layer '" + name + "'");
+        }
+      }
+    }
+  }
+  metadata_ = std::move(*m);
+  return Status::ok();
+}
+
+Expected<const layout::CacheLayer*> HostOffloadWorker::layer(std::string_view name) const {
+  auto it = layers_.find(name);
+  if (it == layers_.end()) return not_found("layer '" + std::string(name) + "' is not registered");
+  return &it->second;
+}
+
+Status HostOffloadWorker::wait_for_layer_load(std::string_view layer_name) {
+  auto l = layer(layer_name);
+  if (!l) return l.status();
+  if (metadata_.load.empty()) return Status::ok();
+  // The buffers may still be read for their previous owner: wait before overwriting them.
+  if (waiter_) {
+    ++stats_.reuse_waits;
+    RD2H_RETURN_IF_ERROR(
+        waiter_(layer_name).with_context("host offload, loading " + std::string(layer_name)));
+  }
+  for (const auto& b : metadata_.load) {
+    auto saved = store_->get(b.key, (*l)->name);
+    if (!saved) {
+      return not_found("host offload: block '" + b.key + "' of " + std::string(layer_name) +
+                       " is not in the store");
+    }
+    size_t offset = 0;
+    for (const auto& t : (*l)->tensors) {
+      const uint64_t n = t.bytes_per_block();
+      if (offset + n > saved->size()) return internal_error("host offload: short stored block");
+      std::memcpy(reinterpret_cast<void*>(t.addr + static_cast<uint64_t>(b.block_id) * n),
+                  saved->data() + offset, n);
+      offset += n;
+    }
+    ++stats_.blocks_loaded;
+  }
+  return Status::ok();
+}
+
+Status HostOffloadWorker::save_kv_layer(std::string_view layer_name,
+                                        std::shared_ptr<prefill::WriteEvent> event) {
+  auto l = layer(layer_name);
+  if (!l) return l.status();
+  if (event) RD2H_RETURN_IF_ERROR(event->wait(Deadline(std::chrono::seconds(60))));
+  for (const auto& b : metadata_.save) {
+    std::vector<std::byte> bytes;
+    for (const auto& t : (*l)->tensors) {
+      const uint64_t n = t.bytes_per_block();
+      const auto* src =
+          reinterpret_cast<const std::byte*>(t.addr + static_cast<uint64_t>(b.block_id) * n);
+      bytes.insert(bytes.end(), src, src + n);
+    }
+    store_->put(b.key, (*l)->name, std::move(bytes));
+    ++stats_.blocks_saved;
+  }
+  return Status::ok();
+}
+
+}  // namespace rd2h::connector
