@@ -1,5 +1,7 @@
 #include "rd2h/connector/host_offload.h"
 
+#include <algorithm>
+#include <cstdio>
 #include <cstring>
 #include <nlohmann/json.hpp>
 
@@ -134,6 +136,88 @@ Status HostOffloadWorker::save_kv_layer(std::string_view layer_name,
     ++stats_.blocks_saved;
   }
   return Status::ok();
+}
+
+}  // namespace rd2h::connector
+
+namespace rd2h::connector {
+
+std::vector<std::string> block_keys(const std::vector<int64_t>& tokens, uint64_t block_size) {
+  std::vector<std::string> keys;
+  if (block_size == 0) return keys;
+  uint64_t h = 0xcbf29ce484222325ULL;  // FNV-1a over the token ids, chained block to block
+  for (size_t i = 0; i + block_size <= tokens.size(); i += block_size) {
+    for (size_t k = i; k < i + block_size; ++k) {
+      for (int b = 0; b < 8; ++b) {
+        h ^= (static_cast<uint64_t>(tokens[k]) >> (8 * b)) & 0xff;
+        h *= 0x100000001b3ULL;
+      }
+    }
+    char text[17];
+    std::snprintf(text, sizeof(text), "%016llx", static_cast<unsigned long long>(h));
+    keys.emplace_back(text);
+  }
+  return keys;
+}
+
+MatchedTokens HostOffloadScheduler::get_num_new_matched_tokens(const Request& request,
+                                                               uint64_t num_computed_tokens) {
+  const auto keys = block_keys(request.prompt_token_ids, block_size_);
+  size_t hits = 0;
+  while (hits < keys.size() && store_->get(keys[hits], probe_layer_)) ++hits;
+  // The engine computes at least the prompt's last token itself.
+  const uint64_t limit = request.num_prompt_tokens == 0 ? 0 : request.num_prompt_tokens - 1;
+  const uint64_t matched =
+      std::min<uint64_t>(hits * block_size_, limit) / block_size_ * block_size_;
+  if (matched <= num_computed_tokens) return {};
+  computed_[request.request_id] = num_computed_tokens;
+  return {matched - num_computed_tokens, false};
+}
+
+Status HostOffloadScheduler::update_state_after_alloc(
+    Request& request, const std::vector<std::vector<int64_t>>& block_ids,
+    uint64_t num_external_tokens) {
+  if (request.prompt_token_ids.empty() || block_ids.size() <= group_) return Status::ok();
+  Tracked t;
+  t.keys = block_keys(request.prompt_token_ids, block_size_);
+  t.blocks = block_ids[group_];
+  auto computed = computed_.find(request.request_id);
+  const uint64_t first = computed == computed_.end() ? 0 : computed->second / block_size_;
+  if (computed != computed_.end()) computed_.erase(computed);
+  const uint64_t end = std::min<uint64_t>(first + num_external_tokens / block_size_, t.keys.size());
+  for (uint64_t i = first; i < end && i < t.blocks.size(); ++i) {
+    pending_.load.push_back({t.keys[i], t.blocks[i]});
+  }
+  t.saved_upto = end;  // the loaded blocks are in the store already
+  requests_[request.request_id] = std::move(t);
+  return Status::ok();
+}
+
+Expected<std::vector<std::byte>> HostOffloadScheduler::build_metadata(
+    const std::vector<ScheduledRequest>& scheduled) {
+  OffloadMetadata meta;
+  std::swap(meta, pending_);
+  for (const auto& step : scheduled) {
+    auto it = requests_.find(step.request_id);
+    if (it == requests_.end()) continue;
+    Tracked& t = it->second;
+    if (step.new_block_ids.size() > group_) {
+      const auto& more = step.new_block_ids[group_];
+      t.blocks.insert(t.blocks.end(), more.begin(), more.end());
+    }
+    const size_t full = std::min<size_t>(step.num_computed_tokens / block_size_, t.keys.size());
+    for (size_t i = t.saved_upto; i < full && i < t.blocks.size(); ++i) {
+      meta.save.push_back({t.keys[i], t.blocks[i]});
+    }
+    t.saved_upto = std::max(t.saved_upto, full);
+  }
+  return encode(meta);
+}
+
+Expected<FinishedRequest> HostOffloadScheduler::finish(const Request& request) {
+  requests_.erase(request.request_id);
+  computed_.erase(request.request_id);
+  return FinishedRequest{};
 }
 
 }  // namespace rd2h::connector

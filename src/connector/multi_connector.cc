@@ -134,4 +134,82 @@ void MultiConnectorWorker::shutdown() {
   for (auto* c : order_) c->shutdown();
 }
 
+MatchedTokens MultiConnectorScheduler::get_num_new_matched_tokens(const Request& request,
+                                                                  uint64_t num_computed_tokens) {
+  for (size_t i = 0; i < connectors_.size(); ++i) {
+    const MatchedTokens m =
+        connectors_[i]->get_num_new_matched_tokens(request, num_computed_tokens);
+    if (m.tokens > 0) {
+      chosen_[request.request_id] = i;
+      return m;
+    }
+  }
+  chosen_.erase(request.request_id);
+  return {};
+}
+
+Status MultiConnectorScheduler::update_state_after_alloc(
+    Request& request, const std::vector<std::vector<int64_t>>& block_ids,
+    uint64_t num_external_tokens) {
+  auto it = chosen_.find(request.request_id);
+  const std::vector<std::vector<int64_t>> none(block_ids.size());
+  Status first;
+  for (size_t i = 0; i < connectors_.size(); ++i) {
+    auto& c = *connectors_[i];
+    Status st;
+    if (it != chosen_.end() && it->second == i) {
+      st = c.update_state_after_alloc(request, block_ids, num_external_tokens);
+    } else if (c.requires_full_blocks_on_update_after_alloc()) {
+      st = c.update_state_after_alloc(request, block_ids, 0);
+    } else {
+      st = c.update_state_after_alloc(request, none, 0);
+    }
+    if (!st && first.is_ok()) first = st.with_context(c.name());
+  }
+  return first;
+}
+
+Expected<std::vector<std::byte>> MultiConnectorScheduler::build_metadata(
+    const std::vector<ScheduledRequest>& scheduled) {
+  std::vector<std::vector<std::byte>> blobs;
+  for (auto& c : connectors_) {
+    auto m = c->build_metadata(scheduled);
+    if (!m) return m.status().with_context(c->name());
+    blobs.push_back(std::move(*m));
+  }
+  return encode_multi(blobs);
+}
+
+Expected<FinishedRequest> MultiConnectorScheduler::finish(const Request& request) {
+  chosen_.erase(request.request_id);
+  FinishedRequest out;
+  std::string from;
+  Status error;
+  for (auto& c : connectors_) {
+    auto f = c->finish(request);
+    if (!f) {
+      if (error.is_ok()) error = f.status().with_context(c->name());
+      continue;
+    }
+    out.delay_free_blocks = out.delay_free_blocks || f->delay_free_blocks;
+    if (f->params) {
+      if (out.params && error.is_ok()) {
+        error = failed_precondition("request " + request.request_id + ": both " + from + " and " +
+                                    std::string(c->name()) + " returned kv_transfer_params");
+      }
+      out.params = std::move(f->params);
+      from = std::string(c->name());
+    }
+  }
+  if (!error.is_ok()) return error;
+  return out;
+}
+
+bool MultiConnectorScheduler::requires_full_blocks_on_update_after_alloc() const {
+  for (const auto& c : connectors_) {
+    if (c->requires_full_blocks_on_update_after_alloc()) return true;
+  }
+  return false;
+}
+
 }  // namespace rd2h::connector

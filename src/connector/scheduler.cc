@@ -180,6 +180,13 @@ Expected<ConnectorMetadata> Scheduler::build_connector_meta(
   return meta;
 }
 
+Expected<std::vector<std::byte>> Scheduler::build_metadata(
+    const std::vector<ScheduledRequest>& scheduled) {
+  auto meta = build_connector_meta(scheduled);
+  if (!meta) return meta.status();
+  return encode(*meta);
+}
+
 FinishedRequest Scheduler::request_finished(const Request& request) {
   if (config_.role == KvRole::kConsumer) {
     computed_.erase(request.request_id);

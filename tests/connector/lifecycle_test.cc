@@ -203,7 +203,7 @@ TEST_F(Lifecycle, AChunkedRequestWithACachedPrefixGoesFromRendezvousToDecodeRead
   KvTransferParams to_decode;
   to_decode.do_remote_prefill = true;
   to_decode.metaserver = metaserver_.url();
-  Request d{"cmpl-a-0-d0d0d0d0", 100, to_decode};
+  Request d{"cmpl-a-0-d0d0d0d0", 100, to_decode, {}};
   ASSERT_EQ(decode_scheduler_->get_num_new_matched_tokens(d, 32).tokens, 68u);
   const std::vector<int64_t> d_blocks = {9, 3, 14, 0, 7, 11, 5};
   ASSERT_TRUE(decode_scheduler_->update_state_after_alloc(d, {d_blocks}, 68).is_ok());
@@ -216,7 +216,7 @@ TEST_F(Lifecycle, AChunkedRequestWithACachedPrefixGoesFromRendezvousToDecodeRead
   auto to_prefill = KvTransferParams::from_json(metaserver_.bodies()[0]);
   ASSERT_TRUE(to_prefill) << to_prefill.status().to_string();
   EXPECT_EQ(to_prefill->remote_cached_tokens, 32u);
-  Request p{"cmpl-a-0-p1p1p1p1", 100, *to_prefill};  // Prefill names it its own way
+  Request p{"cmpl-a-0-p1p1p1p1", 100, *to_prefill, {}};  // Prefill names it its own way
   const std::vector<int64_t> p_blocks = {2, 6, 1, 12, 8, 15, 4};
   ASSERT_TRUE(prefill_scheduler_->update_state_after_alloc(p, {{2, 6, 1, 12}}, 0).is_ok());
 

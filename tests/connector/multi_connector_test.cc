@@ -9,6 +9,7 @@
 
 #include "e2e/pd_cluster.h"
 #include "rd2h/connector/host_offload.h"
+#include "rd2h/connector/scheduler.h"
 #include "rd2h/connector/worker.h"
 #include "rd2h/transfer/fault_injecting_engine.h"
 
@@ -234,6 +235,94 @@ TEST(MultiConnector, Rd2hRunsFirstAndIsTheOthersBufferReuseWaiter) {
   ASSERT_TRUE(f);
   EXPECT_EQ(f->sending, (std::vector<std::string>{"rd2h-sent", "store-sent"}));
   EXPECT_FALSE(multi.bind_connector_metadata(encode_multi({blob("only one")})).is_ok());
+}
+
+TEST(MultiConnectorScheduler, TheOffloadLoadsAPrefixWhileRd2hSeesAndPublishesEveryBlock) {
+  auto store = std::make_shared<HostStore>();
+  const std::string probe = layer_name(kLayers - 1);
+  std::vector<int64_t> tokens(50);
+  for (size_t i = 0; i < tokens.size(); ++i) tokens[i] = static_cast<int64_t>(1000 + i);
+  const auto keys = block_keys(tokens, 16);
+  ASSERT_EQ(keys.size(), 3u);
+  store->put(keys[0], probe, {});
+  store->put(keys[1], probe, {});
+
+  ConnectorConfig pc;
+  pc.role = KvRole::kProducer;
+  pc.kv_port = 1;
+  auto rd2h = Scheduler::create(pc, {}, {{{layer_name(0)}, 16}});
+  ASSERT_TRUE(rd2h);
+  std::vector<std::unique_ptr<KvConnectorScheduler>> parts;
+  parts.push_back(std::make_unique<HostOffloadScheduler>(store, probe, 16));  // lookup first
+  parts.push_back(std::move(*rd2h));
+  MultiConnectorScheduler multi(std::move(parts));
+  EXPECT_TRUE(multi.requires_full_blocks_on_update_after_alloc());
+
+  KvTransferParams params;
+  params.do_remote_decode = true;
+  params.remote_host = "127.0.0.1";
+  params.remote_port = 30000;
+  Request r{"cmpl-m-0-abcdefgh", 50, params, tokens};
+  const auto matched = multi.get_num_new_matched_tokens(r, 0);
+  EXPECT_EQ(matched.tokens, 32u) << "two stored blocks";
+  ASSERT_TRUE(multi.update_state_after_alloc(r, {{10, 11, 12, 13}}, 32).is_ok());
+  auto bytes = multi.build_metadata({{r.request_id, {}, 50}});
+  ASSERT_TRUE(bytes) << bytes.status().to_string();
+  auto blobs = decode_multi(*bytes);
+  ASSERT_TRUE(blobs);
+  ASSERT_EQ(blobs->size(), 2u);
+  auto offload = decode_offload_metadata((*blobs)[0]);
+  ASSERT_TRUE(offload);
+  ASSERT_EQ(offload->load.size(), 2u);
+  EXPECT_EQ(offload->load[0].key, keys[0]);
+  EXPECT_EQ(offload->load[1].block_id, 11);
+  ASSERT_EQ(offload->save.size(), 1u) << "the one newly computed full block";
+  EXPECT_EQ(offload->save[0].block_id, 12);
+  auto published = decode_metadata((*blobs)[1]);
+  ASSERT_TRUE(published);
+  ASSERT_EQ(published->save.size(), 1u);
+  EXPECT_EQ(published->save[0].main_block_ids, (std::vector<int64_t>{10, 11, 12, 13}))
+      << "rd2h publishes the loaded prefix too: Decode needs the whole prompt";
+  EXPECT_TRUE(published->save[0].final_chunk);
+  EXPECT_TRUE(multi.finish(r));
+}
+
+// A scheduler that returns kv_transfer_params when a request finishes.
+class ParamsOnFinish final : public KvConnectorScheduler {
+ public:
+  explicit ParamsOnFinish(std::string name) : name_(std::move(name)) {}
+  std::string_view name() const override { return name_; }
+  MatchedTokens get_num_new_matched_tokens(const Request&, uint64_t) override { return {}; }
+  Status update_state_after_alloc(Request&, const std::vector<std::vector<int64_t>>&,
+                                  uint64_t) override {
+    return Status::ok();
+  }
+  Expected<std::vector<std::byte>> build_metadata(const std::vector<ScheduledRequest>&) override {
+    return std::vector<std::byte>{};
+  }
+  Expected<FinishedRequest> finish(const Request&) override {
+    return FinishedRequest{false, KvTransferParams{}};
+  }
+
+ private:
+  std::string name_;
+};
+
+TEST(MultiConnectorScheduler, AtMostOneConnectorMayReturnKvTransferParams) {
+  std::vector<std::unique_ptr<KvConnectorScheduler>> one;
+  one.push_back(std::make_unique<ParamsOnFinish>("a"));
+  MultiConnectorScheduler single(std::move(one));
+  Request r{"r-abcdefgh", 1, std::nullopt, {}};
+  auto f = single.finish(r);
+  ASSERT_TRUE(f);
+  EXPECT_TRUE(f->params.has_value());
+  std::vector<std::unique_ptr<KvConnectorScheduler>> two;
+  two.push_back(std::make_unique<ParamsOnFinish>("a"));
+  two.push_back(std::make_unique<ParamsOnFinish>("b"));
+  MultiConnectorScheduler both(std::move(two));
+  auto g = both.finish(r);
+  ASSERT_FALSE(g);
+  EXPECT_NE(g.status().message().find("both a and b"), std::string::npos) << g.status().message();
 }
 
 }  // namespace

@@ -45,7 +45,7 @@ TEST(DecodeScheduler, MatchesAllocatesAndPostsTheRendezvousOnce) {
   KvTransferParams p;
   p.do_remote_prefill = true;
   p.metaserver = meta.url();
-  Request r{"cmpl-x-0-abcdefgh", 300, p};
+  Request r{"cmpl-x-0-abcdefgh", 300, p, {}};
   const auto matched = (*s)->get_num_new_matched_tokens(r, 128);
   EXPECT_EQ(matched.tokens, 172u);
   EXPECT_TRUE(matched.load_async);
@@ -78,13 +78,13 @@ TEST(DecodeScheduler, MatchesAllocatesAndPostsTheRendezvousOnce) {
 TEST(DecodeScheduler, RequestsWithoutRemotePrefillAreLeftAlone) {
   auto s = Scheduler::create(config(KvRole::kConsumer), {}, {{{kMain}, 128}});
   ASSERT_TRUE(s);
-  Request plain{"r-abcdefgh", 100, std::nullopt};
+  Request plain{"r-abcdefgh", 100, std::nullopt, {}};
   EXPECT_EQ((*s)->get_num_new_matched_tokens(plain, 0).tokens, 0u);
   EXPECT_TRUE((*s)->update_state_after_alloc(plain, {{1}}, 0).is_ok());
   EXPECT_TRUE((*s)->build_connector_meta({})->empty());
   KvTransferParams p;
   p.do_remote_prefill = true;  // but no metaserver to post to
-  Request bad{"r-abcdefgh", 100, p};
+  Request bad{"r-abcdefgh", 100, p, {}};
   Status st = (*s)->update_state_after_alloc(bad, {{1}}, 100);
   EXPECT_NE(st.message().find("names no metaserver"), std::string::npos) << st.to_string();
 }
@@ -104,7 +104,7 @@ TEST(PrefillScheduler, EachChunkPublishesItsNewlyCompleteBlocksAndTheLastItsPart
   auto s = Scheduler::create(config(KvRole::kProducer), {4, 1, 1, 0}, {{{kMain, kIndexer}, 16}});
   ASSERT_TRUE(s);
   // 100 prompt tokens, of which Decode caches 32 (2 blocks); chunks of 64 and 36 tokens.
-  Request r{"cmpl-x-0-abcdefgh", 100, from_decode(32)};
+  Request r{"cmpl-x-0-abcdefgh", 100, from_decode(32), {}};
   EXPECT_EQ((*s)->get_num_new_matched_tokens(r, 0).tokens, 0u);
   ASSERT_TRUE((*s)->update_state_after_alloc(r, {{10, 11, 12, 13}}, 0).is_ok());
   auto first = (*s)->build_connector_meta({{r.request_id, {}, 64}});
@@ -133,7 +133,7 @@ TEST(PrefillScheduler, EachChunkPublishesItsNewlyCompleteBlocksAndTheLastItsPart
 TEST(PrefillScheduler, SeparateIndexerGroupsSliceByTheirOwnBlockSize) {
   auto s = Scheduler::create(config(KvRole::kProducer), {}, {{{kIndexer}, 32}, {{kMain}, 16}});
   ASSERT_TRUE(s);
-  Request r{"cmpl-x-0-abcdefgh", 40, from_decode(0)};
+  Request r{"cmpl-x-0-abcdefgh", 40, from_decode(0), {}};
   ASSERT_TRUE((*s)->update_state_after_alloc(r, {{7, 8}, {1, 2, 3}}, 0).is_ok());
   auto m = (*s)->build_connector_meta({{r.request_id, {}, 40}});
   ASSERT_TRUE(m);
@@ -150,13 +150,13 @@ TEST(PrefillScheduler, APromptListChildIsFoundAndAMissingOneIsNamed) {
   child.request_id = "cmpl-p-1";
   child.remote_port = 40000;
   list.batch = {{"cmpl-p-0", from_decode(0)}, {"cmpl-p-1", child}};
-  Request second{"cmpl-p-1-abcdefgh", 16, list};
+  Request second{"cmpl-p-1-abcdefgh", 16, list, {}};
   ASSERT_TRUE((*s)->update_state_after_alloc(second, {{5}}, 0).is_ok());
   auto m = (*s)->build_connector_meta({{second.request_id, {}, 16}});
   ASSERT_TRUE(m);
   ASSERT_EQ(m->save.size(), 1u);
   EXPECT_EQ(m->save[0].d_base_port, 40000) << "the child's own Decode endpoint";
-  Request third{"cmpl-p-2-abcdefgh", 16, list};
+  Request third{"cmpl-p-2-abcdefgh", 16, list, {}};
   Status st = (*s)->update_state_after_alloc(third, {{6}}, 0);
   EXPECT_NE(st.message().find("cmpl-p-2"), std::string::npos) << st.to_string();
 }

@@ -90,3 +90,51 @@ class HostOffloadWorker final : public KvConnectorWorker {
 };
 
 }  // namespace rd2h::connector
+
+namespace rd2h::connector {
+
+// Content keys of a prompt's full blocks: block i's key covers tokens [0, (i+1) * block_size),
+// so equal keys mean equal prefixes.
+std::vector<std::string> block_keys(const std::vector<int64_t>& tokens, uint64_t block_size);
+
+// The host-offload connector's scheduler role: matches a prompt's leading full blocks
+// against the store, loads them into the request's first blocks, and saves every full block
+// the engine computes.
+class HostOffloadScheduler final : public KvConnectorScheduler {
+ public:
+  // `probe_layer`: the layer whose presence in the store marks a block as stored (the last
+  // layer saved). `group`: the KV-cache group whose block ids the store follows.
+  HostOffloadScheduler(std::shared_ptr<HostStore> store, std::string probe_layer,
+                       uint64_t block_size, size_t group = 0)
+      : store_(std::move(store)),
+        probe_layer_(std::move(probe_layer)),
+        block_size_(block_size),
+        group_(group) {}
+
+  std::string_view name() const override { return "host-offload"; }
+  MatchedTokens get_num_new_matched_tokens(const Request& request,
+                                           uint64_t num_computed_tokens) override;
+  Status update_state_after_alloc(Request& request,
+                                  const std::vector<std::vector<int64_t>>& block_ids,
+                                  uint64_t num_external_tokens) override;
+  Expected<std::vector<std::byte>> build_metadata(
+      const std::vector<ScheduledRequest>& scheduled) override;
+  Expected<FinishedRequest> finish(const Request& request) override;
+  size_t tracked() const { return requests_.size(); }
+
+ private:
+  struct Tracked {
+    std::vector<std::string> keys;
+    std::vector<int64_t> blocks;
+    size_t saved_upto = 0;  // blocks [0, saved_upto) are in the store
+  };
+  std::shared_ptr<HostStore> store_;
+  std::string probe_layer_;
+  uint64_t block_size_;
+  size_t group_;
+  std::map<std::string, Tracked> requests_;
+  std::map<std::string, uint64_t> computed_;  // tokens computed locally when matched
+  OffloadMetadata pending_;
+};
+
+}  // namespace rd2h::connector

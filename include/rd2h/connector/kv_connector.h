@@ -6,12 +6,14 @@
 #include <cstddef>
 #include <functional>
 #include <memory>
+#include <optional>
 #include <span>
 #include <string>
 #include <string_view>
 #include <vector>
 
 #include "rd2h/common/status.h"
+#include "rd2h/connector/metadata.h"
 #include "rd2h/decode/completion_tracker.h"
 #include "rd2h/layout/cache.h"
 #include "rd2h/prefill/write_event.h"
@@ -21,6 +23,52 @@ namespace rd2h::connector {
 struct FinishedTransfers {
   std::vector<std::string> sending;  // Prefill: requests whose blocks may be freed now
   std::vector<std::string> recving;  // Decode: requests done loading (or failed: see errors)
+};
+
+// A request as the scheduler sees it.
+struct Request {
+  std::string request_id;  // the host engine's id
+  uint64_t num_prompt_tokens = 0;
+  std::optional<KvTransferParams> params;  // its kv_transfer_params, when it has them
+  // The prompt's tokens, for connectors that key blocks by content (may be empty).
+  std::vector<int64_t> prompt_token_ids;
+};
+
+// A request scheduled in this step (Prefill): its KV-cache blocks allocated since the last
+// call, per group, and how many of its tokens are computed once this step ran.
+struct ScheduledRequest {
+  std::string request_id;
+  std::vector<std::vector<int64_t>> new_block_ids;  // per group; empty: none
+  uint64_t num_computed_tokens = 0;
+};
+
+struct MatchedTokens {
+  uint64_t tokens = 0;
+  bool load_async = false;
+};
+
+struct FinishedRequest {
+  bool delay_free_blocks = false;
+  std::optional<KvTransferParams> params;  // for the proxy; rd2h returns none
+};
+
+// The scheduler role of a KV connector as a host engine drives it. build_metadata's bytes
+// go to every worker of the engine for the step, to the same connector's worker role.
+class KvConnectorScheduler {
+ public:
+  virtual ~KvConnectorScheduler() = default;
+  virtual std::string_view name() const = 0;
+  virtual MatchedTokens get_num_new_matched_tokens(const Request& request,
+                                                   uint64_t num_computed_tokens) = 0;
+  virtual Status update_state_after_alloc(Request& request,
+                                          const std::vector<std::vector<int64_t>>& block_ids,
+                                          uint64_t num_external_tokens) = 0;
+  virtual Expected<std::vector<std::byte>> build_metadata(
+      const std::vector<ScheduledRequest>& scheduled) = 0;
+  virtual Expected<FinishedRequest> finish(const Request& request) = 0;
+  // Whether update_state_after_alloc must see the request's full block groups even when
+  // another connector was chosen to load it.
+  virtual bool requires_full_blocks_on_update_after_alloc() const { return false; }
 };
 
 // Returns once what a layer's physical buffers hold may be overwritten.

@@ -6,8 +6,10 @@
 // metadata is one blob per connector, in composition order.
 #pragma once
 
+#include <map>
 #include <memory>
 #include <span>
+#include <string>
 #include <vector>
 
 #include "rd2h/connector/kv_connector.h"
@@ -49,6 +51,33 @@ class MultiConnectorWorker final : public KvConnectorWorker {
   std::vector<std::unique_ptr<KvConnectorWorker>> connectors_;
   std::vector<KvConnectorWorker*> order_;  // the completion provider first
   KvConnectorWorker* provider_ = nullptr;
+};
+
+// MultiConnector, scheduler role: the first connector that matches tokens for a request
+// loads it; every connector that requires full blocks (rd2h does) still sees the request's
+// complete block groups on update_state_after_alloc; at most one connector may return
+// kv_transfer_params when a request finishes.
+class MultiConnectorScheduler final : public KvConnectorScheduler {
+ public:
+  explicit MultiConnectorScheduler(std::vector<std::unique_ptr<KvConnectorScheduler>> connectors)
+      : connectors_(std::move(connectors)) {}
+
+  std::string_view name() const override { return "multi"; }
+  MatchedTokens get_num_new_matched_tokens(const Request& request,
+                                           uint64_t num_computed_tokens) override;
+  Status update_state_after_alloc(Request& request,
+                                  const std::vector<std::vector<int64_t>>& block_ids,
+                                  uint64_t num_external_tokens) override;
+  Expected<std::vector<std::byte>> build_metadata(
+      const std::vector<ScheduledRequest>& scheduled) override;
+  Expected<FinishedRequest> finish(const Request& request) override;
+  bool requires_full_blocks_on_update_after_alloc() const override;
+
+  KvConnectorScheduler& connector(size_t i) { return *connectors_[i]; }
+
+ private:
+  std::vector<std::unique_ptr<KvConnectorScheduler>> connectors_;
+  std::map<std::string, size_t> chosen_;  // request -> the connector that loads it
 };
 
 }  // namespace rd2h::connector

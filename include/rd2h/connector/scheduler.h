@@ -22,6 +22,7 @@
 
 #include "rd2h/common/status.h"
 #include "rd2h/connector/config.h"
+#include "rd2h/connector/kv_connector.h"
 #include "rd2h/connector/metadata.h"
 #include "rd2h/metaserver/client.h"
 
@@ -42,31 +43,6 @@ struct Parallel {
   int global_dp_rank = 0;
 };
 
-// A request as the scheduler sees it.
-struct Request {
-  std::string request_id;  // the host engine's id
-  uint64_t num_prompt_tokens = 0;
-  std::optional<KvTransferParams> params;  // its kv_transfer_params, when it has them
-};
-
-// A request scheduled in this step (Prefill): its KV-cache blocks allocated since the last
-// call, per group, and how many of its tokens are computed once this step ran.
-struct ScheduledRequest {
-  std::string request_id;
-  std::vector<std::vector<int64_t>> new_block_ids;  // per group; empty: none
-  uint64_t num_computed_tokens = 0;
-};
-
-struct MatchedTokens {
-  uint64_t tokens = 0;
-  bool load_async = false;
-};
-
-struct FinishedRequest {
-  bool delay_free_blocks = false;
-  std::optional<KvTransferParams> params;  // for the proxy; rd2h returns none
-};
-
 // Which group holds main KV and which the indexer, found from layer names.
 struct GroupRoles {
   size_t main = 0;
@@ -74,23 +50,31 @@ struct GroupRoles {
 };
 Expected<GroupRoles> find_group_roles(const std::vector<KvCacheGroup>& groups);
 
-class Scheduler {
+class Scheduler final : public KvConnectorScheduler {
  public:
   static Expected<std::unique_ptr<Scheduler>> create(ConnectorConfig config, Parallel parallel,
                                                      std::vector<KvCacheGroup> groups);
-  ~Scheduler();
+  ~Scheduler() override;
 
-  MatchedTokens get_num_new_matched_tokens(const Request& request, uint64_t num_computed_tokens);
+  std::string_view name() const override { return "rd2h"; }
+
+  MatchedTokens get_num_new_matched_tokens(const Request& request,
+                                           uint64_t num_computed_tokens) override;
   // `block_ids` per group, as allocated for the request. On Decode this also clears
   // do_remote_prefill in `request.params`.
   Status update_state_after_alloc(Request& request,
                                   const std::vector<std::vector<int64_t>>& block_ids,
-                                  uint64_t num_external_tokens);
+                                  uint64_t num_external_tokens) override;
   Expected<ConnectorMetadata> build_connector_meta(const std::vector<ScheduledRequest>& scheduled);
+  Expected<std::vector<std::byte>> build_metadata(
+      const std::vector<ScheduledRequest>& scheduled) override;
   FinishedRequest request_finished(const Request& request);
+  Expected<FinishedRequest> finish(const Request& request) override {
+    return request_finished(request);
+  }
   // rd2h needs every block group on update_state_after_alloc, even when a composed
   // connector is the one chosen for lookup.
-  bool requires_full_blocks_on_update_after_alloc() const { return true; }
+  bool requires_full_blocks_on_update_after_alloc() const override { return true; }
 
   // Decode's advertised base port.
   int base_port() const { return base_port_; }
