@@ -1,0 +1,67 @@
+// A small inference engine that drives the connector exactly as a host engine does, through
+// the public headers only: an OpenAI-style HTTP front, an engine core (scheduler loop with a
+// token budget and chunked prefill, a block allocator), and one worker per TP rank (threads
+// of this process). Prefill "computes" each layer by writing KV whose bytes are a function of
+// (token ids, layer, tensor, block position); Decode checks every byte of every block it
+// received before it answers, and reports the check in its response.
+#pragma once
+
+#include <chrono>
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "rd2h/common/status.h"
+#include "rd2h/connector/config.h"
+
+namespace rd2h::sim {
+
+struct ModelLayout {
+  int layers = 4;
+  uint64_t block_size = 16;                          // tokens per block
+  std::vector<uint64_t> bytes_per_token{64, 8, 16};  // K, V, indexer [, LIC8 scale]
+  uint64_t num_blocks = 256;                         // per tensor, per rank
+  int prefill_slots = 0;  // Prefill's physical layer buffers; 0: one per layer
+};
+
+struct EngineConfig {
+  connector::ConnectorConfig connector;  // role, kv_port (Decode), timeouts
+  int tp_size = 1;
+  ModelLayout model;
+  uint64_t token_budget = 64;  // tokens scheduled per step: longer prompts are chunked
+  // Decode: tokens of every prompt it pretends to hold in a local prefix cache (whole
+  // blocks); it writes them itself and asks Prefill only for the rest.
+  uint64_t decode_cached_tokens = 0;
+  std::string host = "127.0.0.1";
+  int port = 0;  // HTTP; 0 picks a free one
+  std::chrono::milliseconds request_timeout{60000};
+};
+
+struct EngineStats {
+  uint64_t requests = 0;
+  uint64_t steps = 0;
+  uint64_t prefill_chunks = 0;
+  uint64_t verified_blocks = 0;  // Decode: blocks whose every byte matched
+  uint64_t failed_requests = 0;
+};
+
+class Engine {
+ public:
+  static Expected<std::unique_ptr<Engine>> start(EngineConfig config);
+  ~Engine();  // stops HTTP, the core and the workers; fails what is still pending
+  Engine(const Engine&) = delete;
+  Engine& operator=(const Engine&) = delete;
+
+  std::string origin() const;  // http://host:port
+  int kv_base_port() const;    // Decode: what it advertises
+  EngineStats stats() const;
+
+  struct Impl;
+
+ private:
+  explicit Engine(std::unique_ptr<Impl> impl);
+  std::unique_ptr<Impl> impl_;
+};
+
+}  // namespace rd2h::sim
