@@ -136,5 +136,18 @@ TEST_F(HttpLifecycle, ConcurrentChatAndStreamingRequestsAllComplete) {
   EXPECT_EQ(proxy_->stats().prefill_dispatches, 6u);
 }
 
+TEST_F(HttpLifecycle, TwoHundredPromptsInOneRequestComplete) {
+  json prompts = json::array();
+  for (int i = 0; i < 200; ++i) prompts.push_back(text(9 + static_cast<size_t>(i % 7), 'a'));
+  auto r = post("/v1/completions", {{"model", "m"}, {"prompt", prompts}, {"max_tokens", 1}});
+  ASSERT_TRUE(r) << httplib::to_string(r.error());
+  ASSERT_EQ(r->status, 200) << r->body.substr(0, 500);
+  const json out = json::parse(r->body);
+  EXPECT_EQ(out["choices"].size(), 200u);
+  EXPECT_EQ(out["rd2h"]["verified_blocks"], 200 * kLayers);
+  EXPECT_EQ(proxy_->stats().rendezvous, 200u);
+  EXPECT_EQ(proxy_->stats().prefill_dispatches, 1u);
+}
+
 }  // namespace
 }  // namespace rd2h::sim
