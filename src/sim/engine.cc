@@ -19,6 +19,7 @@
 #include "rd2h/common/pattern.h"
 #include "rd2h/connector/scheduler.h"
 #include "rd2h/connector/worker.h"
+#include "rd2h/decode/local_all_gather.h"
 
 namespace rd2h::sim {
 
@@ -51,39 +52,6 @@ uint64_t kv_key(const std::vector<int64_t>& tokens, uint64_t block_size, size_t 
   return splitmix64(h ^ (static_cast<uint64_t>(layer) << 40) ^ (static_cast<uint64_t>(t) << 32) ^
                     index);
 }
-
-// An all-gather among the engine's rank threads.
-class RankGather {
- public:
-  explicit RankGather(int size) : size_(size), current_(static_cast<size_t>(size)) {}
-  decode::AllGather for_rank(int rank) {
-    return [this,
-            rank](const decode::RankTerminal& mine) -> Expected<std::vector<decode::RankTerminal>> {
-      std::unique_lock lock(mu_);
-      current_[static_cast<size_t>(rank)] = mine;
-      const uint64_t round = round_;
-      if (++arrived_ == size_) {
-        result_ = current_;
-        arrived_ = 0;
-        ++round_;
-        cv_.notify_all();
-        return result_;
-      }
-      if (!cv_.wait_for(lock, std::chrono::seconds(30), [&] { return round_ != round; })) {
-        return timeout_error("the engine's other ranks did not gather");
-      }
-      return result_;
-    };
-  }
-
- private:
-  int size_;
-  std::mutex mu_;
-  std::condition_variable cv_;
-  uint64_t round_ = 0;
-  int arrived_ = 0;
-  std::vector<decode::RankTerminal> current_, result_;
-};
 
 // A thread that runs one job at a time for the core.
 class RankThread {
@@ -176,7 +144,7 @@ struct Engine::Impl {
   };
   std::vector<Rank> ranks;
   Aligned main_pool;  // Decode: K and V of every layer, shared by the ranks
-  std::unique_ptr<RankGather> gather;
+  std::unique_ptr<decode::LocalAllGather> gather;
 
   httplib::Server http;
   std::thread http_thread;
@@ -272,7 +240,7 @@ Status Engine::Impl::init() {
     main_pool =
         Aligned((block_bytes[0] + block_bytes[1]) * m.num_blocks * static_cast<uint64_t>(m.layers));
   }
-  gather = std::make_unique<RankGather>(config.tp_size);
+  gather = std::make_unique<decode::LocalAllGather>(config.tp_size);
   for (int r = 0; r < config.tp_size; ++r) {
     transfer::EngineConfig ec;
     ec.role = prefill ? transfer::Role::kPrefill : transfer::Role::kDecode;

@@ -11,6 +11,7 @@
 #include "e2e/pd_cluster.h"
 #include "rd2h/connector/scheduler.h"
 #include "rd2h/connector/worker.h"
+#include "support/engines.h"
 #include "support/http_server.h"
 
 namespace rd2h::connector {
@@ -27,15 +28,6 @@ std::vector<KvCacheGroup> groups() {
   KvCacheGroup g{{}, kBlockSize};
   for (int l = 0; l < kLayers; ++l) g.layer_names.push_back(layer_name(l));
   return {g};
-}
-
-std::shared_ptr<transfer::TransferEngine> engine(transfer::Role role) {
-  transfer::EngineConfig cfg;
-  cfg.role = role;
-  cfg.transport = transfer::Transport::kShm;
-  auto e = transfer::create_ucx_engine(cfg);
-  EXPECT_TRUE(e) << e.status().to_string();
-  return std::shared_ptr<transfer::TransferEngine>(std::move(*e));
 }
 
 // Every rank's metadata arrives as bytes, as from a host's scheduler process.
@@ -62,7 +54,7 @@ class Lifecycle : public ::testing::Test {
         if (indexers_.size() <= static_cast<size_t>(r))
           indexers_.emplace_back(kBytes[2] * kBlocks * kLayers);
         auto w = ConnectorWorker::create(decode_config_, {kDecodeTp, 1, 1, 0}, r,
-                                         engine(transfer::Role::kDecode));
+                                         shm_engine(transfer::Role::kDecode));
         ASSERT_TRUE(w) << w.status().to_string();
         if (!(*w)->register_kv_caches(decode_layers(r)).is_ok()) break;  // port taken: retry
         decode_.push_back(std::move(*w));
@@ -75,7 +67,7 @@ class Lifecycle : public ::testing::Test {
 
     prefill_config_ = base_config(KvRole::kProducer);
     for (int r = 0; r < kPrefillTp; ++r) {
-      auto e = engine(transfer::Role::kPrefill);
+      auto e = shm_engine(transfer::Role::kPrefill);
       auto region = e->allocate_memory((kBytes[0] + kBytes[1] + kBytes[2]) * kBlocks * kLayers);
       ASSERT_TRUE(region);
       prefill_kv_.push_back(static_cast<std::byte*>(region->addr));
@@ -267,7 +259,7 @@ TEST_F(Lifecycle, KvThatNeverArrivesFailsTheRequestAfterItsDeadlineAndReportsIts
   decode_config_.kv_arrival_timeout = 200ms;
   for (int r = 0; r < kDecodeTp; ++r) {
     auto w = ConnectorWorker::create(decode_config_, {kDecodeTp, 1, 1, 0}, r,
-                                     engine(transfer::Role::kDecode));
+                                     shm_engine(transfer::Role::kDecode));
     ASSERT_TRUE(w);
     ASSERT_TRUE((*w)->register_kv_caches(decode_layers(r)).is_ok());
     decode_.push_back(std::move(*w));

@@ -12,6 +12,7 @@
 #include "rd2h/connector/scheduler.h"
 #include "rd2h/connector/worker.h"
 #include "rd2h/transfer/fault_injecting_engine.h"
+#include "support/engines.h"
 
 namespace rd2h::connector {
 namespace {
@@ -23,22 +24,13 @@ constexpr int kSlots = 3;
 constexpr uint64_t kBlocks = 8;
 const std::vector<uint64_t> kBytes = {512, 64, 128};
 
-std::shared_ptr<transfer::TransferEngine> engine(transfer::Role role) {
-  transfer::EngineConfig cfg;
-  cfg.role = role;
-  cfg.transport = transfer::Transport::kShm;
-  auto e = transfer::create_ucx_engine(cfg);
-  EXPECT_TRUE(e) << e.status().to_string();
-  return std::shared_ptr<transfer::TransferEngine>(std::move(*e));
-}
-
 class OffloadWithRd2h : public ::testing::Test {
  protected:
   void SetUp() override {
     // Decode: one rank whose reads are slow, so a buffer overwritten too early shows.
     decode_kv_ = HostBuffer((kBytes[0] + kBytes[1] + kBytes[2]) * kBlocks * kLayers);
     decode_engine_ =
-        std::make_shared<transfer::FaultInjectingEngine>(engine(transfer::Role::kDecode));
+        std::make_shared<transfer::FaultInjectingEngine>(shm_engine(transfer::Role::kDecode));
     decode_engine_->delay_reads(3ms);
     std::mt19937 rng(std::random_device{}());
     for (int attempt = 0; attempt < 20 && !decode_; ++attempt) {
@@ -55,7 +47,7 @@ class OffloadWithRd2h : public ::testing::Test {
     ASSERT_TRUE(decode_);
 
     // Prefill: rd2h and the host offload over the same three physical slots.
-    auto p_engine = engine(transfer::Role::kPrefill);
+    auto p_engine = shm_engine(transfer::Role::kPrefill);
     auto region = p_engine->allocate_memory((kBytes[0] + kBytes[1] + kBytes[2]) * kBlocks * kSlots);
     ASSERT_TRUE(region);
     prefill_kv_ = reinterpret_cast<uint64_t>(region->addr);

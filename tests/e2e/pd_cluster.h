@@ -20,10 +20,12 @@
 #include <vector>
 
 #include "rd2h/common/pattern.h"
+#include "rd2h/decode/local_all_gather.h"
 #include "rd2h/decode/worker.h"
 #include "rd2h/layout/cache.h"
 #include "rd2h/prefill/worker.h"
 #include "rd2h/transfer/fault_injecting_engine.h"
+#include "support/engines.h"
 
 namespace rd2h::testing {
 
@@ -71,38 +73,7 @@ class HostBuffer {
   std::unique_ptr<std::byte, Free> data_;
 };
 
-// An all-gather among the threads that play one Decode instance's TP ranks.
-class ThreadAllGather {
- public:
-  explicit ThreadAllGather(int size) : size_(size), current_(static_cast<size_t>(size)) {}
-  decode::AllGather for_rank(int rank) {
-    return [this, rank](const decode::RankTerminal& mine) { return gather(rank, mine); };
-  }
-
- private:
-  Expected<std::vector<decode::RankTerminal>> gather(int rank, const decode::RankTerminal& mine) {
-    std::unique_lock lock(mu_);
-    current_[static_cast<size_t>(rank)] = mine;
-    const uint64_t round = round_;
-    if (++arrived_ == size_) {
-      result_ = current_;
-      arrived_ = 0;
-      ++round_;
-      cv_.notify_all();
-      return result_;
-    }
-    if (!cv_.wait_for(lock, 20s, [&] { return round_ != round; })) {
-      return timeout_error("the other Decode ranks did not gather");
-    }
-    return result_;
-  }
-  int size_;
-  std::mutex mu_;
-  std::condition_variable cv_;
-  uint64_t round_ = 0;
-  int arrived_ = 0;
-  std::vector<decode::RankTerminal> current_, result_;
-};
+using ThreadAllGather = decode::LocalAllGather;
 
 // A request as both sides know it: Prefill's source blocks and Decode's destinations.
 struct PdRequest {
@@ -271,15 +242,6 @@ class Cluster {
     return !find_pattern_mismatch(reinterpret_cast<const void*>(addr), len, key);
   }
 
-  static std::shared_ptr<transfer::TransferEngine> make_engine(transfer::Role role) {
-    transfer::EngineConfig cfg;
-    cfg.role = role;
-    cfg.transport = transfer::Transport::kShm;
-    auto e = transfer::create_ucx_engine(cfg);
-    EXPECT_TRUE(e) << e.status().to_string();
-    return e ? std::shared_ptr<transfer::TransferEngine>(std::move(*e)) : nullptr;
-  }
-
   void start_decode_instance() {
     DecodeInstance d;
     const auto& b = shape_.decode_bytes;
@@ -288,7 +250,7 @@ class Cluster {
     for (int r = 0; r < shape_.d_tp; ++r) {
       DecodeRank rank;
       rank.engine =
-          std::make_shared<transfer::FaultInjectingEngine>(make_engine(transfer::Role::kDecode));
+          std::make_shared<transfer::FaultInjectingEngine>(shm_engine(transfer::Role::kDecode));
       rank.indexer = HostBuffer(indexer_bytes_per_layer(b) * static_cast<size_t>(shape_.layers));
       d.ranks.push_back(std::move(rank));
     }
@@ -339,7 +301,7 @@ class Cluster {
 
   void start_prefill_rank(int p_rank) {
     PrefillRank p;
-    p.engine = make_engine(transfer::Role::kPrefill);
+    p.engine = shm_engine(transfer::Role::kPrefill);
     ASSERT_TRUE(p.engine);
     uint64_t per_slot = 0;
     for (auto b : shape_.bytes) per_slot += b * shape_.blocks;

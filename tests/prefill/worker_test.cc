@@ -5,19 +5,12 @@
 #include <gtest/gtest.h>
 
 #include "e2e/pd_cluster.h"
+#include "support/engines.h"
 
 namespace rd2h::prefill {
 namespace {
 
 using namespace rd2h::testing;
-
-std::shared_ptr<transfer::TransferEngine> engine() {
-  transfer::EngineConfig cfg;
-  cfg.transport = transfer::Transport::kShm;
-  auto e = transfer::create_ucx_engine(cfg);
-  EXPECT_TRUE(e) << e.status().to_string();
-  return std::shared_ptr<transfer::TransferEngine>(std::move(*e));
-}
 
 // Three layers given out of order; layers 0 and 2 share one physical slot.
 std::vector<layout::CacheLayer> layers(const HostBuffer& kv) {
@@ -32,7 +25,7 @@ std::vector<layout::CacheLayer> layers(const HostBuffer& kv) {
 
 TEST(PrefillWorker, PublishesItsLayersInOrderWithVersionsAndRegistersMergedRegions) {
   HostBuffer kv(6 * 4096);
-  auto e = engine();
+  auto e = shm_engine();
   auto w = Worker::create({}, e, control::Context::create(), layers(kv));
   ASSERT_TRUE(w) << w.status().to_string();
   const auto& meta = (*w)->mf_meta();
@@ -53,19 +46,19 @@ TEST(PrefillWorker, BadLayersAreRefusedByName) {
   HostBuffer kv(6 * 4096);
   auto bad_name = layers(kv);
   bad_name[1].name = "model.final_norm";
-  auto w = Worker::create({}, engine(), control::Context::create(), bad_name);
+  auto w = Worker::create({}, shm_engine(), control::Context::create(), bad_name);
   ASSERT_FALSE(w);
   EXPECT_NE(w.status().message().find("model.final_norm"), std::string::npos);
   auto twice = layers(kv);
   twice[1].name = twice[0].name;
-  w = Worker::create({}, engine(), control::Context::create(), twice);
+  w = Worker::create({}, shm_engine(), control::Context::create(), twice);
   ASSERT_FALSE(w);
   EXPECT_NE(w.status().message().find("same layer index 2"), std::string::npos)
       << w.status().message();
   WorkerConfig outside;
   outside.p_rank = 4;
   outside.p_tp = 4;
-  w = Worker::create(outside, engine(), control::Context::create(), layers(kv));
+  w = Worker::create(outside, shm_engine(), control::Context::create(), layers(kv));
   ASSERT_FALSE(w);
   EXPECT_NE(w.status().message().find("rank 4"), std::string::npos) << w.status().message();
 }
@@ -75,7 +68,7 @@ TEST(PrefillWorker, AStepThatCannotBePublishedIsRefusedNamingTheRequest) {
   WorkerConfig config;
   config.p_rank = 1;
   config.p_tp = 2;
-  auto w = Worker::create(config, engine(), control::Context::create(), layers(kv));
+  auto w = Worker::create(config, shm_engine(), control::Context::create(), layers(kv));
   ASSERT_TRUE(w);
   struct Case {
     const char* what;
