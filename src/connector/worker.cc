@@ -58,6 +58,16 @@ Status ConnectorWorker::register_kv_caches(std::vector<layout::CacheLayer> layer
     pc.register_memory = !engine_allocated;
     auto w = prefill::Worker::create(pc, engine_, context_, std::move(layers));
     if (!w) return w.status();
+    const auto& slots = (*w)->slots();
+    if (!config_.use_layerwise &&
+        (slots.main_slot_count() < slots.layer_count() ||
+         (slots.indexer_slot_count() > 0 && slots.indexer_slot_count() < slots.layer_count()))) {
+      return invalid_argument(
+          "use_layerwise=false publishes every layer at the end of the "
+          "forward pass, which needs one buffer per layer; " +
+          std::to_string(slots.layer_count()) + " layers share " +
+          std::to_string(slots.main_slot_count()) + " buffers");
+    }
     prefill_ = std::move(*w);
     return Status::ok();
   }
@@ -78,6 +88,7 @@ Status ConnectorWorker::register_kv_caches(std::vector<layout::CacheLayer> layer
 
 Status ConnectorWorker::bind_connector_metadata(const ConnectorMetadata& metadata) {
   metadata_ = metadata;
+  saved_layers_.clear();
   if (prefill_) return prefill_->bind_step(metadata_.save);
   return Status::ok();
 }
@@ -115,6 +126,10 @@ Status ConnectorWorker::save_kv_layer(std::string_view layer_name,
                                       std::shared_ptr<prefill::WriteEvent> event) {
   if (config_.role != KvRole::kProducer) return Status::ok();
   RD2H_RETURN_IF_ERROR(need(prefill_.get(), "save_kv_layer"));
+  if (!config_.use_layerwise) {
+    saved_layers_.emplace_back(std::string(layer_name), std::move(event));
+    return Status::ok();
+  }
   return prefill_->save_kv_layer(layer_name, std::move(event));
 }
 
@@ -131,6 +146,11 @@ Status ConnectorWorker::wait_for_layer_send(std::string_view layer_name) {
 Status ConnectorWorker::wait_for_save() {
   if (config_.role != KvRole::kProducer) return Status::ok();
   RD2H_RETURN_IF_ERROR(need(prefill_.get(), "wait_for_save"));
+  std::vector<std::pair<std::string, std::shared_ptr<prefill::WriteEvent>>> layers;
+  layers.swap(saved_layers_);
+  for (auto& [name, event] : layers) {
+    RD2H_RETURN_IF_ERROR(prefill_->save_kv_layer(name, std::move(event)));
+  }
   return prefill_->wait_for_save();
 }
 

@@ -252,6 +252,46 @@ TEST_F(Lifecycle, AChunkedRequestWithACachedPrefixGoesFromRendezvousToDecodeRead
   EXPECT_EQ(prefill_scheduler_->tracked(), 0u);
 }
 
+TEST_F(Lifecycle, WithoutLayerwiseEveryLayerIsPublishedInWaitForSave) {
+  ConnectorConfig at_end = prefill_config_;
+  at_end.use_layerwise = false;
+  for (size_t r = 0; r < prefill_.size(); ++r) {
+    auto engine = prefill_[r]->engine();
+    prefill_[r].reset();
+    auto w = ConnectorWorker::create(at_end, {kPrefillTp, 1, 1, 0}, static_cast<int>(r), engine);
+    ASSERT_TRUE(w);
+    ASSERT_TRUE((*w)->register_kv_caches(prefill_layers(static_cast<int>(r)), true).is_ok());
+    prefill_[r] = std::move(*w);
+  }
+  ConnectorMetadata d;
+  d.load.push_back({"cmpl-c-0", "cmpl-c-0-d0d0d0d0", {1, 2}, {1, 2}});
+  decode_start(d);
+  ConnectorMetadata p;
+  p.save.push_back({"cmpl-c-0",
+                    "127.0.0.1",
+                    decode_scheduler_->base_port(),
+                    kDecodeTp,
+                    {3, 4},
+                    {3, 4},
+                    0,
+                    0,
+                    true});
+  auto& w0 = *prefill_[0];
+  ASSERT_TRUE(w0.bind_connector_metadata(p).is_ok());
+  for (int l = 0; l < kLayers; ++l) ASSERT_TRUE(w0.save_kv_layer(layer_name(l)).is_ok());
+  EXPECT_EQ(w0.prefill()->stats().readiness_queued, 0u) << "published before wait_for_save";
+  ASSERT_TRUE(w0.wait_for_save().is_ok());
+  EXPECT_EQ(w0.prefill()->stats().readiness_queued, static_cast<uint64_t>(kLayers));
+
+  // Layers sharing a buffer cannot wait until the end of the pass.
+  auto shared = ConnectorWorker::create(at_end, {kPrefillTp, 1, 1, 0}, 0, prefill_[0]->engine());
+  ASSERT_TRUE(shared);
+  auto layers = prefill_layers(0);
+  layers[2].tensors = layers[0].tensors;
+  Status st = (*shared)->register_kv_caches(layers, true);
+  EXPECT_NE(st.message().find("needs one buffer per layer"), std::string::npos) << st.to_string();
+}
+
 TEST_F(Lifecycle, KvThatNeverArrivesFailsTheRequestAfterItsDeadlineAndReportsItsBlocks) {
   for (auto& w : decode_) w.reset();
   decode_.clear();

@@ -39,6 +39,8 @@ struct ConnectorConfig {
   // kv_connector_extra_config
   std::string transfer_backend = "ucx";
   transfer::Transport transport = transfer::Transport::kAuto;
+  // Prefill publishes each layer as it is saved (true), or every saved layer at once in
+  // wait_for_save (false: needs one physical buffer per layer).
   bool use_layerwise = true;
   RequestIdRule request_ids;
   // Decode: the TP size of the Prefill instances it serves (their contributors per Decode

@@ -13,6 +13,7 @@
 #include <memory>
 #include <string>
 #include <string_view>
+#include <utility>
 #include <vector>
 
 #include "rd2h/common/status.h"
@@ -81,6 +82,8 @@ class ConnectorWorker final : public KvConnectorWorker {
   std::unique_ptr<prefill::Worker> prefill_;
   std::unique_ptr<decode::Worker> decode_;
   ConnectorMetadata metadata_;
+  // Prefill without use_layerwise: the layers saved this step, published in wait_for_save.
+  std::vector<std::pair<std::string, std::shared_ptr<prefill::WriteEvent>>> saved_layers_;
   std::map<std::string, std::chrono::steady_clock::time_point> arrival_deadline_;  // Decode
   std::vector<int64_t> load_errors_;
 };
