@@ -205,8 +205,9 @@ struct Engine::Impl {
   Status step();
   void complete(const std::shared_ptr<EngineRequest>& r, Result result);
   // Writes (Prefill compute, or Decode's own cached prefix) blocks [first, last) of `r`.
+  // On Decode the main tensors live in the pool the ranks share: only rank 0 writes them.
   void write_blocks(Rank& rank, int layer, const EngineRequest& r, size_t first, size_t last,
-                    bool decode_side);
+                    bool decode_side, bool main_tensors = true);
   uint64_t verify(const EngineRequest& r, size_t first, size_t last, std::string* why);
   std::vector<Status> on_ranks(const std::function<Status(size_t)>& job);
 };
@@ -274,10 +275,10 @@ Status Engine::Impl::init() {
 }
 
 void Engine::Impl::write_blocks(Rank& rank, int layer, const EngineRequest& r, size_t first,
-                                size_t last, bool decode_side) {
+                                size_t last, bool decode_side, bool main_tensors) {
   const auto& tokens = r.request.prompt_token_ids;
   for (size_t i = first; i < last && i < r.blocks.size(); ++i) {
-    for (size_t t = 0; t < block_bytes.size(); ++t) {
+    for (size_t t = main_tensors ? 0 : 2; t < block_bytes.size(); ++t) {
       const uint64_t addr = decode_side ? decode_addr(rank, layer, t, r.blocks[i])
                                         : prefill_addr(rank, layer, t, r.blocks[i]);
       fill_pattern(reinterpret_cast<void*>(addr), block_bytes[t],
@@ -348,7 +349,7 @@ void Engine::Impl::admit(const std::shared_ptr<EngineRequest>& r) {
   if (cached > 0) {
     on_ranks([&](size_t k) {
       for (int l = 0; l < config.model.layers; ++l) {
-        write_blocks(ranks[k], l, *r, 0, cached / bs, true);
+        write_blocks(ranks[k], l, *r, 0, cached / bs, true, /*main_tensors=*/k == 0);
       }
       return Status::ok();
     });
