@@ -82,6 +82,7 @@ struct Proxy::Impl {
   mutable std::mutex mu;
   std::map<std::string, std::shared_ptr<Parent>> by_child;
   std::vector<int> decode_load, prefill_load;
+  size_t decode_cursor = 0, prefill_cursor = 0;
   ProxyStats stats;
   bool stopping = false;
   struct Dispatcher {
@@ -91,11 +92,15 @@ struct Proxy::Impl {
   std::list<Dispatcher> dispatchers;
   std::vector<std::shared_ptr<httplib::Client>> dispatch_clients;
 
-  size_t least_loaded(std::vector<int>& load) {
-    size_t best = 0;
-    for (size_t i = 1; i < load.size(); ++i) {
+  // The instance with the fewest requests in flight; ties go round, so an idle fleet is
+  // used evenly. Caller holds mu.
+  size_t least_loaded(std::vector<int>& load, size_t& cursor) {
+    size_t best = cursor % load.size();
+    for (size_t k = 1; k < load.size(); ++k) {
+      const size_t i = (cursor + k) % load.size();
       if (load[i] < load[best]) best = i;
     }
+    cursor = best + 1;
     ++load[best];
     return best;
   }
@@ -144,7 +149,7 @@ void Proxy::Impl::handle_client(const httplib::Request& req, httplib::Response& 
       return;
     }
     ++stats.requests;
-    parent->decode = least_loaded(decode_load);
+    parent->decode = least_loaded(decode_load, decode_cursor);
     for (const auto& c : parent->children) by_child[c] = parent;
   }
   body["kv_transfer_params"] = {
@@ -301,7 +306,7 @@ void Proxy::Impl::dispatch_prefill(std::shared_ptr<Parent> parent) {
   {
     std::lock_guard lock(mu);
     ++stats.prefill_dispatches;
-    which = least_loaded(prefill_load);
+    which = least_loaded(prefill_load, prefill_cursor);
     client = std::make_shared<httplib::Client>(config.prefill[which]);
     set_timeouts(*client, config.upstream_timeout);
     dispatch_clients.push_back(client);

@@ -49,19 +49,33 @@ struct PrefillLog {
   std::condition_variable cv;
   std::vector<json> bodies;
   std::vector<std::string> request_ids;
-  int succeeded = 0;      // Prefill runs that answered 200
-  bool released = false;  // the test lets Decode's handlers return
+  std::vector<int> prefill_index;  // which Prefill got each dispatch
+  int succeeded = 0;               // Prefill runs that answered 200
+  bool released = false;           // the test lets Decode's handlers return
 };
 
 class ProxyTest : public ::testing::Test {
  protected:
-  void start(int prefill_status = 200) {
-    prefill_ = std::make_unique<Engine>(
-        [this, prefill_status](const httplib::Request& req, httplib::Response& res) {
+  void start(int prefill_status = 200, int prefills = 1) {
+    for (int i = 0; i < prefills; ++i) start_prefill(prefill_status, i);
+    decode_ = std::make_unique<Engine>(
+        [this](const httplib::Request& req, httplib::Response& res) { serve_decode(req, res); });
+    ProxyConfig config;
+    for (const auto& p : prefill_) config.prefill.push_back(p->origin());
+    config.decode = {decode_->origin()};
+    config.max_body_bytes = 1 << 20;
+    auto p = Proxy::start(config);
+    ASSERT_TRUE(p) << p.status().to_string();
+    proxy_ = std::move(*p);
+  }
+  void start_prefill(int prefill_status, int index) {
+    prefill_.push_back(std::make_unique<Engine>(
+        [this, prefill_status, index](const httplib::Request& req, httplib::Response& res) {
           {
             std::lock_guard lock(log_.mu);
             log_.bodies.push_back(json::parse(req.body));
             log_.request_ids.push_back(req.get_header_value("X-Request-Id"));
+            log_.prefill_index.push_back(index);
           }
           res.status = prefill_status;
           res.set_content(prefill_status == 200 ? R"({"choices":[{"text":"x"}]})" : "engine error",
@@ -69,25 +83,18 @@ class ProxyTest : public ::testing::Test {
           std::lock_guard lock(log_.mu);
           if (prefill_status == 200) ++log_.succeeded;
           log_.cv.notify_all();
-        });
-    decode_ = std::make_unique<Engine>(
-        [this](const httplib::Request& req, httplib::Response& res) { serve_decode(req, res); });
-    ProxyConfig config;
-    config.prefill = {prefill_->origin()};
-    config.decode = {decode_->origin()};
-    config.max_body_bytes = 1 << 20;
-    auto p = Proxy::start(config);
-    ASSERT_TRUE(p) << p.status().to_string();
-    proxy_ = std::move(*p);
+        }));
   }
 
   // Decode as vLLM's server is toward the proxy: child ids from X-Request-Id, one
   // rendezvous per child, an answer once Prefill ran.
   void serve_decode(const httplib::Request& req, httplib::Response& res) {
     const json body = json::parse(req.body);
+    size_t mine = 0;  // this is the mine-th request Decode got; Prefill runs once for each
     {
       std::lock_guard lock(log_.mu);
       decode_bodies_.push_back(body);
+      mine = decode_bodies_.size();
     }
     const std::string parent = req.get_header_value("X-Request-Id");
     std::vector<std::string> children;
@@ -107,7 +114,9 @@ class ProxyTest : public ::testing::Test {
     }
     // Like a Decode whose KV arrives only if Prefill ran: without it, it waits on.
     std::unique_lock lock(log_.mu);
-    log_.cv.wait_for(lock, 30s, [&] { return log_.succeeded > 0 || log_.released; });
+    log_.cv.wait_for(lock, 30s, [&] {
+      return static_cast<size_t>(log_.succeeded) >= mine || log_.released;
+    });
     if (body.value("stream", false)) {
       res.set_chunked_content_provider("text/event-stream", [](size_t, httplib::DataSink& sink) {
         for (const char* chunk :
@@ -137,7 +146,8 @@ class ProxyTest : public ::testing::Test {
   PrefillLog log_;
   std::vector<json> decode_bodies_;
   Client metaserver_{ClientConfig{}};
-  std::unique_ptr<Engine> prefill_, decode_;
+  std::vector<std::unique_ptr<Engine>> prefill_;
+  std::unique_ptr<Engine> decode_;
   std::unique_ptr<Proxy> proxy_;
 };
 
@@ -225,6 +235,16 @@ TEST_F(ProxyTest, AnUnknownRendezvousIs404AndOversizedOrBrokenBodiesAreRefused) 
   EXPECT_EQ(broken->status, 400);
   std::lock_guard lock(log_.mu);
   EXPECT_TRUE(decode_bodies_.empty()) << "a refused request reached Decode";
+}
+
+TEST_F(ProxyTest, IdleInstancesAreUsedInTurn) {
+  start(200, /*prefills=*/2);
+  for (int i = 0; i < 4; ++i) {
+    auto r = client_post("/v1/completions", {{"model", "m"}, {"prompt", "p"}});
+    ASSERT_TRUE(r && r->status == 200);
+  }
+  std::lock_guard lock(log_.mu);
+  EXPECT_EQ(log_.prefill_index, (std::vector<int>{0, 1, 0, 1}));
 }
 
 TEST(Proxy, RefusesEngineAddressesThatAreNotOrigins) {
