@@ -3,6 +3,7 @@
 
 #include "bench_engine.h"
 #include "bench_layers.h"
+#include "engine_command.h"
 #include "pd_read.h"
 #include "proxy_command.h"
 
@@ -92,7 +93,31 @@ int main(int argc, char** argv) {
   proxy->add_option("--max-concurrent", px.max_concurrent, "client requests served at once")
       ->check(CLI::Range(1u, 65536u));
 
+  rd2h::tools::EngineCommandOptions eo;
+  auto engine_options = [&eo](CLI::App* cmd) {
+    cmd->add_option("--kv-transfer-config", eo.kv_transfer_config,
+                    "vLLM-style kv_transfer_config JSON");
+    cmd->add_option("--host", eo.host, "HTTP address to bind");
+    cmd->add_option("--port", eo.port, "HTTP port (0: any)")->check(CLI::Range(0, 65535));
+    cmd->add_option("--tp", eo.tp, "TP size (ranks)")->check(CLI::Range(1, 64));
+    cmd->add_option("--layers", eo.layers, "attention layers")->check(CLI::Range(1, 1024));
+    cmd->add_option("--block-size", eo.block_size, "tokens per block");
+    cmd->add_option("--num-blocks", eo.num_blocks, "blocks per rank");
+    cmd->add_option("--slots", eo.slots, "Prefill's physical layer buffers (0: one per layer)");
+    cmd->add_option("--bytes-per-token", eo.bytes_per_token, "K, V, indexer[, scale]")
+        ->delimiter(',');
+    cmd->add_option("--token-budget", eo.token_budget, "tokens per step (chunked prefill)");
+  };
+  auto* prefill_cmd = app.add_subcommand("prefill", "A simulated Prefill engine (HTTP server)");
+  engine_options(prefill_cmd);
+  auto* decode_cmd = app.add_subcommand("decode", "A simulated Decode engine (HTTP server)");
+  engine_options(decode_cmd);
+  decode_cmd->add_option("--cached-tokens", eo.decode_cached_tokens,
+                         "tokens of each prompt held in a pretend local prefix cache");
+
   CLI11_PARSE(app, argc, argv);
+  if (prefill_cmd->parsed()) return rd2h::tools::run_engine(eo, rd2h::connector::KvRole::kProducer);
+  if (decode_cmd->parsed()) return rd2h::tools::run_engine(eo, rd2h::connector::KvRole::kConsumer);
   if (proxy->parsed()) return rd2h::tools::run_proxy(px);
   if (bench_layers->parsed()) return rd2h::tools::run_bench_layers(bl);
   if (pd_read->parsed()) return rd2h::tools::run_pd_read(pd);

@@ -1,5 +1,8 @@
 #include "rd2h/control/channel.h"
 
+#include <atomic>
+#include <cstring>
+
 #include <zmq.hpp>
 
 #include "rd2h/common/deadline.h"
@@ -16,6 +19,7 @@ struct RouterChannel::Impl {
 
 struct DealerChannel::Impl {
   zmq::socket_t socket;
+  zmq::socket_t monitor;  // PAIR receiving the DEALER's disconnect events
 };
 
 namespace {
@@ -142,15 +146,49 @@ Status RouterChannel::send(const std::string& identity, std::span<const std::byt
 DealerChannel::DealerChannel(std::shared_ptr<Context> context, std::unique_ptr<Impl> impl,
                              std::string url)
     : context_(std::move(context)), impl_(std::move(impl)), url_(std::move(url)) {}
-DealerChannel::~DealerChannel() = default;
+DealerChannel::~DealerChannel() {
+  if (impl_) zmq_socket_monitor(impl_->socket.handle(), nullptr, 0);
+}
+
+bool DealerChannel::connection_lost() {
+  bool lost = false;
+  try {
+    for (;;) {
+      zmq::message_t event;
+      if (!impl_->monitor.recv(event, zmq::recv_flags::dontwait)) break;
+      if (event.size() >= 2) {
+        uint16_t id = 0;
+        std::memcpy(&id, event.data(), sizeof(id));
+        lost = lost || id == ZMQ_EVENT_DISCONNECTED;
+      }
+      while (event.more()) {  // the event's second frame: the endpoint
+        if (!impl_->monitor.recv(event, zmq::recv_flags::dontwait)) break;
+      }
+    }
+  } catch (const zmq::error_t&) {
+    lost = true;
+  }
+  return lost;
+}
 
 Expected<std::unique_ptr<DealerChannel>> DealerChannel::connect(std::shared_ptr<Context> context,
                                                                 const std::string& url) {
   try {
     auto impl =
-        std::make_unique<Impl>(Impl{zmq::socket_t(context->impl().ctx, zmq::socket_type::dealer)});
+        std::make_unique<Impl>(Impl{zmq::socket_t(context->impl().ctx, zmq::socket_type::dealer),
+                                    zmq::socket_t(context->impl().ctx, zmq::socket_type::pair)});
     set_common_options(impl->socket);
     if (url.find('[') != std::string::npos) impl->socket.set(zmq::sockopt::ipv6, 1);
+    // A peer that goes away and comes back is reconnected by ZeroMQ behind our back, as a
+    // new connection the peer knows nothing of: watch for the disconnect.
+    static std::atomic<uint64_t> monitors{0};
+    const std::string monitor = "inproc://rd2h-dealer-monitor-" + std::to_string(monitors++);
+    if (zmq_socket_monitor(impl->socket.handle(), monitor.c_str(), ZMQ_EVENT_DISCONNECTED) != 0) {
+      return unreachable("cannot monitor the control DEALER to " + url + ": " +
+                         zmq_strerror(zmq_errno()));
+    }
+    impl->monitor.set(zmq::sockopt::linger, 0);
+    impl->monitor.connect(monitor);
     impl->socket.connect(url);
     return std::unique_ptr<DealerChannel>(
         new DealerChannel(std::move(context), std::move(impl), url));

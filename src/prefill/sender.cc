@@ -83,6 +83,7 @@ void Sender::run() {
         if (it != endpoints_.end() && it->second.dealer) receive(it->first, it->second);
       }
     }
+    for (auto& [url, ep] : endpoints_) drop_if_lost(url, ep);
     check_deadlines();
   }
   const std::string stopped = "the Prefill sender stopped";
@@ -114,6 +115,7 @@ void Sender::dispatch(Task task) {
     }
   }
   Endpoint& ep = endpoints_[task.url];
+  drop_if_lost(task.url, ep);  // never send on a connection the peer no longer knows
   if (!ep.dealer) {
     // A new connection, or one rebuilt after a failure: it starts with MF_META, since the
     // Decode side keys its metadata by connection.
@@ -193,6 +195,16 @@ void Sender::receive(const std::string& url, Endpoint& ep) {
     }
     settle(p.tickets, ok, reason, /*from_decode=*/true);
   }
+}
+
+bool Sender::drop_if_lost(const std::string& url, Endpoint& ep) {
+  if (!ep.dealer || !ep.dealer->connection_lost()) return false;
+  {
+    std::lock_guard lock(mu_);
+    ++stats_.connections_lost;
+  }
+  fail_endpoint(url, ep, "the connection to " + url + " closed (Decode restarted or died)");
+  return true;
 }
 
 void Sender::check_deadlines() {

@@ -2,10 +2,11 @@
 
 namespace rd2h::prefill {
 
-uint64_t SlotGate::open(int64_t layer_idx, size_t endpoints) {
+uint64_t SlotGate::open(int64_t layer_idx, size_t endpoints, uint64_t tag) {
   std::lock_guard lock(mu_);
   ++generation_;
   layer_ = layer_idx;
+  tag_ = tag;
   expected_ = endpoints;
   answered_ = 0;
   failure_.clear();
@@ -68,6 +69,11 @@ Status SlotGate::settle(const Deadline& deadline) {
 uint64_t SlotGate::generation() const {
   std::lock_guard lock(mu_);
   return generation_;
+}
+
+uint64_t SlotGate::tag() const {
+  std::lock_guard lock(mu_);
+  return tag_;
 }
 
 size_t SlotGate::ignored_answers() const {

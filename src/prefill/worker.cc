@@ -157,6 +157,7 @@ Status Worker::bind_step(std::vector<SendRequest> requests) {
     if (r.final_chunk) target->final_ids.push_back(r.ext_id);
   }
   targets_ = std::move(targets);
+  ++step_;
   return Status::ok();
 }
 
@@ -175,11 +176,14 @@ Status Worker::save_kv_layer(std::string_view layer_name, std::shared_ptr<WriteE
   const std::vector<SlotGate*> gates = gates_of(*found);
   const Deadline deadline(config_.send_timeout);
   for (SlotGate* gate : gates) {
-    RD2H_RETURN_IF_ERROR(gate->settle(deadline).with_context(
-        "layer " + std::to_string(layer.index) + " cannot take its storage slot"));
+    RD2H_RETURN_IF_ERROR(settle(*gate, deadline)
+                             .with_context("layer " + std::to_string(layer.index) +
+                                           " cannot take its storage slot"));
   }
   std::vector<GateTicket> tickets;
-  for (SlotGate* gate : gates) tickets.push_back({gate, gate->open(layer.index, sending.size())});
+  for (SlotGate* gate : gates) {
+    tickets.push_back({gate, gate->open(layer.index, sending.size(), step_)});
+  }
   for (const Target* t : sending) {
     protocol::ReadReadyBatch ready = t->ready;
     ready.layer_idx = layer.index;
@@ -197,8 +201,9 @@ Status Worker::wait_for_layer_send(std::string_view layer_name) {
   if (!found) return found.status();
   const Deadline deadline(config_.send_timeout);
   for (SlotGate* gate : gates_of(*found)) {
-    RD2H_RETURN_IF_ERROR(gate->settle(deadline).with_context("waiting for Decode to read " +
-                                                             std::string(layer_name)));
+    RD2H_RETURN_IF_ERROR(
+        settle(*gate, deadline)
+            .with_context("waiting for Decode to read " + std::string(layer_name)));
   }
   return Status::ok();
 }
@@ -208,11 +213,21 @@ Status Worker::wait_for_save() {
   Status first;
   for (auto* gates : {&main_gates_, &indexer_gates_}) {
     for (auto& gate : *gates) {
-      Status st = gate->settle(deadline);
+      Status st = settle(*gate, deadline);
       if (!st && first.is_ok()) first = st.with_context("waiting for Decode to read the step");
     }
   }
   return first;
+}
+
+Status Worker::settle(SlotGate& gate, const Deadline& deadline) {
+  Status st = gate.settle(deadline);
+  if (st.is_ok() || st.code() == StatusCode::kTimeout) return st;
+  const uint64_t step = gate.tag();
+  if (raised_steps_.count(step) != 0) return Status::ok();  // that step raised already
+  raised_steps_.insert(step);
+  while (raised_steps_.size() > 64) raised_steps_.erase(raised_steps_.begin());
+  return st;
 }
 
 WorkerStats Worker::stats() const {

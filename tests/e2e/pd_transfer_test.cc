@@ -222,7 +222,12 @@ TEST(PdTransfer, AKilledDecodeRankMakesPrefillWaitsFailInsteadOfHanging) {
   const auto results = c.run_step({{&second, {0, 2}, true}});
   EXPECT_TRUE(results[0].is_ok()) << results[0].to_string();
   ASSERT_FALSE(results[1].is_ok()) << "Prefill rank 1 waited on a dead Decode rank and passed";
-  EXPECT_NE(results[1].message().find("no answer"), std::string::npos) << results[1].message();
+  // Depending on when the sender notices: the connection closed, the readiness got no
+  // answer, or a new connection's MF_META got no ACK.
+  const std::string& why = results[1].message();
+  EXPECT_TRUE(why.find("closed (Decode restarted or died)") != std::string::npos ||
+              why.find("no answer") != std::string::npos || why.find("no ACK") != std::string::npos)
+      << why;
 }
 
 TEST(PdTransfer, SixtyOneLayersShareThreeSlotsAndNoSlotIsOverwrittenBeforeItIsRead) {

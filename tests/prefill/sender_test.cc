@@ -5,12 +5,14 @@
 
 #include "decode/kv_fixture.h"
 #include "rd2h/decode/reader.h"
+#include "support/http_server.h"
 
 namespace rd2h::prefill {
 namespace {
 
 using namespace std::chrono_literals;
 using namespace rd2h::testing;
+using rd2h::testing::eventually;
 
 const decode::AllGather kAlone =
     [](const decode::RankTerminal& mine) -> Expected<std::vector<decode::RankTerminal>> {
@@ -155,6 +157,30 @@ TEST_F(SenderTest, ARestartedDecodeGetsMfMetaAgainAndLaterLayersSucceed) {
   ASSERT_TRUE(st.is_ok()) << st.to_string();
   sync_with_reader();
   EXPECT_TRUE(decode_.holds(2, 0, 3, 1));
+  EXPECT_EQ(s->stats().mf_meta_sent, 2u);
+}
+
+TEST_F(SenderTest, ADecodeRestartedBetweenLayersIsToldMfMetaAgainBeforeTheNextLayer) {
+  start_reader(1);
+  const std::string url = reader_->url();
+  const int port = std::stoi(url.substr(url.rfind(':') + 1));
+  auto s = sender();
+  SlotGate gate;
+  ASSERT_TRUE(reader_->add_request("r", "i", {3, 4}, {3, 4}).is_ok());
+  ASSERT_TRUE(send_and_wait(*s, ready(0, {{"r", {1}, {1}, 0, 0}}), gate).is_ok());
+
+  // Decode restarts on the same port. ZeroMQ reconnects the DEALER to it by itself; the
+  // sender must notice, or the next layer reaches a Decode without its MF_META.
+  url_override_ = url;
+  reader_.reset();
+  ASSERT_TRUE(eventually([&] { return s->stats().connections_lost == 1; }))
+      << "the closed connection went unnoticed";
+  start_reader(1, port);
+  ASSERT_TRUE(reader_->add_request("r", "i", {3, 4}, {3, 4}).is_ok());
+  Status st = send_and_wait(*s, ready(1, {{"r", {2}, {2}, 1, 1}}), gate);
+  ASSERT_TRUE(st.is_ok()) << st.to_string();
+  sync_with_reader();
+  EXPECT_TRUE(decode_.holds(1, 0, 4, 2));
   EXPECT_EQ(s->stats().mf_meta_sent, 2u);
 }
 

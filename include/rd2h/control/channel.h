@@ -53,6 +53,11 @@ class RouterChannel {
   // Sends [identity, "", payload]. An identity with no live connection is an error.
   Status send(const std::string& identity, std::span<const std::byte> payload);
 
+  // Whether the connection to the peer closed since the last call. ZeroMQ reconnects on
+  // its own, but the peer then sees a new connection: whatever was said on the old one
+  // (MF_META) must be said again, and answers owed on it will not come.
+  bool connection_lost();
+
   const std::string& url() const { return url_; }
   size_t dropped() const { return dropped_; }
 
@@ -79,6 +84,11 @@ class DealerChannel {
   // The next payload, or nullopt when none arrives within `timeout`. Malformed replies are
   // dropped and counted.
   Expected<std::optional<std::vector<std::byte>>> receive(std::chrono::milliseconds timeout);
+
+  // Whether the connection to the peer closed since the last call. ZeroMQ reconnects on
+  // its own, but the peer then sees a new connection: whatever was said on the old one
+  // (MF_META) must be said again, and answers owed on it will not come.
+  bool connection_lost();
 
   const std::string& url() const { return url_; }
   size_t dropped() const { return dropped_; }

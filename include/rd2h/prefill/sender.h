@@ -34,7 +34,8 @@ struct SenderStats {
   uint64_t mf_meta_sent = 0;
   uint64_t readiness_sent = 0;
   uint64_t answers = 0;
-  uint64_t failures = 0;  // gate generations failed by the sender (timeouts, refusals)
+  uint64_t failures = 0;          // gate generations failed by the sender (timeouts, refusals)
+  uint64_t connections_lost = 0;  // Decode connections that closed under us
 };
 
 class Sender {
@@ -83,6 +84,9 @@ class Sender {
   void transmit(Endpoint& ep, Task task);
   void receive(const std::string& url, Endpoint& ep);
   void check_deadlines();
+  // Drops an endpoint whose connection closed (Decode restarted or died): what it owed fails,
+  // and the next readiness opens a new connection with MF_META. Returns whether it did.
+  bool drop_if_lost(const std::string& url, Endpoint& ep);
   // Fails every gate waiting on the endpoint and drops its connection.
   void fail_endpoint(const std::string& url, Endpoint& ep, const std::string& why);
   // Answers every ticket: ok, or failed with `why`. Counted as an answer when Decode gave

@@ -22,7 +22,8 @@ class SlotGate {
  public:
   // `layer_idx` now owns the slot and told `endpoints` Decode endpoints it is ready.
   // Returns the generation its answers must carry. Zero endpoints: the gate stays open.
-  uint64_t open(int64_t layer_idx, size_t endpoints);
+  // `tag` travels with the generation (the worker's step), for whoever settles it.
+  uint64_t open(int64_t layer_idx, size_t endpoints, uint64_t tag = 0);
 
   // One endpoint's answer (READ_DONE: ok; READ_FAILED: !ok with its reason). Answers for a
   // generation other than the current one, or beyond the expected count, are ignored.
@@ -41,6 +42,7 @@ class SlotGate {
   Status settle(const Deadline& deadline);
 
   uint64_t generation() const;
+  uint64_t tag() const;  // of the current generation
   size_t ignored_answers() const;
 
  private:
@@ -50,6 +52,7 @@ class SlotGate {
   std::condition_variable changed_;
   uint64_t generation_ = 0;
   int64_t layer_ = -1;
+  uint64_t tag_ = 0;
   size_t expected_ = 0;
   size_t answered_ = 0;
   std::string failure_;  // first failure of the current generation

@@ -12,6 +12,7 @@
 #include <chrono>
 #include <map>
 #include <memory>
+#include <set>
 #include <string>
 #include <string_view>
 #include <vector>
@@ -81,8 +82,9 @@ class Worker {
 
   // Returns once every Decode endpoint told about what the layer's physical slots hold now
   // answered: call it before overwriting a reused slot. An error names the layer and why.
-  // Each failure is raised once (by whichever of these three calls sees it first); the
-  // slot is free after it.
+  // A step raises at most one failure (by whichever of these three calls sees it first):
+  // once the compute path raised for a step, later failures of that step's layers only
+  // release their slots, so an aborted step's leftovers never fail the next one.
   Status wait_for_layer_send(std::string_view layer_name);
   // The same for every slot: the end of a forward pass.
   Status wait_for_save();
@@ -108,6 +110,9 @@ class Worker {
   Expected<size_t> find_layer(std::string_view name) const;
   // The gates of a layer's slots: main, then indexer when it has one.
   std::vector<SlotGate*> gates_of(size_t layer);
+  // Settles `gate` (see SlotGate::settle); a failure of a step that already raised is
+  // swallowed, any other marks its step raised.
+  Status settle(SlotGate& gate, const Deadline& deadline);
 
   WorkerConfig config_;
   std::shared_ptr<transfer::TransferEngine> engine_;
@@ -119,7 +124,9 @@ class Worker {
   uint64_t min_blocks_ = 0;  // block ids must be below it
   protocol::MfMeta mf_meta_;
   std::vector<Target> targets_;
-  WorkerStats stats_;  // compute thread only
+  uint64_t step_ = 0;                // bind_step count: the tag of this step's generations
+  std::set<uint64_t> raised_steps_;  // recent steps that raised a failure
+  WorkerStats stats_;                // compute thread only
   std::unique_ptr<Sender> sender_;
 };
 

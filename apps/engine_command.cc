@@ -1,0 +1,65 @@
+#include "engine_command.h"
+
+#include <csignal>
+#include <cstdio>
+
+#include "rd2h/sim/engine.h"
+
+namespace rd2h::tools {
+
+int run_engine(const EngineCommandOptions& o, connector::KvRole role) {
+  const char* name = role == connector::KvRole::kProducer ? "prefill" : "decode";
+  std::string text = o.kv_transfer_config;
+  if (text.empty()) {
+    text = std::string(R"({"kv_connector": "rd2h", "kv_port": 30000, "kv_role": ")") +
+           (role == connector::KvRole::kProducer ? "kv_producer" : "kv_consumer") + "\"}";
+  }
+  auto connector = connector::ConnectorConfig::from_json(text);
+  if (!connector) {
+    std::fprintf(stderr, "rd2h %s: %s\n", name, connector.status().to_string().c_str());
+    return 2;
+  }
+  if (connector->role != role) {
+    std::fprintf(stderr, "rd2h %s: kv_role in --kv-transfer-config is for the other side\n", name);
+    return 2;
+  }
+  sim::EngineConfig config;
+  config.connector = *connector;
+  config.tp_size = o.tp;
+  config.model.layers = o.layers;
+  config.model.block_size = o.block_size;
+  config.model.num_blocks = o.num_blocks;
+  config.model.prefill_slots = o.slots;
+  config.model.bytes_per_token = o.bytes_per_token;
+  config.token_budget = o.token_budget;
+  config.decode_cached_tokens = o.decode_cached_tokens;
+  config.host = o.host;
+  config.port = o.port;
+
+  sigset_t stop;
+  sigemptyset(&stop);
+  sigaddset(&stop, SIGINT);
+  sigaddset(&stop, SIGTERM);
+  pthread_sigmask(SIG_BLOCK, &stop, nullptr);
+  auto engine = sim::Engine::start(config);
+  if (!engine) {
+    std::fprintf(stderr, "rd2h %s: %s\n", name, engine.status().to_string().c_str());
+    return 1;
+  }
+  if (role == connector::KvRole::kConsumer) {
+    std::printf("rd2h %s: serving %s (kv base port %d, TP %d)\n", name, (*engine)->origin().c_str(),
+                (*engine)->kv_base_port(), o.tp);
+  } else {
+    std::printf("rd2h %s: serving %s (TP %d)\n", name, (*engine)->origin().c_str(), o.tp);
+  }
+  std::fflush(stdout);
+  int signal = 0;
+  sigwait(&stop, &signal);
+  const auto stats = (*engine)->stats();
+  std::printf("rd2h %s: stopping on signal %d after %llu requests (%llu failed)\n", name, signal,
+              static_cast<unsigned long long>(stats.requests),
+              static_cast<unsigned long long>(stats.failed_requests));
+  return 0;
+}
+
+}  // namespace rd2h::tools

@@ -1,0 +1,30 @@
+// rd2h prefill / rd2h decode: a simulated inference engine (include/rd2h/sim/engine.h) as
+// an HTTP server, driving the connector as a host engine would, until SIGINT or SIGTERM.
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "rd2h/connector/config.h"
+
+namespace rd2h::tools {
+
+struct EngineCommandOptions {
+  std::string kv_transfer_config;  // vLLM-style JSON; empty: rd2h defaults for the role
+  std::string host = "127.0.0.1";
+  int port = 0;
+  int tp = 1;
+  int layers = 61;
+  uint64_t block_size = 128;
+  uint64_t num_blocks = 256;
+  int slots = 3;  // Prefill's physical layer buffers
+  // Per token: MLA K (512 bf16) and V (64 bf16), indexer (128 int8), LIC8 scale (fp32).
+  std::vector<uint64_t> bytes_per_token{1024, 128, 128, 4};
+  uint64_t token_budget = 2048;
+  uint64_t decode_cached_tokens = 0;
+};
+
+int run_engine(const EngineCommandOptions& options, connector::KvRole role);
+
+}  // namespace rd2h::tools
