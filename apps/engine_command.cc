@@ -1,9 +1,9 @@
 #include "engine_command.h"
 
-#include <csignal>
 #include <cstdio>
 
 #include "rd2h/sim/engine.h"
+#include "stop_signal.h"
 
 namespace rd2h::tools {
 
@@ -36,11 +36,7 @@ int run_engine(const EngineCommandOptions& o, connector::KvRole role) {
   config.host = o.host;
   config.port = o.port;
 
-  sigset_t stop;
-  sigemptyset(&stop);
-  sigaddset(&stop, SIGINT);
-  sigaddset(&stop, SIGTERM);
-  pthread_sigmask(SIG_BLOCK, &stop, nullptr);
+  StopSignal stop;  // before the engine starts its threads
   auto engine = sim::Engine::start(config);
   if (!engine) {
     std::fprintf(stderr, "rd2h %s: %s\n", name, engine.status().to_string().c_str());
@@ -53,8 +49,7 @@ int run_engine(const EngineCommandOptions& o, connector::KvRole role) {
     std::printf("rd2h %s: serving %s (TP %d)\n", name, (*engine)->origin().c_str(), o.tp);
   }
   std::fflush(stdout);
-  int signal = 0;
-  sigwait(&stop, &signal);
+  const int signal = stop.wait();
   const auto stats = (*engine)->stats();
   std::printf("rd2h %s: stopping on signal %d after %llu requests (%llu failed)\n", name, signal,
               static_cast<unsigned long long>(stats.requests),
