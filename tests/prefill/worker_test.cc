@@ -130,3 +130,31 @@ TEST(PrefillWorker, ALayerIsPublishedOnlyAfterItsWriteEventCompletes) {
 
 }  // namespace
 }  // namespace rd2h::prefill
+
+namespace rd2h::prefill {
+namespace {
+
+TEST(PrefillWorker, AStepRaisesOnceAndItsLeftoverFailuresDoNotFailTheNextStep) {
+  ClusterShape shape;
+  shape.layers = 4;
+  shape.prefill_slots = 2;  // layers 0 and 2 share a slot, as do 1 and 3
+  Cluster c(shape);
+  const PdRequest bad{"bad", 0, {0, 1}, {0, 1}, {0, 1}, {0, 1}};
+  c.expect_request(bad);
+  c.decode_rank(0, 0).engine->fail_next_reads(100, transport_error("injected"));
+  const auto failed = c.run_step({{&bad, {0, 2}, true}});
+  ASSERT_FALSE(failed[0].is_ok()) << "the step did not raise";
+  EXPECT_NE(failed[0].message().find("injected"), std::string::npos) << failed[0].message();
+
+  // Layers 1 (and maybe more) of the failed step also failed, unseen: they must not fail
+  // the next step, which reuses their slots.
+  c.decode_rank(0, 0).engine->fail_next_reads(0, Status::ok());
+  const PdRequest good{"good", 0, {4, 5}, {4, 5}, {4, 5}, {4, 5}};
+  c.expect_request(good);
+  const auto next = c.run_step({{&good, {0, 2}, true}});
+  EXPECT_TRUE(next[0].is_ok()) << next[0].to_string();
+  for (int l = 0; l < shape.layers; ++l) EXPECT_TRUE(c.holds(good, l)) << "layer " << l;
+}
+
+}  // namespace
+}  // namespace rd2h::prefill
