@@ -92,12 +92,9 @@ void Client::run() {
 
 void Client::attempt(Job job) {
   httplib::Client http(job.url.origin);
-  const auto seconds = std::chrono::duration_cast<std::chrono::seconds>(config_.timeout);
-  const auto micros =
-      std::chrono::duration_cast<std::chrono::microseconds>(config_.timeout - seconds);
-  http.set_connection_timeout(seconds.count(), micros.count());
-  http.set_read_timeout(seconds.count(), micros.count());
-  http.set_write_timeout(seconds.count(), micros.count());
+  http.set_connection_timeout(config_.timeout);
+  http.set_read_timeout(config_.timeout);
+  http.set_write_timeout(config_.timeout);
   auto res = http.Post(job.url.path, job.body, "application/json");
 
   std::lock_guard lock(mu_);

@@ -36,11 +36,9 @@ std::string error_json(const std::string& message, int code) {
 }
 
 void set_timeouts(httplib::Client& c, std::chrono::milliseconds t) {
-  const auto s = std::chrono::duration_cast<std::chrono::seconds>(t);
-  const auto us = std::chrono::duration_cast<std::chrono::microseconds>(t - s);
-  c.set_connection_timeout(5, 0);
-  c.set_read_timeout(s.count(), us.count());
-  c.set_write_timeout(s.count(), us.count());
+  c.set_connection_timeout(std::chrono::seconds(5));
+  c.set_read_timeout(t);
+  c.set_write_timeout(t);
 }
 
 }  // namespace

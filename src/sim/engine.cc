@@ -386,12 +386,11 @@ Status Engine::Impl::step() {
       if (budget == 0) break;
     }
   }
-  auto meta = scheduler->build_metadata(scheduled);
-  if (!meta) return meta.status();
+  auto handed = scheduler->build_connector_meta(scheduled);
+  if (!handed) return handed.status();
+  const std::vector<std::byte> meta = connector::encode(*handed);  // as a host ships it
   bool waiting = false;
   for (auto& r : active) waiting = waiting || r->state == EngineRequest::State::kWaitingRemote;
-  auto handed = connector::decode_metadata(*meta);
-  if (!handed) return handed.status();
   const bool run_workers = !scheduled.empty() || waiting || !handed->empty();
   if (run_workers) {
     std::lock_guard lock(mu);
@@ -404,7 +403,7 @@ Status Engine::Impl::step() {
   if (run_workers)
     results = on_ranks([&](size_t k) -> Status {
       auto& w = *ranks[k].worker;
-      RD2H_RETURN_IF_ERROR(w.bind_connector_metadata(std::span<const std::byte>(*meta)));
+      RD2H_RETURN_IF_ERROR(w.bind_connector_metadata(std::span<const std::byte>(meta)));
       RD2H_RETURN_IF_ERROR(w.start_load_kv());
       Status first;
       for (int l = 0; l < config.model.layers && prefill && !writes.empty(); ++l) {
