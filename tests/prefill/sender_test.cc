@@ -141,6 +141,7 @@ TEST_F(SenderTest, ARestartedDecodeGetsMfMetaAgainAndLaterLayersSucceed) {
   const int port = std::stoi(url.substr(url.rfind(':') + 1));
   SenderConfig config;
   config.reply_timeout = 300ms;
+  config.ack_timeout = 300ms;  // a Decode that is away fails the layer quickly either way
   auto s = sender(config);
   SlotGate gate;
   ASSERT_TRUE(reader_->add_request("r", "i", {3}, {3}).is_ok());
@@ -157,7 +158,9 @@ TEST_F(SenderTest, ARestartedDecodeGetsMfMetaAgainAndLaterLayersSucceed) {
   ASSERT_TRUE(st.is_ok()) << st.to_string();
   sync_with_reader();
   EXPECT_TRUE(decode_.holds(2, 0, 3, 1));
-  EXPECT_EQ(s->stats().mf_meta_sent, 2u);
+  // Once to the first Decode, then on every new connection: layer 1 may already have gone
+  // on one (unacknowledged) if the sender saw the old connection close first.
+  EXPECT_GE(s->stats().mf_meta_sent, 2u);
 }
 
 TEST_F(SenderTest, ADecodeRestartedBetweenLayersIsToldMfMetaAgainBeforeTheNextLayer) {
