@@ -301,19 +301,25 @@ void Proxy::Impl::dispatch_prefill(std::shared_ptr<Parent> parent) {
   }
   size_t which;
   std::shared_ptr<httplib::Client> client;
+  bool stopped;
   {
     std::lock_guard lock(mu);
     ++stats.prefill_dispatches;
     which = least_loaded(prefill_load, prefill_cursor);
     client = std::make_shared<httplib::Client>(config.prefill[which]);
     set_timeouts(*client, config.upstream_timeout);
-    dispatch_clients.push_back(client);
-    if (stopping) client->stop();
+    dispatch_clients.push_back(client);  // the destructor stops it while in flight
+    stopped = stopping;
   }
-  auto r =
-      client->Post(parent->path, {{"X-Request-Id", parent->id}}, body.dump(), "application/json");
+  // Client::stop() only cuts a request in flight: one not started must not start.
+  httplib::Result r{nullptr, httplib::Error::Canceled};
+  if (!stopped) {
+    r = client->Post(parent->path, {{"X-Request-Id", parent->id}}, body.dump(), "application/json");
+  }
   std::string why;
-  if (!r) {
+  if (stopped) {
+    why = "the proxy is stopping";
+  } else if (!r) {
     why = "Prefill " + config.prefill[which] + " did not answer: " + httplib::to_string(r.error());
   } else if (r->status != 200) {
     why = "Prefill " + config.prefill[which] + " answered HTTP " + std::to_string(r->status) +
