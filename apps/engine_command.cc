@@ -2,6 +2,7 @@
 
 #include <cstdio>
 
+#include "rd2h/common/subprocess.h"
 #include "rd2h/sim/engine.h"
 #include "stop_signal.h"
 
@@ -35,6 +36,7 @@ int run_engine(const EngineCommandOptions& o, connector::KvRole role) {
   config.decode_cached_tokens = o.decode_cached_tokens;
   config.host = o.host;
   config.port = o.port;
+  config.worker_executable = self_executable();
 
   StopSignal stop;  // before the engine starts its threads
   auto engine = sim::Engine::start(config);

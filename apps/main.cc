@@ -6,6 +6,7 @@
 #include "engine_command.h"
 #include "pd_read.h"
 #include "proxy_command.h"
+#include "rd2h/sim/engine.h"
 
 int main(int argc, char** argv) {
   CLI::App app{"rd2h: layerwise KV-cache transfer for prefill/decode disaggregated serving"};
@@ -115,7 +116,15 @@ int main(int argc, char** argv) {
   decode_cmd->add_option("--cached-tokens", eo.decode_cached_tokens,
                          "tokens of each prompt held in a pretend local prefix cache");
 
+  std::string core_url;
+  int worker_rank = 0;
+  auto* worker_cmd = app.add_subcommand("worker", "One TP rank process of a prefill/decode engine");
+  worker_cmd->group("");  // started by the engine, not by hand
+  worker_cmd->add_option("--core", core_url, "the engine core's rank channel")->required();
+  worker_cmd->add_option("--rank", worker_rank, "TP rank")->required();
+
   CLI11_PARSE(app, argc, argv);
+  if (worker_cmd->parsed()) return rd2h::sim::run_rank_worker(core_url, worker_rank);
   if (prefill_cmd->parsed()) return rd2h::tools::run_engine(eo, rd2h::connector::KvRole::kProducer);
   if (decode_cmd->parsed()) return rd2h::tools::run_engine(eo, rd2h::connector::KvRole::kConsumer);
   if (proxy->parsed()) return rd2h::tools::run_proxy(px);

@@ -139,4 +139,28 @@ Expected<ConnectorConfig> ConnectorConfig::from_json(std::string_view text) {
   return c;
 }
 
+std::string ConnectorConfig::to_json() const {
+  json extra = {{"transfer_backend", transfer_backend},
+                {"transport", std::string(transfer::to_string(transport))},
+                {"use_layerwise", use_layerwise},
+                {"request_id_suffix_chars", request_ids.suffix_chars},
+                {"metaserver_attempts", metaserver_attempts},
+                {"ack_timeout_ms", ack_timeout.count()},
+                {"reply_timeout_ms", reply_timeout.count()},
+                {"send_timeout_ms", send_timeout.count()},
+                {"read_timeout_ms", read_timeout.count()},
+                {"hold_timeout_ms", hold_timeout.count()},
+                {"kv_arrival_timeout_ms", kv_arrival_timeout.count()},
+                {"metaserver_timeout_ms", metaserver_timeout.count()},
+                {"metaserver_resubmit_ms", metaserver_resubmit.count()}};
+  if (prefill_tp_size > 0) extra["prefill_tp_size"] = prefill_tp_size;
+  json j = {{"kv_connector", "rd2h"},
+            {"kv_role", role == KvRole::kProducer ? "kv_producer" : "kv_consumer"},
+            {"kv_port", kv_port},
+            {"engine_id", engine_id},
+            {"kv_ip", host},
+            {"kv_connector_extra_config", extra}};
+  return j.dump();
+}
+
 }  // namespace rd2h::connector

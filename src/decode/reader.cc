@@ -3,6 +3,8 @@
 #include <algorithm>
 #include <cstdio>
 
+#include "rd2h/common/trace.h"
+
 namespace rd2h::decode {
 
 Expected<std::unique_ptr<Reader>> Reader::start(ReaderConfig config,
@@ -288,10 +290,13 @@ Status Reader::read_layer(const std::string& identity, const protocol::ReadReady
   uint64_t bytes = 0;
   for (size_t n : length) bytes += n;
   const auto start = std::chrono::steady_clock::now();
+  const int64_t start_us = trace::now_us();
   Status st = engine_->batch_read_sync(peer->second.session, local, remote, length);
   const auto ns =
       std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now() - start)
           .count();
+  trace::span(st.is_ok() ? "read" : "read failed", "reader", start_us, trace::now_us(),
+              ready.layer_idx, bytes);
   std::lock_guard lock(mu_);
   ++stats_.reads;
   stats_.read_ns += static_cast<uint64_t>(ns);

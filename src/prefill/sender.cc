@@ -3,6 +3,8 @@
 #include <sys/eventfd.h>
 #include <unistd.h>
 
+#include "rd2h/common/trace.h"
+
 namespace rd2h::prefill {
 
 namespace {
@@ -145,6 +147,7 @@ void Sender::transmit(Endpoint& ep, Task task) {
   }
   ep.pending.push_back(
       {task.ready.layer_idx, std::move(task.tickets), Clock::now() + config_.reply_timeout});
+  trace::instant("readiness", "sender", task.ready.layer_idx);
   std::lock_guard lock(mu_);
   ++stats_.readiness_sent;
 }
@@ -193,6 +196,7 @@ void Sender::receive(const std::string& url, Endpoint& ep) {
                            "answer for layer " + std::to_string(layer) + " while layer " +
                                std::to_string(p.layer_idx) + " was expected from " + url);
     }
+    trace::instant(ok ? "answer" : "read failed", "sender", p.layer_idx);
     settle(p.tickets, ok, reason, /*from_decode=*/true);
   }
 }

@@ -4,33 +4,30 @@
 
 #include <algorithm>
 #include <condition_variable>
-#include <cstdlib>
-#include <cstring>
 #include <deque>
-#include <functional>
 #include <future>
-#include <map>
 #include <mutex>
 #include <nlohmann/json.hpp>
+#include <optional>
 #include <random>
 #include <set>
 #include <thread>
 
-#include "rd2h/common/pattern.h"
+#include "kv_model.h"
+#include "rank_set.h"
+#include "rd2h/common/trace.h"
+#include "rd2h/connector/metadata.h"
 #include "rd2h/connector/scheduler.h"
-#include "rd2h/connector/worker.h"
-#include "rd2h/decode/local_all_gather.h"
+#include "shared_pool.h"
+#include "sim_message.h"
 
 namespace rd2h::sim {
 
 using nlohmann::json;
-using Clock = std::chrono::steady_clock;
 
 namespace {
 
-std::string layer_name(int l) {
-  return "model.layers." + std::to_string(l) + ".self_attn";
-}
+constexpr std::chrono::seconds kRankStartTimeout{60};
 
 std::string random_hex(size_t n) {
   thread_local std::mt19937_64 rng(std::random_device{}());
@@ -39,77 +36,6 @@ std::string random_hex(size_t n) {
   for (auto& c : s) c = digits[rng() & 15];
   return s;
 }
-
-// What block `index` of a prompt holds in `layer`, tensor `t`: a function of its tokens.
-uint64_t kv_key(const std::vector<int64_t>& tokens, uint64_t block_size, size_t index, int layer,
-                size_t t) {
-  uint64_t h = 0xcbf29ce484222325ULL;
-  const size_t end = std::min(tokens.size(), (index + 1) * block_size);
-  for (size_t k = index * block_size; k < end; ++k) {
-    h ^= static_cast<uint64_t>(tokens[k]);
-    h *= 0x100000001b3ULL;
-  }
-  return splitmix64(h ^ (static_cast<uint64_t>(layer) << 40) ^ (static_cast<uint64_t>(t) << 32) ^
-                    index);
-}
-
-// A thread that runs one job at a time for the core.
-class RankThread {
- public:
-  RankThread() : thread_([this] { run(); }) {}
-  ~RankThread() {
-    {
-      std::lock_guard lock(mu_);
-      stopping_ = true;
-    }
-    cv_.notify_all();
-    thread_.join();
-  }
-  std::future<Status> post(std::function<Status()> job) {
-    std::packaged_task<Status()> task(std::move(job));
-    auto f = task.get_future();
-    {
-      std::lock_guard lock(mu_);
-      jobs_.push_back(std::move(task));
-    }
-    cv_.notify_all();
-    return f;
-  }
-
- private:
-  void run() {
-    std::unique_lock lock(mu_);
-    while (true) {
-      cv_.wait(lock, [&] { return stopping_ || !jobs_.empty(); });
-      if (jobs_.empty()) return;
-      auto job = std::move(jobs_.front());
-      jobs_.pop_front();
-      lock.unlock();
-      job();
-      lock.lock();
-    }
-  }
-  std::mutex mu_;
-  std::condition_variable cv_;
-  std::deque<std::packaged_task<Status()>> jobs_;
-  bool stopping_ = false;
-  std::thread thread_;
-};
-
-struct Aligned {
-  struct Free {
-    void operator()(std::byte* p) const { std::free(p); }
-  };
-  std::unique_ptr<std::byte, Free> data;
-  size_t size = 0;
-  explicit Aligned(size_t n = 0) : size(n) {
-    if (n == 0) return;
-    const size_t rounded = (n + 4095) / 4096 * 4096;
-    data.reset(static_cast<std::byte*>(std::aligned_alloc(4096, rounded)));
-    std::memset(data.get(), 0, rounded);
-  }
-  uint64_t addr() const { return reinterpret_cast<uint64_t>(data.get()); }
-};
 
 }  // namespace
 
@@ -122,6 +48,7 @@ struct Result {
 
 struct EngineRequest {
   connector::Request request;  // id, prompt length, params, tokens
+  std::string ext_id;          // the id both sides share (the client's, per prompt)
   uint64_t max_tokens = 16;
   std::vector<int64_t> blocks;
   uint64_t computed = 0;   // prompt tokens with KV
@@ -129,22 +56,30 @@ struct EngineRequest {
   enum class State { kWaitingRemote, kRunning } state = State::kRunning;
   uint64_t verified_blocks = 0;
   std::promise<Result> done;
+  // Decode: the first token exists (or the request ended without one); streams wait for it.
+  std::mutex progress_mu;
+  std::condition_variable progress_cv;
+  bool first_token = false;
+  bool ended = false;
+
+  void progress(bool token) {
+    {
+      std::lock_guard lock(progress_mu);
+      (token ? first_token : ended) = true;
+    }
+    progress_cv.notify_all();
+  }
 };
 
 struct Engine::Impl {
   EngineConfig config;
   bool prefill = false;
-  std::vector<uint64_t> block_bytes;  // per tensor
+  std::unique_ptr<KvModel> model;
   std::unique_ptr<connector::Scheduler> scheduler;
-  struct Rank {
-    std::unique_ptr<connector::ConnectorWorker> worker;
-    uint64_t kv = 0;  // Prefill: engine-allocated slots
-    Aligned indexer;  // Decode: indexer (and scale) of every layer
-    std::unique_ptr<RankThread> thread;
-  };
-  std::vector<Rank> ranks;
-  Aligned main_pool;  // Decode: K and V of every layer, shared by the ranks
-  std::unique_ptr<decode::LocalAllGather> gather;
+  std::unique_ptr<RankSet> ranks;
+  std::optional<SharedPool> pool;  // Decode: main KV of every layer, shared by the ranks
+  bool corrupt_pending = false;
+  uint64_t checksum = 0;  // Decode's reads of its pool while decoding
 
   httplib::Server http;
   std::thread http_thread;
@@ -158,79 +93,53 @@ struct Engine::Impl {
   std::thread core;
 
   std::vector<int64_t> free_blocks;
+  std::deque<std::shared_ptr<EngineRequest>> waiting_blocks;  // admitted once blocks free up
   std::vector<std::shared_ptr<EngineRequest>> active;
 
-  int slots() const {
-    return config.model.prefill_slots > 0 ? config.model.prefill_slots : config.model.layers;
-  }
-  uint64_t prefill_addr(const Rank& r, int layer, size_t t, int64_t block) const {
-    const uint64_t n = config.model.num_blocks;
-    uint64_t per_slot = 0;
-    for (auto b : block_bytes) per_slot += b * n;
-    uint64_t off = static_cast<uint64_t>(layer % slots()) * per_slot;
-    for (size_t k = 0; k < t; ++k) off += block_bytes[k] * n;
-    return r.kv + off + static_cast<uint64_t>(block) * block_bytes[t];
-  }
-  uint64_t decode_addr(const Rank& r, int layer, size_t t, int64_t block) const {
-    const uint64_t n = config.model.num_blocks;
-    if (t < 2) {
-      const uint64_t per_layer = (block_bytes[0] + block_bytes[1]) * n;
-      return main_pool.addr() + static_cast<uint64_t>(layer) * per_layer +
-             (t == 0 ? 0 : block_bytes[0] * n) + static_cast<uint64_t>(block) * block_bytes[t];
-    }
-    uint64_t per_layer = 0;
-    for (size_t k = 2; k < block_bytes.size(); ++k) per_layer += block_bytes[k] * n;
-    uint64_t off = static_cast<uint64_t>(layer) * per_layer;
-    for (size_t k = 2; k < t; ++k) off += block_bytes[k] * n;
-    return r.indexer.addr() + off + static_cast<uint64_t>(block) * block_bytes[t];
-  }
-  std::vector<layout::CacheLayer> cache_layers(const Rank& r) const {
-    std::vector<layout::CacheLayer> out;
-    for (int l = 0; l < config.model.layers; ++l) {
-      layout::CacheLayer layer{layer_name(l), {}, 2, block_bytes.size() > 2};
-      for (size_t t = 0; t < block_bytes.size(); ++t) {
-        const uint64_t addr = prefill ? prefill_addr(r, l, t, 0) : decode_addr(r, l, t, 0);
-        layer.tensors.push_back(
-            {addr, block_bytes[t] * config.model.num_blocks, block_bytes[t], 1, t < 2 ? 0u : 1u});
-      }
-      out.push_back(std::move(layer));
-    }
-    return out;
+  std::chrono::milliseconds job_timeout() const {
+    return config.request_timeout + config.connector.send_timeout;
   }
 
   Status init();
   void serve(const httplib::Request& req, httplib::Response& res, bool chat);
+  void report(httplib::Response& res);
   void run_core();
   void admit(const std::shared_ptr<EngineRequest>& r);
   Status step();
   void complete(const std::shared_ptr<EngineRequest>& r, Result result);
-  // Writes (Prefill compute, or Decode's own cached prefix) blocks [first, last) of `r`.
-  // On Decode the main tensors live in the pool the ranks share: only rank 0 writes them.
-  void write_blocks(Rank& rank, int layer, const EngineRequest& r, size_t first, size_t last,
-                    bool decode_side, bool main_tensors = true);
-  uint64_t verify(const EngineRequest& r, size_t first, size_t last, std::string* why);
-  std::vector<Status> on_ranks(const std::function<Status(size_t)>& job);
+  // Blocks [first, last) of `r` as a rank job names them.
+  json blocks_json(const EngineRequest& r, size_t first, size_t last) const;
+  Status verify(EngineRequest& r);
+  void decode_token(EngineRequest& r);
 };
 
-std::vector<Status> Engine::Impl::on_ranks(const std::function<Status(size_t)>& job) {
-  std::vector<std::future<Status>> futures;
-  for (size_t r = 0; r < ranks.size(); ++r) {
-    futures.push_back(ranks[r].thread->post([&job, r] { return job(r); }));
-  }
-  std::vector<Status> out;
-  for (auto& f : futures) out.push_back(f.get());
-  return out;
+json Engine::Impl::blocks_json(const EngineRequest& r, size_t first, size_t last) const {
+  const uint64_t bs = config.model.block_size;
+  const auto& tokens = r.request.prompt_token_ids;
+  last = std::min(last, r.blocks.size());
+  const size_t begin = std::min(tokens.size(), first * bs);
+  const size_t end = std::min(tokens.size(), last * bs);
+  return {{"req", r.ext_id},
+          {"first", first},
+          {"blocks", std::vector<int64_t>(r.blocks.begin() + static_cast<long>(first),
+                                          r.blocks.begin() + static_cast<long>(last))},
+          {"tokens", std::vector<int64_t>(tokens.begin() + static_cast<long>(begin),
+                                          tokens.begin() + static_cast<long>(end))}};
 }
 
 Status Engine::Impl::init() {
   const auto& m = config.model;
-  for (auto b : m.bytes_per_token) block_bytes.push_back(b * m.block_size);
-  if (m.layers < 1 || m.block_size == 0 || m.num_blocks == 0 || block_bytes.size() < 2 ||
-      std::find(block_bytes.begin(), block_bytes.end(), 0u) != block_bytes.end()) {
+  if (m.layers < 1 || m.block_size == 0 || m.num_blocks == 0 || m.bytes_per_token.size() < 2 ||
+      std::find(m.bytes_per_token.begin(), m.bytes_per_token.end(), 0u) !=
+          m.bytes_per_token.end()) {
     return invalid_argument(
         "model layout: layers, block size, blocks and tensor sizes must be set");
   }
+  if (config.tp_size < 1) return invalid_argument("TP size must be at least 1");
   prefill = config.connector.role == connector::KvRole::kProducer;
+  model = std::make_unique<KvModel>(m, prefill);
+  corrupt_pending = prefill && config.test_corrupt_layer >= 0;
+  trace::set_enabled(config.trace);
   connector::Parallel parallel{config.tp_size, 1, 1, 0};
   connector::KvCacheGroup group{{}, m.block_size};
   for (int l = 0; l < m.layers; ++l) group.layer_names.push_back(layer_name(l));
@@ -238,76 +147,59 @@ Status Engine::Impl::init() {
   if (!s) return s.status();
   scheduler = std::move(*s);
   if (!prefill) {
-    main_pool =
-        Aligned((block_bytes[0] + block_bytes[1]) * m.num_blocks * static_cast<uint64_t>(m.layers));
+    auto p = SharedPool::create(model->main_pool_bytes());
+    if (!p) return p.status();
+    pool = std::move(*p);
+    stats.main_pool_locked = pool->lock();
   }
-  gather = std::make_unique<decode::LocalAllGather>(config.tp_size);
-  for (int r = 0; r < config.tp_size; ++r) {
-    transfer::EngineConfig ec;
-    ec.role = prefill ? transfer::Role::kPrefill : transfer::Role::kDecode;
-    ec.device_id = r;
-    ec.transport = config.connector.transport;
-    ec.read_timeout = config.connector.read_timeout;
-    auto engine = transfer::create_ucx_engine(ec);
-    if (!engine) return engine.status();
-    std::shared_ptr<transfer::TransferEngine> shared(std::move(*engine));
-    Rank rank;
-    if (prefill) {
-      uint64_t per_slot = 0;
-      for (auto b : block_bytes) per_slot += b * m.num_blocks;
-      auto region = shared->allocate_memory(per_slot * static_cast<uint64_t>(slots()));
-      if (!region) return region.status();
-      rank.kv = reinterpret_cast<uint64_t>(region->addr);
-    } else {
-      uint64_t per_layer = 0;
-      for (size_t k = 2; k < block_bytes.size(); ++k) per_layer += block_bytes[k] * m.num_blocks;
-      rank.indexer = Aligned(per_layer * static_cast<uint64_t>(m.layers));
+  if (config.worker_executable.empty()) {
+    return invalid_argument(
+        "worker_executable: the rd2h binary the TP rank processes run is not set");
+  }
+  auto set = RankSet::start(config.worker_executable, config.tp_size, kRankStartTimeout);
+  if (!set) return set.status();
+  ranks = std::move(*set);
+
+  json init = {{"op", "init"},
+               {"tp", config.tp_size},
+               {"trace", config.trace},
+               {"connector", config.connector.to_json()},
+               {"layers", m.layers},
+               {"block_size", m.block_size},
+               {"bytes_per_token", m.bytes_per_token},
+               {"num_blocks", m.num_blocks},
+               {"slots", m.prefill_slots},
+               {"compute_ns_per_token", config.compute_ns_per_token},
+               {"compute_min_layer_us", config.compute_min_layer_us},
+               {"corrupt_layer", config.test_corrupt_layer},
+               {"host", config.connector.host}};
+  if (pool) init["pool"] = pool->name();
+  // Decode rank 0 binds the group's all-gather before the others connect to it.
+  std::vector<json> first(ranks->size());
+  first[0] = init;
+  first[0]["rank"] = 0;
+  auto r0 = ranks->call(first, kRankStartTimeout);
+  if (!r0) return r0.status();
+  if (!(*r0)[0].value("ok", false)) {
+    return internal_error("TP rank 0: " + (*r0)[0].value("error", std::string()));
+  }
+  std::vector<json> rest(ranks->size());
+  for (size_t k = 1; k < rest.size(); ++k) {
+    rest[k] = init;
+    rest[k]["rank"] = k;
+    rest[k]["gather"] = (*r0)[0].value("gather", std::string());
+  }
+  auto rn = ranks->call(rest, kRankStartTimeout);
+  if (!rn) return rn.status();
+  for (size_t k = 1; k < rest.size(); ++k) {
+    if (!(*rn)[k].value("ok", false)) {
+      return internal_error("TP rank " + std::to_string(k) + ": " +
+                            (*rn)[k].value("error", std::string()));
     }
-    auto w = connector::ConnectorWorker::create(config.connector, parallel, r, shared);
-    if (!w) return w.status();
-    rank.worker = std::move(*w);
-    RD2H_RETURN_IF_ERROR(rank.worker->register_kv_caches(cache_layers(rank), prefill));
-    rank.thread = std::make_unique<RankThread>();
-    ranks.push_back(std::move(rank));
   }
+  if (pool) pool->unlink();  // every rank mapped it: nothing is left behind after a crash
   for (int64_t b = static_cast<int64_t>(m.num_blocks) - 1; b >= 0; --b) free_blocks.push_back(b);
   return Status::ok();
-}
-
-void Engine::Impl::write_blocks(Rank& rank, int layer, const EngineRequest& r, size_t first,
-                                size_t last, bool decode_side, bool main_tensors) {
-  const auto& tokens = r.request.prompt_token_ids;
-  for (size_t i = first; i < last && i < r.blocks.size(); ++i) {
-    for (size_t t = main_tensors ? 0 : 2; t < block_bytes.size(); ++t) {
-      const uint64_t addr = decode_side ? decode_addr(rank, layer, t, r.blocks[i])
-                                        : prefill_addr(rank, layer, t, r.blocks[i]);
-      fill_pattern(reinterpret_cast<void*>(addr), block_bytes[t],
-                   kv_key(tokens, config.model.block_size, i, layer, t));
-    }
-  }
-}
-
-uint64_t Engine::Impl::verify(const EngineRequest& r, size_t first, size_t last, std::string* why) {
-  const auto& tokens = r.request.prompt_token_ids;
-  uint64_t ok = 0;
-  for (size_t i = first; i < last && i < r.blocks.size(); ++i) {
-    for (int l = 0; l < config.model.layers; ++l) {
-      for (size_t k = 0; k < ranks.size(); ++k) {
-        for (size_t t = 0; t < block_bytes.size(); ++t) {
-          if (t < 2 && k > 0) continue;  // main KV: one shared pool
-          const uint64_t addr = decode_addr(ranks[k], l, t, r.blocks[i]);
-          if (find_pattern_mismatch(reinterpret_cast<const void*>(addr), block_bytes[t],
-                                    kv_key(tokens, config.model.block_size, i, l, t))) {
-            *why = "block " + std::to_string(i) + " of layer " + std::to_string(l) + ", tensor " +
-                   std::to_string(t) + ", rank " + std::to_string(k) + " does not hold its KV";
-            return ok;
-          }
-        }
-      }
-      ++ok;
-    }
-  }
-  return ok;
 }
 
 void Engine::Impl::complete(const std::shared_ptr<EngineRequest>& r, Result result) {
@@ -320,6 +212,7 @@ void Engine::Impl::complete(const std::shared_ptr<EngineRequest>& r, Result resu
     stats.verified_blocks += result.verified_blocks;
   }
   r->done.set_value(std::move(result));
+  r->progress(false);
   active.erase(std::remove(active.begin(), active.end(), r), active.end());
 }
 
@@ -327,11 +220,6 @@ void Engine::Impl::admit(const std::shared_ptr<EngineRequest>& r) {
   const uint64_t bs = config.model.block_size;
   const uint64_t prompt = r->request.num_prompt_tokens;
   const uint64_t need = (prompt + (prefill ? 0 : r->max_tokens) + bs - 1) / bs;
-  if (need > free_blocks.size()) {
-    return complete(r, {false, "",
-                        "the engine has " + std::to_string(free_blocks.size()) +
-                            " free blocks, the request needs " + std::to_string(need)});
-  }
   r->blocks.assign(free_blocks.end() - static_cast<long>(need), free_blocks.end());
   free_blocks.resize(free_blocks.size() - need);
   active.push_back(r);
@@ -347,12 +235,9 @@ void Engine::Impl::admit(const std::shared_ptr<EngineRequest>& r) {
   // Decode: a local prefix cache holds the first whole blocks; the rest comes from Prefill.
   uint64_t cached = std::min(config.decode_cached_tokens, prompt > 0 ? prompt - 1 : 0) / bs * bs;
   if (cached > 0) {
-    on_ranks([&](size_t k) {
-      for (int l = 0; l < config.model.layers; ++l) {
-        write_blocks(ranks[k], l, *r, 0, cached / bs, true, /*main_tensors=*/k == 0);
-      }
-      return Status::ok();
-    });
+    auto written = ranks->call_all({{"op", "write"}, {"writes", {blocks_json(*r, 0, cached / bs)}}},
+                                   job_timeout());
+    if (!written) return complete(r, {false, "", written.status().message()});
   }
   const auto matched = scheduler->get_num_new_matched_tokens(r->request, cached);
   if (Status st = scheduler->update_state_after_alloc(r->request, {r->blocks}, matched.tokens);
@@ -364,6 +249,39 @@ void Engine::Impl::admit(const std::shared_ptr<EngineRequest>& r) {
       matched.load_async ? EngineRequest::State::kWaitingRemote : EngineRequest::State::kRunning;
 }
 
+Status Engine::Impl::verify(EngineRequest& r) {
+  const size_t blocks =
+      (r.request.num_prompt_tokens + config.model.block_size - 1) / config.model.block_size;
+  auto replies =
+      ranks->call_all({{"op", "verify"}, {"writes", {blocks_json(r, 0, blocks)}}}, job_timeout());
+  if (!replies) return replies.status();
+  for (const auto& reply : *replies) {
+    if (!reply.value("ok", false)) {
+      return internal_error("KV check failed: " + reply.value("error", std::string()));
+    }
+  }
+  r.verified_blocks = blocks * static_cast<uint64_t>(config.model.layers);
+  return Status::ok();
+}
+
+void Engine::Impl::decode_token(EngineRequest& r) {
+  // "Attention" over the request's KV: one block of one layer per token, K and V, read
+  // from the pool the ranks share.
+  const size_t blocks =
+      (r.request.num_prompt_tokens + config.model.block_size - 1) / config.model.block_size;
+  const int layer = static_cast<int>(r.generated % static_cast<uint64_t>(config.model.layers));
+  const int64_t block = r.blocks[r.generated % blocks];
+  for (size_t t = 0; t < 2; ++t) {
+    const auto* p =
+        reinterpret_cast<const uint64_t*>(pool->data() + model->decode_offset(layer, t, block));
+    for (size_t i = 0; i < model->block_bytes()[t] / 8; ++i) checksum += p[i];
+  }
+  if (++r.generated == 1) {
+    trace::instant("first token", "core", -1, r.ext_id);
+    r.progress(true);
+  }
+}
+
 Status Engine::Impl::step() {
   std::vector<connector::ScheduledRequest> scheduled;
   struct Write {
@@ -371,6 +289,7 @@ Status Engine::Impl::step() {
     size_t first, last;
   };
   std::vector<Write> writes;
+  uint64_t step_tokens = 0;
   const uint64_t bs = config.model.block_size;
   if (prefill) {
     uint64_t budget = config.token_budget;
@@ -381,6 +300,7 @@ Status Engine::Impl::step() {
       const uint64_t before = r->computed;
       r->computed += chunk;
       budget -= chunk;
+      step_tokens += chunk;
       scheduled.push_back({r->request.request_id, {}, r->computed});
       writes.push_back({r, before / bs, (r->computed + bs - 1) / bs});
       if (budget == 0) break;
@@ -391,46 +311,54 @@ Status Engine::Impl::step() {
   const std::vector<std::byte> meta = connector::encode(*handed);  // as a host ships it
   bool waiting = false;
   for (auto& r : active) waiting = waiting || r->state == EngineRequest::State::kWaitingRemote;
-  const bool run_workers = !scheduled.empty() || waiting || !handed->empty();
-  if (run_workers) {
+  if (scheduled.empty() && !waiting && handed->empty()) {
+    if (!prefill) {
+      for (auto r : std::vector<std::shared_ptr<EngineRequest>>(active)) {
+        decode_token(*r);
+        if (r->generated >= r->max_tokens) {
+          complete(r, {true, std::string(r->max_tokens, 'y'), "", r->verified_blocks});
+        }
+      }
+    }
+    return Status::ok();
+  }
+  {
     std::lock_guard lock(mu);
     ++stats.steps;
     stats.prefill_chunks += scheduled.size();
   }
-  std::vector<connector::FinishedTransfers> finished(ranks.size());
-  std::vector<std::vector<int64_t>> errors(ranks.size());
-  std::vector<Status> results;
-  if (run_workers)
-    results = on_ranks([&](size_t k) -> Status {
-      auto& w = *ranks[k].worker;
-      RD2H_RETURN_IF_ERROR(w.bind_connector_metadata(std::span<const std::byte>(meta)));
-      RD2H_RETURN_IF_ERROR(w.start_load_kv());
-      Status first;
-      for (int l = 0; l < config.model.layers && prefill && !writes.empty(); ++l) {
-        RD2H_RETURN_IF_ERROR(w.wait_for_layer_load(layer_name(l)));
-        RD2H_RETURN_IF_ERROR(w.wait_for_layer_send(layer_name(l)));
-        for (const auto& wr : writes) write_blocks(ranks[k], l, *wr.r, wr.first, wr.last, false);
-        RD2H_RETURN_IF_ERROR(w.save_kv_layer(layer_name(l)));
-      }
-      Status saved = w.wait_for_save();
-      w.clear_connector_metadata();
-      if (!prefill) {
-        auto f = w.get_finished(gather->for_rank(static_cast<int>(k)));
-        if (!f) return f.status();
-        finished[k] = std::move(*f);
-        errors[k] = w.get_block_ids_with_load_errors();
-      }
-      return saved;
-    });
+  json job = {{"op", "step"},
+              {"meta", json::binary(std::vector<uint8_t>(
+                           reinterpret_cast<const uint8_t*>(meta.data()),
+                           reinterpret_cast<const uint8_t*>(meta.data()) + meta.size()))},
+              {"tokens", step_tokens},
+              {"writes", json::array()}};
+  for (const auto& w : writes) job["writes"].push_back(blocks_json(*w.r, w.first, w.last));
+  if (corrupt_pending && !writes.empty() &&
+      writes.front().r->computed == writes.front().r->request.num_prompt_tokens) {
+    job["corrupt"] = true;
+    corrupt_pending = false;
+  }
+  auto replies = ranks->call_all(job, job_timeout());
+  if (!replies) return replies.status();
   Status failure;
-  for (const auto& st : results) {
-    if (!st && failure.is_ok()) failure = st;
+  int64_t compute_end_us = 0;
+  for (size_t k = 0; k < replies->size(); ++k) {
+    const json& reply = (*replies)[k];
+    if (!reply.value("ok", false) && failure.is_ok()) {
+      failure = internal_error("TP rank " + std::to_string(k) + ": " +
+                               reply.value("error", std::string()));
+    }
+    compute_end_us = std::max(compute_end_us, reply.value("compute_end_us", int64_t{0}));
   }
   if (prefill) {
     for (const auto& wr : writes) {
       if (!failure.is_ok()) {
         complete(wr.r, {false, "", failure.message()});
       } else if (wr.r->computed == wr.r->request.num_prompt_tokens) {
+        if (trace::enabled()) {
+          trace::record({"prefill done", "core", compute_end_us, -1, -1, -1, 0, wr.r->ext_id});
+        }
         complete(wr.r, {true, "x", "", 0});  // the one token Prefill is asked for
       }
     }
@@ -438,14 +366,15 @@ Status Engine::Impl::step() {
   }
   if (!failure.is_ok()) return failure;
   std::set<int64_t> bad;
-  for (const auto& e : errors) bad.insert(e.begin(), e.end());
-  const std::set<std::string> ready(
-      finished.empty()
-          ? std::set<std::string>{}
-          : std::set<std::string>(finished[0].recving.begin(), finished[0].recving.end()));
+  for (const auto& reply : *replies) {
+    for (int64_t b : reply.value("load_errors", std::vector<int64_t>{})) bad.insert(b);
+  }
+  const auto recving = (*replies)[0].value("recving", std::vector<std::string>{});
+  const std::set<std::string> ready(recving.begin(), recving.end());
   for (auto r : std::vector<std::shared_ptr<EngineRequest>>(active)) {
     if (r->state == EngineRequest::State::kWaitingRemote) {
       if (ready.count(r->request.request_id) == 0) continue;
+      trace::instant("kv ready", "core", -1, r->ext_id);
       const size_t blocks = (r->request.num_prompt_tokens + bs - 1) / bs;
       bool failed_load = false;
       for (size_t i = 0; i < blocks; ++i) failed_load = failed_load || bad.count(r->blocks[i]);
@@ -453,17 +382,16 @@ Status Engine::Impl::step() {
         complete(r, {false, "", "the KV of the request failed to load"});
         continue;
       }
-      std::string why;
-      r->verified_blocks = verify(*r, 0, blocks, &why);
-      if (!why.empty()) {
-        complete(r, {false, "", "KV check failed: " + why});
+      if (Status st = verify(*r); !st) {
+        complete(r, {false, "", st.message()});
         continue;
       }
       r->computed = r->request.num_prompt_tokens;
       r->state = EngineRequest::State::kRunning;
       continue;
     }
-    if (++r->generated >= r->max_tokens) {
+    decode_token(*r);
+    if (r->generated >= r->max_tokens) {
       complete(r, {true, std::string(r->max_tokens, 'y'), "", r->verified_blocks});
     }
   }
@@ -471,6 +399,7 @@ Status Engine::Impl::step() {
 }
 
 void Engine::Impl::run_core() {
+  const uint64_t bs = config.model.block_size;
   while (true) {
     std::deque<std::shared_ptr<EngineRequest>> fresh;
     {
@@ -481,7 +410,27 @@ void Engine::Impl::run_core() {
       if (stopping) break;
       fresh.swap(incoming);
     }
-    for (auto& r : fresh) admit(r);
+    for (auto& r : fresh) {
+      const uint64_t need =
+          (r->request.num_prompt_tokens + (prefill ? 0 : r->max_tokens) + bs - 1) / bs;
+      if (need > config.model.num_blocks) {
+        complete(r, {false, "",
+                     "the request needs " + std::to_string(need) + " blocks, the engine has " +
+                         std::to_string(config.model.num_blocks)});
+        continue;
+      }
+      waiting_blocks.push_back(r);
+    }
+    // First come, first served: a large request is not starved by smaller ones behind it.
+    while (!waiting_blocks.empty()) {
+      auto& r = waiting_blocks.front();
+      const uint64_t need =
+          (r->request.num_prompt_tokens + (prefill ? 0 : r->max_tokens) + bs - 1) / bs;
+      if (need > free_blocks.size()) break;
+      auto next = r;
+      waiting_blocks.pop_front();
+      admit(next);
+    }
     if (Status st = step(); !st) {
       for (auto r : std::vector<std::shared_ptr<EngineRequest>>(active)) {
         complete(r, {false, "", st.message()});
@@ -491,8 +440,13 @@ void Engine::Impl::run_core() {
   for (auto r : std::vector<std::shared_ptr<EngineRequest>>(active)) {
     complete(r, {false, "", "the engine is stopping"});
   }
+  for (auto& r : waiting_blocks) complete(r, {false, "", "the engine is stopping"});
+  waiting_blocks.clear();
   std::lock_guard lock(mu);
-  for (auto& r : incoming) r->done.set_value({false, "", "the engine is stopping"});
+  for (auto& r : incoming) {
+    r->done.set_value({false, "", "the engine is stopping"});
+    r->progress(false);
+  }
   incoming.clear();
 }
 
@@ -539,44 +493,98 @@ void Engine::Impl::serve(const httplib::Request& req, httplib::Response& res, bo
     }
   }
   const uint64_t max_tokens = std::max<int64_t>(1, body.value("max_tokens", 16));
-  std::vector<std::future<Result>> results;
+  std::vector<std::shared_ptr<EngineRequest>> requests;
+  std::vector<std::shared_future<Result>> results;
   {
     std::lock_guard lock(mu);
     if (stopping) return fail(503, "the engine is stopping");
     for (auto& [id, tokens] : children) {
       if (tokens.empty()) return fail(400, "request " + id + " has an empty prompt");
+    }
+    for (auto& [id, tokens] : children) {
       auto r = std::make_shared<EngineRequest>();
+      r->ext_id = id;
       r->request.request_id = id + "-" + random_hex(8);
       r->request.num_prompt_tokens = tokens.size();
       r->request.prompt_token_ids = std::move(tokens);
       r->request.params = params;
       r->max_tokens = max_tokens;
-      results.push_back(r->done.get_future());
+      results.push_back(r->done.get_future().share());
+      requests.push_back(r);
       incoming.push_back(std::move(r));
       ++stats.requests;
     }
   }
   cv.notify_all();
-  json choices = json::array();
-  uint64_t verified = 0;
-  for (size_t i = 0; i < results.size(); ++i) {
-    if (results[i].wait_for(config.request_timeout) != std::future_status::ready) {
-      return fail(504, "request " + children[i].first + " did not finish in time");
+  const std::string id = chat ? "chatcmpl-" + parent : "cmpl-" + parent;
+  const std::string object = chat ? "chat.completion" : "text_completion";
+  const auto deadline = std::chrono::steady_clock::now() + config.request_timeout;
+  // The whole answer once every prompt is done, or an HTTP error naming the prompt.
+  auto answer = [children, results, id, object, deadline]() -> std::pair<int, json> {
+    json choices = json::array();
+    uint64_t verified = 0;
+    for (size_t i = 0; i < results.size(); ++i) {
+      if (results[i].wait_until(deadline) != std::future_status::ready) {
+        return {504, "request " + children[i].first + " did not finish in time"};
+      }
+      const Result& r = results[i].get();
+      if (!r.ok) return {500, "request " + children[i].first + ": " + r.error};
+      verified += r.verified_blocks;
+      choices.push_back({{"index", i}, {"text", r.text}, {"finish_reason", "length"}});
     }
-    Result r = results[i].get();
-    if (!r.ok) return fail(500, "request " + children[i].first + ": " + r.error);
-    verified += r.verified_blocks;
-    choices.push_back({{"index", i}, {"text", r.text}, {"finish_reason", "length"}});
+    return {200, json{{"id", id},
+                      {"object", object},
+                      {"choices", choices},
+                      {"rd2h", {{"verified_blocks", verified}}}}};
+  };
+  if (!body.value("stream", false)) {
+    auto [status, out] = answer();
+    if (status != 200) return fail(status, out.get<std::string>());
+    return res.set_content(out.dump(), "application/json");
   }
-  json out = {{"id", chat ? "chatcmpl-" + parent : "cmpl-" + parent},
-              {"object", chat ? "chat.completion" : "text_completion"},
-              {"choices", choices},
-              {"rd2h", {{"verified_blocks", verified}}}};
-  if (body.value("stream", false)) {
-    res.set_content("data: " + out.dump() + "\n\ndata: [DONE]\n\n", "text/event-stream");
-  } else {
-    res.set_content(out.dump(), "application/json");
+  // Streaming: the first event leaves when the first prompt has its first token.
+  {
+    auto& first = *requests.front();
+    std::unique_lock lock(first.progress_mu);
+    first.progress_cv.wait_until(lock, deadline, [&] { return first.first_token || first.ended; });
+    if (!first.first_token) {
+      lock.unlock();
+      auto [status, out] = answer();
+      return fail(status == 200 ? 500 : status,
+                  status == 200 ? "no token" : out.get<std::string>());
+    }
   }
+  res.set_chunked_content_provider(
+      "text/event-stream", [answer, id, object](size_t, httplib::DataSink& sink) {
+        const json first = {
+            {"id", id}, {"object", object}, {"choices", {{{"index", 0}, {"text", "y"}}}}};
+        std::string chunk = "data: " + first.dump() + "\n\n";
+        if (!sink.write(chunk.data(), chunk.size())) return false;
+        auto [status, out] = answer();
+        if (status != 200) out = {{"error", {{"message", out}, {"code", status}}}};
+        chunk = "data: " + out.dump() + "\n\ndata: [DONE]\n\n";
+        sink.write(chunk.data(), chunk.size());
+        sink.done();
+        return true;
+      });
+}
+
+void Engine::Impl::report(httplib::Response& res) {
+  json out;
+  {
+    std::lock_guard lock(mu);
+    out["stats"] = {{"requests", stats.requests},
+                    {"steps", stats.steps},
+                    {"prefill_chunks", stats.prefill_chunks},
+                    {"verified_blocks", stats.verified_blocks},
+                    {"failed_requests", stats.failed_requests},
+                    {"main_pool_locked", stats.main_pool_locked}};
+  }
+  out["role"] = prefill ? "prefill" : "decode";
+  out["tp"] = config.tp_size;
+  out["events"] = to_json(trace::drain());
+  out["events_dropped"] = trace::dropped();
+  res.set_content(out.dump(), "application/json");
 }
 
 Expected<std::unique_ptr<Engine>> Engine::start(EngineConfig config) {
@@ -589,6 +597,7 @@ Expected<std::unique_ptr<Engine>> Engine::start(EngineConfig config) {
                [p](const httplib::Request& q, httplib::Response& s) { p->serve(q, s, false); });
   p->http.Post("/v1/chat/completions",
                [p](const httplib::Request& q, httplib::Response& s) { p->serve(q, s, true); });
+  p->http.Get("/rd2h/report", [p](const httplib::Request&, httplib::Response& s) { p->report(s); });
   p->http_port = p->config.port == 0
                      ? p->http.bind_to_any_port(p->config.host)
                      : (p->http.bind_to_port(p->config.host, p->config.port) ? p->config.port : -1);
@@ -615,8 +624,7 @@ Engine::~Engine() {
   p.core.join();  // answers what is pending, so the HTTP handlers return
   p.http.stop();
   p.http_thread.join();
-  for (auto& r : p.ranks) r.thread.reset();
-  for (auto& r : p.ranks) r.worker->shutdown();
+  p.ranks->stop(std::chrono::seconds(10));
 }
 
 std::string Engine::origin() const {

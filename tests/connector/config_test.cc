@@ -32,6 +32,46 @@ TEST(ConnectorConfig, ReadsVllmKvTransferConfig) {
   EXPECT_EQ(p->request_ids.suffix_chars, 9u) << "vLLM's id rule by default";
 }
 
+TEST(ConnectorConfig, ToJsonReadsBackAsTheSameConfiguration) {
+  ConnectorConfig c;
+  c.role = KvRole::kProducer;
+  c.engine_id = "prefill-3";
+  c.host = "10.0.0.7";
+  c.kv_port = 31000;
+  c.transport = transfer::Transport::kTcp;
+  c.use_layerwise = false;
+  c.request_ids.suffix_chars = 0;
+  c.prefill_tp_size = 8;
+  c.metaserver_attempts = 7;
+  c.ack_timeout = std::chrono::milliseconds(11);
+  c.reply_timeout = std::chrono::milliseconds(12);
+  c.send_timeout = std::chrono::milliseconds(13);
+  c.read_timeout = std::chrono::milliseconds(14);
+  c.hold_timeout = std::chrono::milliseconds(15);
+  c.kv_arrival_timeout = std::chrono::milliseconds(16);
+  c.metaserver_timeout = std::chrono::milliseconds(17);
+  c.metaserver_resubmit = std::chrono::milliseconds(18);
+  auto back = ConnectorConfig::from_json(c.to_json());
+  ASSERT_TRUE(back) << back.status().to_string() << "\n" << c.to_json();
+  EXPECT_EQ(back->role, c.role);
+  EXPECT_EQ(back->engine_id, c.engine_id);
+  EXPECT_EQ(back->host, c.host);
+  EXPECT_EQ(back->kv_port, c.kv_port);
+  EXPECT_EQ(back->transport, c.transport);
+  EXPECT_EQ(back->use_layerwise, c.use_layerwise);
+  EXPECT_EQ(back->request_ids.suffix_chars, 0u);
+  EXPECT_EQ(back->prefill_tp_size, 8);
+  EXPECT_EQ(back->metaserver_attempts, 7);
+  EXPECT_EQ(back->ack_timeout.count(), 11);
+  EXPECT_EQ(back->reply_timeout.count(), 12);
+  EXPECT_EQ(back->send_timeout.count(), 13);
+  EXPECT_EQ(back->read_timeout.count(), 14);
+  EXPECT_EQ(back->hold_timeout.count(), 15);
+  EXPECT_EQ(back->kv_arrival_timeout.count(), 16);
+  EXPECT_EQ(back->metaserver_timeout.count(), 17);
+  EXPECT_EQ(back->metaserver_resubmit.count(), 18);
+}
+
 TEST(ConnectorConfig, BadConfigsAreRefusedNamingTheKey) {
   const std::vector<std::pair<const char*, const char*>> cases = {
       {R"({"kv_role": "kv_producer", "kv_port": 1})", "'kv_connector' is missing"},

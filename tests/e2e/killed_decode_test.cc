@@ -62,6 +62,7 @@ std::unique_ptr<Engine> start_prefill() {
   c.model.num_blocks = 64;
   c.model.bytes_per_token = {64, 8, 16};
   c.model.prefill_slots = 2;
+  c.worker_executable = RD2H_BINARY;
   auto e = Engine::start(c);
   EXPECT_TRUE(e) << e.status().to_string();
   return e ? std::move(*e) : nullptr;

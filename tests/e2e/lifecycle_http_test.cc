@@ -32,6 +32,7 @@ EngineConfig engine_config(connector::KvRole role, int tp) {
   c.model.bytes_per_token = {64, 8, 16, 4};  // K, V, indexer, LIC8 scale
   c.model.prefill_slots = 2;
   c.token_budget = 48;
+  c.worker_executable = RD2H_BINARY;  // one `rd2h worker` process per TP rank
   return c;
 }
 

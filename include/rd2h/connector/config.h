@@ -57,6 +57,8 @@ struct ConnectorConfig {
   std::chrono::milliseconds metaserver_resubmit{1000};
 
   static Expected<ConnectorConfig> from_json(std::string_view text);
+  // The kv_transfer_config that from_json reads back as this configuration.
+  std::string to_json() const;
 };
 
 }  // namespace rd2h::connector

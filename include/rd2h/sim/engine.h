@@ -1,9 +1,11 @@
 // A small inference engine that drives the connector exactly as a host engine does, through
-// the public headers only: an OpenAI-style HTTP front, an engine core (scheduler loop with a
-// token budget and chunked prefill, a block allocator), and one worker per TP rank (threads
-// of this process). Prefill "computes" each layer by writing KV whose bytes are a function of
-// (token ids, layer, tensor, block position); Decode checks every byte of every block it
-// received before it answers, and reports the check in its response.
+// the public headers only: an OpenAI-style HTTP front and an engine core (scheduler loop
+// with a token budget and chunked prefill, a block allocator) in this process, and one
+// worker process per TP rank that the core sends each step's connector metadata to.
+// Prefill "computes" each layer by writing KV whose bytes are a function of (token ids,
+// layer, tensor, block position) into a few physical layer buffers; Decode keeps main KV
+// in one POSIX shared-memory pool its ranks share, checks every byte of every block it
+// received before it decodes, and reports the check in its response.
 #pragma once
 
 #include <chrono>
@@ -33,9 +35,19 @@ struct EngineConfig {
   // Decode: tokens of every prompt it pretends to hold in a local prefix cache (whole
   // blocks); it writes them itself and asks Prefill only for the rest.
   uint64_t decode_cached_tokens = 0;
+  // A Prefill step computes each layer for max(compute_min_layer_us, tokens in the step x
+  // compute_ns_per_token): writing the layer's KV, then waiting out the rest of that time.
+  uint64_t compute_ns_per_token = 400;
+  uint64_t compute_min_layer_us = 0;
   std::string host = "127.0.0.1";
   int port = 0;  // HTTP; 0 picks a free one
   std::chrono::milliseconds request_timeout{60000};
+  // The rd2h executable the TP rank processes run (`rd2h worker`); required.
+  std::string worker_executable;
+  bool trace = false;  // record the timeline, served with the stats at GET /rd2h/report
+  // Test only: Prefill flips one byte of the first request's KV in this layer (-1: never),
+  // so that a verifying Decode must fail it.
+  int test_corrupt_layer = -1;
 };
 
 struct EngineStats {
@@ -44,6 +56,7 @@ struct EngineStats {
   uint64_t prefill_chunks = 0;
   uint64_t verified_blocks = 0;  // Decode: blocks whose every byte matched
   uint64_t failed_requests = 0;
+  bool main_pool_locked = false;  // Decode: the shared pool is locked in memory
 };
 
 class Engine {
@@ -63,5 +76,9 @@ class Engine {
   explicit Engine(std::unique_ptr<Impl> impl);
   std::unique_ptr<Impl> impl_;
 };
+
+// The body of `rd2h worker`: one TP rank process of an engine whose core listens at
+// `core_url`. Returns the process exit status.
+int run_rank_worker(const std::string& core_url, int rank);
 
 }  // namespace rd2h::sim

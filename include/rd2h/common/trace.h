@@ -1,0 +1,51 @@
+// A process-wide timeline recorder: spans and instants on the monotonic clock (the same
+// clock in every process of a host), kept in memory until drained. Off by default; when
+// off, recording costs one relaxed load. Bounded: past `kMaxEvents` events are counted and
+// dropped.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <string>
+#include <vector>
+
+namespace rd2h::trace {
+
+struct Event {
+  std::string name;     // "read", "readiness", "answer", "compute", "slot wait", ...
+  std::string lane;     // the thread it happened on: "reader", "sender", "compute", "core"
+  int64_t ts_us = 0;    // start, microseconds of the monotonic clock
+  int64_t dur_us = -1;  // -1: an instant
+  int rank = -1;        // TP rank; -1: the engine core
+  int64_t layer = -1;
+  uint64_t bytes = 0;
+  std::string request;  // external request id, when the event is about one request
+};
+
+constexpr size_t kMaxEvents = 4'000'000;
+
+int64_t now_us();
+void set_enabled(bool on);
+bool enabled();
+// The rank stamped on events recorded without one (a TP rank's process sets it once).
+void set_rank(int rank);
+
+void record(Event event);
+inline void span(std::string name, std::string lane, int64_t start_us, int64_t end_us,
+                 int64_t layer = -1, uint64_t bytes = 0, std::string request = {}) {
+  if (!enabled()) return;
+  record({std::move(name), std::move(lane), start_us, end_us - start_us, -2, layer, bytes,
+          std::move(request)});
+}
+inline void instant(std::string name, std::string lane, int64_t layer = -1,
+                    std::string request = {}) {
+  if (!enabled()) return;
+  record({std::move(name), std::move(lane), now_us(), -1, -2, layer, 0, std::move(request)});
+}
+
+// Everything recorded since the last drain, in recording order.
+std::vector<Event> drain();
+// Events dropped since the start because the buffer was full.
+uint64_t dropped();
+
+}  // namespace rd2h::trace

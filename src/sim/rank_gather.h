@@ -1,0 +1,43 @@
+// The Decode TP group's CPU all-gather when its ranks are separate processes: rank 0 binds
+// a ROUTER, the others connect a DEALER; each round every rank sends its terminal set and
+// gets every rank's, in rank order. Rounds are numbered, so a late message from a round a
+// rank gave up on is dropped instead of being taken for the next one.
+#pragma once
+
+#include <chrono>
+#include <memory>
+#include <string>
+
+#include "rd2h/control/channel.h"
+#include "rd2h/decode/completion_tracker.h"
+
+namespace rd2h::sim {
+
+class RankGather {
+ public:
+  // Rank 0: binds on `host`, any free port (see url()).
+  static Expected<std::unique_ptr<RankGather>> bind(int size, const std::string& host,
+                                                    std::chrono::milliseconds timeout);
+  // Ranks 1..size-1: connect to rank 0's url.
+  static Expected<std::unique_ptr<RankGather>> connect(int rank, int size, const std::string& url,
+                                                       std::chrono::milliseconds timeout);
+
+  decode::AllGather function() {
+    return [this](const decode::RankTerminal& mine) { return gather(mine); };
+  }
+  const std::string& url() const { return url_; }
+
+ private:
+  RankGather(int rank, int size, std::chrono::milliseconds timeout)
+      : rank_(rank), size_(size), timeout_(timeout) {}
+  Expected<std::vector<decode::RankTerminal>> gather(const decode::RankTerminal& mine);
+
+  int rank_, size_;
+  std::chrono::milliseconds timeout_;
+  uint64_t round_ = 0;
+  std::string url_;
+  std::unique_ptr<control::RouterChannel> router_;  // rank 0
+  std::unique_ptr<control::DealerChannel> dealer_;  // the others
+};
+
+}  // namespace rd2h::sim

@@ -1,0 +1,135 @@
+#include "rank_set.h"
+
+#include <sys/wait.h>
+
+#include "rd2h/common/deadline.h"
+#include "rd2h/common/trace.h"
+#include "sim_message.h"
+
+namespace rd2h::sim {
+namespace {
+
+using nlohmann::json;
+constexpr std::chrono::milliseconds kPollSlice{100};
+
+std::chrono::milliseconds slice(const Deadline& d) {
+  return std::min(kPollSlice, std::chrono::milliseconds(d.remaining_ms()));
+}
+
+}  // namespace
+
+Expected<std::unique_ptr<RankSet>> RankSet::start(const std::string& executable, int size,
+                                                  std::chrono::milliseconds timeout) {
+  std::unique_ptr<RankSet> set(new RankSet());
+  auto router = control::RouterChannel::bind(control::Context::create(), "127.0.0.1", 0);
+  if (!router) return router.status().with_context("engine core");
+  set->router_ = std::move(*router);
+  Subprocess::Options options;
+  options.inherit_stdout = true;
+  for (int k = 0; k < size; ++k) {
+    auto p = Subprocess::spawn(
+        {executable, "worker", "--core", set->router_->url(), "--rank", std::to_string(k)},
+        options);
+    if (!p) return p.status().with_context("starting TP rank " + std::to_string(k));
+    set->ranks_.push_back({std::move(*p), {}});
+  }
+  const Deadline deadline(timeout);
+  size_t joined = 0;
+  while (joined < set->ranks_.size()) {
+    for (size_t k = 0; k < set->ranks_.size(); ++k) {
+      if (auto why = set->exited(k)) return internal_error(*why);
+    }
+    if (deadline.expired()) {
+      return timeout_error(std::to_string(set->ranks_.size() - joined) + " of " +
+                           std::to_string(size) + " TP rank processes did not start in time");
+    }
+    auto in = set->router_->receive(slice(deadline));
+    if (!in) return in.status();
+    if (!in->has_value()) continue;
+    const json hello = unpack((*in)->payload);
+    const int k = hello.is_object() ? hello.value("hello", -1) : -1;
+    if (k < 0 || k >= size || !set->ranks_[static_cast<size_t>(k)].identity.empty()) continue;
+    set->ranks_[static_cast<size_t>(k)].identity = (*in)->identity;
+    ++joined;
+  }
+  return set;
+}
+
+RankSet::~RankSet() {
+  stop(std::chrono::seconds(10));
+}
+
+std::optional<std::string> RankSet::exited(size_t k) {
+  auto status = ranks_[k].process.wait(std::chrono::milliseconds(0));
+  if (!status) return std::nullopt;
+  const int s = *status;
+  return "TP rank " + std::to_string(k) + " (pid " + std::to_string(ranks_[k].process.pid()) +
+         ") " +
+         (WIFSIGNALED(s) ? "was killed by signal " + std::to_string(WTERMSIG(s))
+                         : "exited with status " + std::to_string(WEXITSTATUS(s)));
+}
+
+Expected<std::vector<json>> RankSet::call(const std::vector<json>& jobs,
+                                          std::chrono::milliseconds timeout) {
+  if (stopped_) return failed_precondition("the TP rank processes are stopped");
+  std::vector<json> replies(ranks_.size());
+  std::vector<bool> answered(ranks_.size(), true);
+  size_t missing = 0;
+  for (size_t k = 0; k < ranks_.size(); ++k) {
+    if (jobs[k].is_null()) continue;
+    RD2H_RETURN_IF_ERROR(router_->send(ranks_[k].identity, pack(jobs[k]))
+                             .with_context("sending a job to TP rank " + std::to_string(k)));
+    answered[k] = false;
+    ++missing;
+  }
+  const Deadline deadline(timeout);
+  while (missing > 0) {
+    if (deadline.expired()) {
+      for (size_t k = 0; k < ranks_.size(); ++k) {
+        if (!answered[k]) {
+          return timeout_error("TP rank " + std::to_string(k) + " did not answer its '" +
+                               jobs[k].value("op", "") + "' job in time");
+        }
+      }
+    }
+    auto in = router_->receive(slice(deadline));
+    if (!in) return in.status();
+    if (!in->has_value()) {
+      for (size_t k = 0; k < ranks_.size(); ++k) {
+        if (auto why = exited(k); why && !answered[k]) return internal_error(*why);
+      }
+      continue;
+    }
+    for (size_t k = 0; k < ranks_.size(); ++k) {
+      if (answered[k] || ranks_[k].identity != (*in)->identity) continue;
+      replies[k] = unpack((*in)->payload);
+      if (!replies[k].is_object()) {
+        return internal_error("TP rank " + std::to_string(k) + " answered with a malformed reply");
+      }
+      if (trace::enabled()) {
+        for (auto& e : events_from_json(replies[k]["events"])) trace::record(std::move(e));
+      }
+      replies[k].erase("events");
+      answered[k] = true;
+      --missing;
+    }
+  }
+  return replies;
+}
+
+void RankSet::stop(std::chrono::milliseconds timeout) {
+  if (stopped_) return;
+  stopped_ = true;
+  for (auto& r : ranks_) {
+    if (!r.identity.empty()) (void)router_->send(r.identity, pack({{"op", "stop"}}));
+  }
+  const Deadline deadline(timeout);
+  for (auto& r : ranks_) {
+    if (!r.process.wait(std::chrono::milliseconds(deadline.remaining_ms()))) {
+      r.process.kill(SIGKILL);
+      (void)r.process.wait(std::chrono::seconds(5));
+    }
+  }
+}
+
+}  // namespace rd2h::sim

@@ -1,0 +1,51 @@
+// The engine core's side of its TP rank processes: spawns one `rd2h worker` per rank,
+// connected to a ROUTER the core binds, and sends each rank one job at a time. A rank that
+// dies or does not answer in time is an error naming it; stop() ends them all.
+#pragma once
+
+#include <chrono>
+#include <memory>
+#include <nlohmann/json.hpp>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "rd2h/common/subprocess.h"
+#include "rd2h/control/channel.h"
+
+namespace rd2h::sim {
+
+class RankSet {
+ public:
+  static Expected<std::unique_ptr<RankSet>> start(const std::string& executable, int size,
+                                                  std::chrono::milliseconds timeout);
+  ~RankSet();  // stop() with a short bound
+
+  // Sends jobs[k] to rank k (none when it is null) and returns the answers in rank order.
+  // Timeline events in the answers go to this process's recorder.
+  Expected<std::vector<nlohmann::json>> call(const std::vector<nlohmann::json>& jobs,
+                                             std::chrono::milliseconds timeout);
+  Expected<std::vector<nlohmann::json>> call_all(const nlohmann::json& job,
+                                                 std::chrono::milliseconds timeout) {
+    return call(std::vector<nlohmann::json>(ranks_.size(), job), timeout);
+  }
+  // Asks every rank to shut its worker down and exit; kills what is left at the deadline.
+  void stop(std::chrono::milliseconds timeout);
+
+  size_t size() const { return ranks_.size(); }
+
+ private:
+  struct RankProcess {
+    Subprocess process;
+    std::string identity;
+  };
+  RankSet() = default;
+  // Why rank k is gone, if it is.
+  std::optional<std::string> exited(size_t k);
+
+  std::unique_ptr<control::RouterChannel> router_;
+  std::vector<RankProcess> ranks_;
+  bool stopped_ = false;
+};
+
+}  // namespace rd2h::sim

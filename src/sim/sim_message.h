@@ -1,0 +1,50 @@
+// The simulator's IPC messages (engine core <-> TP rank processes, and the Decode ranks'
+// gather): JSON documents carried as msgpack. Timeline events travel as compact arrays.
+#pragma once
+
+#include <cstring>
+#include <nlohmann/json.hpp>
+#include <vector>
+
+#include "rd2h/common/trace.h"
+
+namespace rd2h::sim {
+
+inline std::vector<std::byte> pack(const nlohmann::json& j) {
+  const auto bytes = nlohmann::json::to_msgpack(j);
+  std::vector<std::byte> out(bytes.size());
+  std::memcpy(out.data(), bytes.data(), bytes.size());
+  return out;
+}
+
+// A discarded value when `bytes` is not msgpack.
+inline nlohmann::json unpack(const std::vector<std::byte>& bytes) {
+  const auto* p = reinterpret_cast<const uint8_t*>(bytes.data());
+  return nlohmann::json::from_msgpack(p, p + bytes.size(), /*strict=*/true,
+                                      /*allow_exceptions=*/false);
+}
+
+inline nlohmann::json to_json(const std::vector<trace::Event>& events) {
+  auto out = nlohmann::json::array();
+  for (const auto& e : events) {
+    out.push_back({e.name, e.lane, e.ts_us, e.dur_us, e.rank, e.layer, e.bytes, e.request});
+  }
+  return out;
+}
+
+inline std::vector<trace::Event> events_from_json(const nlohmann::json& j) {
+  std::vector<trace::Event> out;
+  if (!j.is_array()) return out;
+  for (const auto& e : j) {
+    if (!e.is_array() || e.size() != 8) continue;
+    try {
+      out.push_back({e[0].get<std::string>(), e[1].get<std::string>(), e[2].get<int64_t>(),
+                     e[3].get<int64_t>(), e[4].get<int>(), e[5].get<int64_t>(),
+                     e[6].get<uint64_t>(), e[7].get<std::string>()});
+    } catch (const nlohmann::json::exception&) {
+    }
+  }
+  return out;
+}
+
+}  // namespace rd2h::sim
