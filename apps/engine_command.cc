@@ -37,6 +37,10 @@ int run_engine(const EngineCommandOptions& o, connector::KvRole role) {
   config.host = o.host;
   config.port = o.port;
   config.worker_executable = self_executable();
+  config.compute_ns_per_token = o.compute_ns_per_token;
+  config.compute_min_layer_us = o.compute_min_layer_us;
+  config.trace = o.trace;
+  config.test_corrupt_layer = o.test_corrupt_layer;
 
   StopSignal stop;  // before the engine starts its threads
   auto engine = sim::Engine::start(config);

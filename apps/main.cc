@@ -3,6 +3,7 @@
 
 #include "bench_engine.h"
 #include "bench_layers.h"
+#include "demo.h"
 #include "engine_command.h"
 #include "pd_read.h"
 #include "proxy_command.h"
@@ -108,6 +109,12 @@ int main(int argc, char** argv) {
     cmd->add_option("--bytes-per-token", eo.bytes_per_token, "K, V, indexer[, scale]")
         ->delimiter(',');
     cmd->add_option("--token-budget", eo.token_budget, "tokens per step (chunked prefill)");
+    cmd->add_option("--compute-ns-per-token", eo.compute_ns_per_token,
+                    "Prefill: compute time per token per layer");
+    cmd->add_option("--compute-min-layer-us", eo.compute_min_layer_us,
+                    "Prefill: least compute time per layer");
+    cmd->add_flag("--trace", eo.trace, "record the timeline (GET /rd2h/report)");
+    cmd->add_option("--test-corrupt-layer", eo.test_corrupt_layer)->group("");
   };
   auto* prefill_cmd = app.add_subcommand("prefill", "A simulated Prefill engine (HTTP server)");
   engine_options(prefill_cmd);
@@ -115,6 +122,56 @@ int main(int argc, char** argv) {
   engine_options(decode_cmd);
   decode_cmd->add_option("--cached-tokens", eo.decode_cached_tokens,
                          "tokens of each prompt held in a pretend local prefix cache");
+
+  rd2h::tools::DemoOptions dm;
+  std::string demo_config;
+  auto* demo = app.add_subcommand(
+      "demo",
+      "A whole PD-disaggregated run on this machine: proxy, Prefill (TP 4) and Decode (TP 2) "
+      "engines, a verified workload, a summary and an optional timeline trace");
+  demo->add_option("--config", demo_config, "JSON file of settings (keys: the flag names)");
+  demo->add_option("--prefill-tp", dm.prefill_tp, "Prefill TP size")->check(CLI::Range(1, 64));
+  demo->add_option("--decode-tp", dm.decode_tp, "Decode TP size")->check(CLI::Range(1, 64));
+  demo->add_option("--dp", dm.dp, "Prefill and Decode instances")->check(CLI::Range(1, 16));
+  demo->add_option("--host", dm.host, "address of the proxy (and of the engines by default)");
+  demo->add_option("--prefill-host", dm.prefill_host, "address Prefill binds");
+  demo->add_option("--decode-host", dm.decode_host, "address Decode binds and advertises");
+  demo->add_option("--prefill-wrapper", dm.prefill_wrapper,
+                   "command put before Prefill's (e.g. \"ip netns exec ns1\")");
+  demo->add_option("--decode-wrapper", dm.decode_wrapper, "command put before Decode's");
+  demo->add_option("--proxy-port", dm.proxy_port, "client API port (0: any)")
+      ->check(CLI::Range(0, 65535));
+  demo->add_option("--metaserver-port", dm.metaserver_port, "(0: any)")
+      ->check(CLI::Range(0, 65535));
+  demo->add_option("--kv-port", dm.kv_port, "Decode's first kv port (0: a random free range)")
+      ->check(CLI::Range(0, 65535));
+  demo->add_option("--transport", dm.transport, "shm | tcp | auto")
+      ->check(CLI::IsMember({"shm", "tcp", "auto"}));
+  demo->add_option("--layers", dm.layers, "attention layers")->check(CLI::Range(1, 1024));
+  demo->add_option("--block-size", dm.block_size, "tokens per block");
+  demo->add_option("--bytes-per-token", dm.bytes_per_token, "K, V, indexer[, scale]")
+      ->delimiter(',');
+  demo->add_option("--num-blocks", dm.num_blocks, "blocks per rank");
+  demo->add_option("--slots", dm.slots, "Prefill's physical layer buffers");
+  demo->add_option("--token-budget", dm.token_budget, "Prefill tokens per step (chunking)");
+  demo->add_option("--compute-ns-per-token", dm.compute_ns_per_token,
+                   "Prefill compute per token per layer");
+  demo->add_option("--compute-min-layer-us", dm.compute_min_layer_us,
+                   "least Prefill compute per layer");
+  demo->add_option("--requests", dm.requests, "requests in the workload");
+  demo->add_option("--min-tokens", dm.min_tokens, "shortest prompt");
+  demo->add_option("--max-tokens", dm.max_tokens, "longest prompt");
+  demo->add_option("--concurrency", dm.concurrency, "requests in flight");
+  demo->add_option("--prompt-list-share", dm.prompt_list_share,
+                   "share of requests with a list of prompts")
+      ->check(CLI::Range(0.0, 1.0));
+  demo->add_option("--prompt-list-size", dm.prompt_list_size, "prompts in such a list");
+  demo->add_option("--output-tokens", dm.output_tokens, "tokens Decode generates per prompt");
+  demo->add_option("--seed", dm.seed, "workload seed");
+  demo->add_option("--timeout", dm.timeout_s, "seconds a request may take");
+  demo->add_option("--trace", dm.trace_file, "write a Chrome trace-event timeline here");
+  demo->add_flag("--quiet", dm.quiet, "print only failures");
+  demo->add_option("--test-corrupt-layer", dm.test_corrupt_layer)->group("");
 
   std::string core_url;
   int worker_rank = 0;
@@ -125,6 +182,19 @@ int main(int argc, char** argv) {
 
   CLI11_PARSE(app, argc, argv);
   if (worker_cmd->parsed()) return rd2h::sim::run_rank_worker(core_url, worker_rank);
+  if (demo->parsed()) {
+    if (!demo_config.empty()) {
+      auto st = rd2h::tools::apply_demo_config(demo_config, dm, [demo](const std::string& key) {
+        auto* opt = demo->get_option_no_throw("--" + key);
+        return opt != nullptr && opt->count() > 0;
+      });
+      if (!st) {
+        std::fprintf(stderr, "rd2h demo: %s\n", st.message().c_str());
+        return 2;
+      }
+    }
+    return rd2h::tools::run_demo(dm);
+  }
   if (prefill_cmd->parsed()) return rd2h::tools::run_engine(eo, rd2h::connector::KvRole::kProducer);
   if (decode_cmd->parsed()) return rd2h::tools::run_engine(eo, rd2h::connector::KvRole::kConsumer);
   if (proxy->parsed()) return rd2h::tools::run_proxy(px);

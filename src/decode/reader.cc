@@ -224,6 +224,9 @@ void Reader::handle_ready(const std::string& identity, const protocol::ReadReady
     ++stats_.layers_done;
     for (const auto& ext_id : ready.done_ext_ids) {
       (void)tracker_.on_final_layer(ext_id, static_cast<int>(ready.group_member_idx));
+      if (trace::enabled() && tracker_.complete(ext_id)) {
+        trace::instant("kv complete", "reader", ready.layer_idx, ext_id);
+      }
     }
     reply(identity, protocol::encode(protocol::ReadDone{ready.layer_idx}));
     return;
@@ -295,8 +298,12 @@ Status Reader::read_layer(const std::string& identity, const protocol::ReadReady
   const auto ns =
       std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now() - start)
           .count();
-  trace::span(st.is_ok() ? "read" : "read failed", "reader", start_us, trace::now_us(),
-              ready.layer_idx, bytes);
+  if (trace::enabled()) {
+    std::string ids;
+    for (const auto& req : ready.read_reqs) ids += (ids.empty() ? "" : ",") + req.ext_id;
+    trace::span(st.is_ok() ? "read" : "read failed", "reader", start_us, trace::now_us(),
+                ready.layer_idx, bytes, std::move(ids));
+  }
   std::lock_guard lock(mu_);
   ++stats_.reads;
   stats_.read_ns += static_cast<uint64_t>(ns);

@@ -6,6 +6,7 @@
 #include <condition_variable>
 #include <deque>
 #include <future>
+#include <map>
 #include <mutex>
 #include <nlohmann/json.hpp>
 #include <optional>
@@ -53,7 +54,8 @@ struct EngineRequest {
   std::vector<int64_t> blocks;
   uint64_t computed = 0;   // prompt tokens with KV
   uint64_t generated = 0;  // Decode
-  enum class State { kWaitingRemote, kRunning } state = State::kRunning;
+  enum class State { kWaitingRemote, kVerifying, kRunning } state = State::kRunning;
+  int verify_pending = 0;  // ranks still checking the request's KV
   uint64_t verified_blocks = 0;
   std::promise<Result> done;
   // Decode: the first token exists (or the request ended without one); streams wait for it.
@@ -95,10 +97,18 @@ struct Engine::Impl {
   std::vector<int64_t> free_blocks;
   std::deque<std::shared_ptr<EngineRequest>> waiting_blocks;  // admitted once blocks free up
   std::vector<std::shared_ptr<EngineRequest>> active;
+  std::map<std::string, std::shared_ptr<EngineRequest>> verifying;  // by ext id
 
   std::chrono::milliseconds job_timeout() const {
     return config.request_timeout + config.connector.send_timeout;
   }
+  // Runs `job` on every rank, then takes what their verifiers finished.
+  Expected<std::vector<json>> call_ranks(const json& job) {
+    auto replies = ranks->call_all(job, job_timeout());
+    if (replies) take_verified(*replies);
+    return replies;
+  }
+  void take_verified(const std::vector<json>& replies);
 
   Status init();
   void serve(const httplib::Request& req, httplib::Response& res, bool chat);
@@ -109,7 +119,7 @@ struct Engine::Impl {
   void complete(const std::shared_ptr<EngineRequest>& r, Result result);
   // Blocks [first, last) of `r` as a rank job names them.
   json blocks_json(const EngineRequest& r, size_t first, size_t last) const;
-  Status verify(EngineRequest& r);
+  Status verify(const std::shared_ptr<EngineRequest>& r);
   void decode_token(EngineRequest& r);
 };
 
@@ -211,6 +221,9 @@ void Engine::Impl::complete(const std::shared_ptr<EngineRequest>& r, Result resu
     if (!result.ok) ++stats.failed_requests;
     stats.verified_blocks += result.verified_blocks;
   }
+  if (auto it = verifying.find(r->ext_id); it != verifying.end() && it->second == r) {
+    verifying.erase(it);
+  }
   r->done.set_value(std::move(result));
   r->progress(false);
   active.erase(std::remove(active.begin(), active.end(), r), active.end());
@@ -235,8 +248,7 @@ void Engine::Impl::admit(const std::shared_ptr<EngineRequest>& r) {
   // Decode: a local prefix cache holds the first whole blocks; the rest comes from Prefill.
   uint64_t cached = std::min(config.decode_cached_tokens, prompt > 0 ? prompt - 1 : 0) / bs * bs;
   if (cached > 0) {
-    auto written = ranks->call_all({{"op", "write"}, {"writes", {blocks_json(*r, 0, cached / bs)}}},
-                                   job_timeout());
+    auto written = call_ranks({{"op", "write"}, {"writes", {blocks_json(*r, 0, cached / bs)}}});
     if (!written) return complete(r, {false, "", written.status().message()});
   }
   const auto matched = scheduler->get_num_new_matched_tokens(r->request, cached);
@@ -249,19 +261,35 @@ void Engine::Impl::admit(const std::shared_ptr<EngineRequest>& r) {
       matched.load_async ? EngineRequest::State::kWaitingRemote : EngineRequest::State::kRunning;
 }
 
-Status Engine::Impl::verify(EngineRequest& r) {
+Status Engine::Impl::verify(const std::shared_ptr<EngineRequest>& r) {
   const size_t blocks =
-      (r.request.num_prompt_tokens + config.model.block_size - 1) / config.model.block_size;
-  auto replies =
-      ranks->call_all({{"op", "verify"}, {"writes", {blocks_json(r, 0, blocks)}}}, job_timeout());
+      (r->request.num_prompt_tokens + config.model.block_size - 1) / config.model.block_size;
+  r->state = EngineRequest::State::kVerifying;
+  r->verify_pending = static_cast<int>(ranks->size());
+  verifying[r->ext_id] = r;
+  auto replies = call_ranks({{"op", "verify"}, {"writes", {blocks_json(*r, 0, blocks)}}});
   if (!replies) return replies.status();
-  for (const auto& reply : *replies) {
-    if (!reply.value("ok", false)) {
-      return internal_error("KV check failed: " + reply.value("error", std::string()));
+  return Status::ok();
+}
+
+void Engine::Impl::take_verified(const std::vector<json>& replies) {
+  for (const auto& reply : replies) {
+    for (const auto& v : reply.value("verified", json::array())) {
+      auto it = verifying.find(v.value("req", std::string()));
+      if (it == verifying.end()) continue;  // already failed by another rank's check
+      auto r = it->second;
+      if (!v.value("ok", false)) {
+        complete(r, {false, "", "KV check failed: " + v.value("error", std::string())});
+        continue;
+      }
+      if (--r->verify_pending > 0) continue;
+      verifying.erase(it);
+      r->verified_blocks = (r->request.num_prompt_tokens + config.model.block_size - 1) /
+                           config.model.block_size * static_cast<uint64_t>(config.model.layers);
+      r->computed = r->request.num_prompt_tokens;
+      r->state = EngineRequest::State::kRunning;
     }
   }
-  r.verified_blocks = blocks * static_cast<uint64_t>(config.model.layers);
-  return Status::ok();
 }
 
 void Engine::Impl::decode_token(EngineRequest& r) {
@@ -310,7 +338,7 @@ Status Engine::Impl::step() {
   if (!handed) return handed.status();
   const std::vector<std::byte> meta = connector::encode(*handed);  // as a host ships it
   bool waiting = false;
-  for (auto& r : active) waiting = waiting || r->state == EngineRequest::State::kWaitingRemote;
+  for (auto& r : active) waiting = waiting || r->state != EngineRequest::State::kRunning;
   if (scheduled.empty() && !waiting && handed->empty()) {
     if (!prefill) {
       for (auto r : std::vector<std::shared_ptr<EngineRequest>>(active)) {
@@ -339,7 +367,7 @@ Status Engine::Impl::step() {
     job["corrupt"] = true;
     corrupt_pending = false;
   }
-  auto replies = ranks->call_all(job, job_timeout());
+  auto replies = call_ranks(job);
   if (!replies) return replies.status();
   Status failure;
   int64_t compute_end_us = 0;
@@ -382,14 +410,10 @@ Status Engine::Impl::step() {
         complete(r, {false, "", "the KV of the request failed to load"});
         continue;
       }
-      if (Status st = verify(*r); !st) {
-        complete(r, {false, "", st.message()});
-        continue;
-      }
-      r->computed = r->request.num_prompt_tokens;
-      r->state = EngineRequest::State::kRunning;
+      if (Status st = verify(r); !st) complete(r, {false, "", st.message()});
       continue;
     }
+    if (r->state != EngineRequest::State::kRunning || r->blocks.empty()) continue;
     decode_token(*r);
     if (r->generated >= r->max_tokens) {
       complete(r, {true, std::string(r->max_tokens, 'y'), "", r->verified_blocks});
@@ -585,6 +609,30 @@ void Engine::Impl::report(httplib::Response& res) {
   out["events"] = to_json(trace::drain());
   out["events_dropped"] = trace::dropped();
   res.set_content(out.dump(), "application/json");
+}
+
+Expected<Report> parse_report(std::string_view body) {
+  const json j = json::parse(body, nullptr, false);
+  if (j.is_discarded() || !j.is_object() || !j.contains("stats")) {
+    return invalid_argument("an engine report must be a JSON object with stats and events");
+  }
+  Report r;
+  try {
+    r.role = j.at("role").get<std::string>();
+    r.tp_size = j.at("tp").get<int>();
+    const json& s = j.at("stats");
+    r.stats.requests = s.at("requests").get<uint64_t>();
+    r.stats.steps = s.at("steps").get<uint64_t>();
+    r.stats.prefill_chunks = s.at("prefill_chunks").get<uint64_t>();
+    r.stats.verified_blocks = s.at("verified_blocks").get<uint64_t>();
+    r.stats.failed_requests = s.at("failed_requests").get<uint64_t>();
+    r.stats.main_pool_locked = s.at("main_pool_locked").get<bool>();
+    r.events_dropped = j.value("events_dropped", uint64_t{0});
+  } catch (const json::exception& e) {
+    return invalid_argument(std::string("engine report: ") + e.what());
+  }
+  r.events = events_from_json(j.value("events", json::array()));
+  return r;
 }
 
 Expected<std::unique_ptr<Engine>> Engine::start(EngineConfig config) {

@@ -4,9 +4,12 @@
 #include <sys/prctl.h>
 #include <unistd.h>
 
+#include <condition_variable>
 #include <csignal>
 #include <cstdio>
 #include <cstdlib>
+#include <deque>
+#include <mutex>
 #include <optional>
 #include <thread>
 
@@ -57,11 +60,13 @@ class Rank {
   Status init(const json& j);
   json step(const json& j);
   json write(const json& j);
+  // Queues the blocks for the verifier thread, so that checking a long prompt does not hold
+  // up the steps that find other requests ready.
   json verify(const json& j);
+  // What the verifier finished since the last call: [{req, ok, verified, error}].
+  json take_verified();
   std::string gather_url() const { return gather_ && rank_ == 0 ? gather_->url() : ""; }
-  void shutdown() {
-    if (worker_) worker_->shutdown();
-  }
+  void shutdown();
 
  private:
   std::byte* tensor_base(size_t t) const {
@@ -89,6 +94,15 @@ class Rank {
   Aligned indexer_;
   std::unique_ptr<RankGather> gather_;
   std::unique_ptr<connector::ConnectorWorker> worker_;
+
+  json check(const Blocks& b) const;
+  void run_verifier();
+  std::mutex verify_mu_;
+  std::condition_variable verify_cv_;
+  std::deque<Blocks> to_verify_;
+  json verified_ = json::array();
+  bool stopping_ = false;
+  std::thread verifier_;
 };
 
 std::vector<layout::CacheLayer> Rank::cache_layers() const {
@@ -229,11 +243,53 @@ json Rank::write(const json& j) {
 }
 
 json Rank::verify(const json& j) {
+  std::vector<Blocks> jobs;
+  for (const auto& w : j.at("writes")) jobs.push_back(Blocks::from(w));
+  {
+    std::lock_guard lock(verify_mu_);
+    for (auto& b : jobs) to_verify_.push_back(std::move(b));
+    if (!verifier_.joinable()) verifier_ = std::thread([this] { run_verifier(); });
+  }
+  verify_cv_.notify_all();
+  return {{"ok", true}};
+}
+
+json Rank::take_verified() {
+  std::lock_guard lock(verify_mu_);
+  json out = json::array();
+  out.swap(verified_);
+  return out;
+}
+
+void Rank::run_verifier() {
+  std::unique_lock lock(verify_mu_);
+  for (;;) {
+    verify_cv_.wait(lock, [&] { return stopping_ || !to_verify_.empty(); });
+    if (stopping_) return;
+    Blocks b = std::move(to_verify_.front());
+    to_verify_.pop_front();
+    lock.unlock();
+    json result = check(b);
+    lock.lock();
+    verified_.push_back(std::move(result));
+  }
+}
+
+void Rank::shutdown() {
+  {
+    std::lock_guard lock(verify_mu_);
+    stopping_ = true;
+  }
+  verify_cv_.notify_all();
+  if (verifier_.joinable()) verifier_.join();
+  if (worker_) worker_->shutdown();
+}
+
+json Rank::check(const Blocks& b) const {
   const auto& bb = model_->block_bytes();
   const uint64_t bs = model_->layout().block_size;
   uint64_t verified = 0;
-  for (const auto& w : j.at("writes")) {
-    const Blocks b = Blocks::from(w);
+  {
     for (size_t i = b.first; i < b.first + b.blocks.size(); ++i) {
       const auto tokens = b.block_tokens(i, bs);
       for (int l = 0; l < model_->layout().layers; ++l) {
@@ -245,6 +301,7 @@ json Rank::verify(const json& j) {
             const std::string where = KvModel::is_main(t) ? "the shared main pool"
                                                           : "Decode rank " + std::to_string(rank_);
             return {
+                {"req", b.request},
                 {"ok", false},
                 {"error", "request " + b.request + ": byte " + std::to_string(*at) + " of block " +
                               std::to_string(i) + " (block id " + std::to_string(block) +
@@ -256,7 +313,7 @@ json Rank::verify(const json& j) {
       }
     }
   }
-  return {{"ok", true}, {"verified", verified}};
+  return {{"req", b.request}, {"ok", true}, {"verified", verified}};
 }
 
 }  // namespace
@@ -270,12 +327,13 @@ int run_rank_worker(const std::string& core_url, int rank) {
     return 1;
   }
   auto& core = **dealer;
+  Rank state;
   auto answer = [&](json reply) {
+    reply["verified"] = state.take_verified();
     reply["events"] = to_json(trace::drain());
     return core.send(pack(reply));
   };
   if (Status st = core.send(pack({{"hello", rank}})); !st) return 1;
-  Rank state;
   while (getppid() == parent) {
     auto in = core.receive(std::chrono::milliseconds(500));
     if (!in) break;

@@ -19,7 +19,7 @@ struct Event {
   int rank = -1;        // TP rank; -1: the engine core
   int64_t layer = -1;
   uint64_t bytes = 0;
-  std::string request;  // external request id, when the event is about one request
+  std::string request;  // external request ids the event is about, comma-separated
 };
 
 constexpr size_t kMaxEvents = 4'000'000;

@@ -68,6 +68,11 @@ class CompletionTracker {
 
   size_t tracked() const { return requests_.size() + early_.size(); }
   bool known(const std::string& ext_id) const { return requests_.count(ext_id) != 0; }
+  // Every contributor reported the request's final layer on this rank, and nothing failed.
+  bool complete(const std::string& ext_id) const {
+    auto it = requests_.find(ext_id);
+    return it != requests_.end() && it->second.terminal && !it->second.failed;
+  }
   // Decode removed the request recently (its late readiness is answered, nothing read).
   bool aborted(const std::string& ext_id) const { return removed_.count(ext_id) != 0; }
 

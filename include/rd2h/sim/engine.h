@@ -12,9 +12,11 @@
 #include <cstdint>
 #include <memory>
 #include <string>
+#include <string_view>
 #include <vector>
 
 #include "rd2h/common/status.h"
+#include "rd2h/common/trace.h"
 #include "rd2h/connector/config.h"
 
 namespace rd2h::sim {
@@ -76,6 +78,17 @@ class Engine {
   explicit Engine(std::unique_ptr<Impl> impl);
   std::unique_ptr<Impl> impl_;
 };
+
+// What an engine serves at GET /rd2h/report: its counters, and the timeline events (of
+// its core and every TP rank) recorded since the last report.
+struct Report {
+  std::string role;  // "prefill" | "decode"
+  int tp_size = 1;
+  EngineStats stats;
+  std::vector<trace::Event> events;
+  uint64_t events_dropped = 0;
+};
+Expected<Report> parse_report(std::string_view body);
 
 // The body of `rd2h worker`: one TP rank process of an engine whose core listens at
 // `core_url`. Returns the process exit status.

@@ -1,0 +1,528 @@
+#include "demo.h"
+
+#include <httplib.h>
+#include <sys/wait.h>
+
+#include <atomic>
+#include <cmath>
+#include <csignal>
+#include <cstdio>
+#include <fstream>
+#include <map>
+#include <mutex>
+#include <nlohmann/json.hpp>
+#include <random>
+#include <sstream>
+#include <thread>
+
+#include "demo_report.h"
+#include "rd2h/common/deadline.h"
+#include "rd2h/common/subprocess.h"
+#include "rd2h/sim/engine.h"
+
+namespace rd2h::tools {
+namespace {
+
+using nlohmann::json;
+using namespace std::chrono_literals;
+
+constexpr auto kStartTimeout = 180s;  // a large Decode pool takes a while to lock
+constexpr auto kStopTimeout = 60s;
+
+std::vector<std::string> words(const std::string& s) {
+  std::istringstream in(s);
+  std::vector<std::string> out;
+  for (std::string w; in >> w;) out.push_back(w);
+  return out;
+}
+
+std::string join(const std::vector<std::string>& v, const char* sep) {
+  std::string out;
+  for (const auto& s : v) out += (out.empty() ? "" : sep) + s;
+  return out;
+}
+
+struct Server {
+  std::string name;
+  Subprocess process;
+  std::string origin;  // http://host:port
+  std::string extra;   // the rest of its "serving" line
+};
+
+// Starts `rd2h <args>` (behind `wrapper`) and waits for its "serving http://..." line.
+Expected<Server> launch(const std::string& name, const std::string& wrapper,
+                        const std::vector<std::string>& args) {
+  std::vector<std::string> argv = words(wrapper);
+  argv.push_back(self_executable());
+  argv.insert(argv.end(), args.begin(), args.end());
+  if (!wrapper.empty()) {
+    // A wrapper is looked up on PATH like a shell would.
+    argv.insert(argv.begin(), {"/usr/bin/env"});
+  }
+  auto p = Subprocess::spawn(argv);
+  if (!p) return p.status().with_context("starting " + name);
+  const Deadline deadline(kStartTimeout);
+  for (;;) {
+    auto line = p->read_line(std::chrono::milliseconds(deadline.remaining_ms()));
+    if (!line) {
+      return unreachable(name + " did not start (" + line.status().message() +
+                         "); its errors are above");
+    }
+    const size_t at = line->find("serving http://");
+    if (at == std::string::npos) continue;
+    Server s{name, std::move(*p), {}, {}};
+    const size_t begin = at + 8;
+    const size_t end = line->find(' ', begin);
+    s.origin = line->substr(begin, end == std::string::npos ? std::string::npos : end - begin);
+    s.extra = end == std::string::npos ? "" : line->substr(end + 1);
+    return s;
+  }
+}
+
+Status stop(Server& s) {
+  s.process.kill(SIGTERM);
+  auto status = s.process.wait(kStopTimeout);
+  if (!status) {
+    s.process.kill(SIGKILL);
+    (void)s.process.wait(10s);
+    return timeout_error(s.name + " did not stop within " + std::to_string(kStopTimeout.count()) +
+                         " s of SIGTERM");
+  }
+  if (!WIFEXITED(*status) || WEXITSTATUS(*status) != 0) {
+    return internal_error(s.name + " stopped with " +
+                          (WIFSIGNALED(*status)
+                               ? "signal " + std::to_string(WTERMSIG(*status))
+                               : "status " + std::to_string(WEXITSTATUS(*status))));
+  }
+  return Status::ok();
+}
+
+struct Request {
+  std::string id;
+  std::vector<std::vector<int64_t>> prompts;
+  bool list = false;
+};
+
+std::vector<Request> workload(const DemoOptions& o) {
+  std::mt19937_64 rng(o.seed);
+  std::uniform_real_distribution<double> unit(0, 1);
+  std::uniform_int_distribution<int64_t> token(1, 50000);
+  auto length = [&](uint32_t i, uint32_t k) -> uint64_t {
+    // The longest and the shortest prompt always occur; the rest are log-uniform between.
+    if (i == 0 && k == 0) return o.max_tokens;
+    if (i == 1 && k == 0) return o.min_tokens;
+    const double lo = std::log(static_cast<double>(o.min_tokens));
+    const double hi = std::log(static_cast<double>(o.max_tokens));
+    return static_cast<uint64_t>(std::exp(lo + (hi - lo) * unit(rng)));
+  };
+  std::vector<Request> out;
+  for (uint32_t i = 0; i < o.requests; ++i) {
+    Request r;
+    r.id = "demo-" + std::to_string(o.seed) + "-" + std::to_string(i);
+    r.list = i > 1 && unit(rng) < o.prompt_list_share;
+    const uint32_t n = r.list ? std::max(2u, o.prompt_list_size) : 1;
+    for (uint32_t k = 0; k < n; ++k) {
+      std::vector<int64_t> p(std::max<uint64_t>(1, length(i, k)));
+      for (auto& t : p) t = token(rng);
+      r.prompts.push_back(std::move(p));
+    }
+    out.push_back(std::move(r));
+  }
+  return out;
+}
+
+// Sends one request through the proxy, streaming, and checks that Decode verified every
+// block of every layer of every prompt.
+ClientRecord send(const std::string& proxy, const Request& r, const DemoOptions& o) {
+  ClientRecord rec;
+  rec.id = r.id;
+  rec.prompts = r.prompts.size();
+  uint64_t blocks = 0;
+  for (const auto& p : r.prompts) {
+    rec.tokens += p.size();
+    blocks += (p.size() + o.block_size - 1) / o.block_size;
+  }
+  const uint64_t expected = blocks * static_cast<uint64_t>(o.layers);
+  json body = {{"model", "rd2h-demo"}, {"max_tokens", o.output_tokens}, {"stream", true}};
+  body["prompt"] = r.list ? json(r.prompts) : json(r.prompts.front());
+  httplib::Client client(proxy);
+  client.set_connection_timeout(10);
+  client.set_read_timeout(static_cast<time_t>(o.timeout_s));
+  std::string received;
+  rec.start_us = trace::now_us();
+  httplib::Request req;
+  req.method = "POST";
+  req.path = "/v1/completions";
+  req.headers = {{"X-Request-Id", r.id}};
+  req.body = body.dump();
+  req.set_header("Content-Type", "application/json");
+  req.content_receiver = [&](const char* data, size_t n, uint64_t, uint64_t) {
+    if (rec.first_byte_us == 0) rec.first_byte_us = trace::now_us();
+    received.append(data, n);
+    return true;
+  };
+  auto res = client.send(req);
+  rec.end_us = trace::now_us();
+  if (!res) {
+    rec.error = "no answer from the proxy: " + httplib::to_string(res.error());
+    return rec;
+  }
+  if (res->status != 200) {
+    rec.error = "HTTP " + std::to_string(res->status) + ": " + received.substr(0, 500);
+    return rec;
+  }
+  if (const json whole = json::parse(received, nullptr, false);
+      whole.is_object() && whole.contains("error")) {
+    rec.error = whole["error"].value("message", whole["error"].dump());
+    return rec;
+  }
+  std::optional<uint64_t> verified;
+  size_t pos = 0;
+  while ((pos = received.find("data: ", pos)) != std::string::npos) {
+    const size_t end = received.find("\n\n", pos);
+    const std::string data =
+        received.substr(pos + 6, end == std::string::npos ? end : end - pos - 6);
+    pos = end == std::string::npos ? received.size() : end;
+    if (data == "[DONE]") continue;
+    const json event = json::parse(data, nullptr, false);
+    if (event.is_discarded()) continue;
+    if (event.contains("error")) {
+      rec.error = event["error"].value("message", event["error"].dump());
+      return rec;
+    }
+    if (event.contains("rd2h")) verified = event["rd2h"].value("verified_blocks", uint64_t{0});
+  }
+  if (!verified) {
+    rec.error = "the stream ended without Decode's verification: " + received.substr(0, 200);
+  } else if (*verified != expected) {
+    rec.error = "Decode verified " + std::to_string(*verified) + " of " + std::to_string(expected) +
+                " block-layers";
+  } else {
+    rec.ok = true;
+  }
+  return rec;
+}
+
+Expected<EngineTrace> collect(const Server& s, const std::string& role, int instance, int tp) {
+  httplib::Client c(s.origin);
+  c.set_read_timeout(60);
+  auto r = c.Get("/rd2h/report");
+  if (!r || r->status != 200) return unreachable("no report from " + s.name);
+  auto report = sim::parse_report(r->body);
+  if (!report) return report.status().with_context(s.name);
+  if (report->events_dropped > 0) {
+    std::fprintf(stderr, "rd2h demo: %s dropped %llu timeline events\n", s.name.c_str(),
+                 static_cast<unsigned long long>(report->events_dropped));
+  }
+  return EngineTrace{role, instance, tp, std::move(report->events)};
+}
+
+std::string kv_config(const char* role, int port, const std::string& host, const std::string& id,
+                      const DemoOptions& o) {
+  return json{{"kv_connector", "rd2h"},
+              {"kv_role", role},
+              {"kv_port", port},
+              {"kv_ip", host},
+              {"engine_id", id},
+              {"kv_connector_extra_config",
+               {{"transport", o.transport}, {"prefill_tp_size", o.prefill_tp}}}}
+      .dump();
+}
+
+std::vector<std::string> engine_args(const char* command, int tp, const std::string& host,
+                                     const std::string& kv, const DemoOptions& o) {
+  auto s = [](auto v) { return std::to_string(v); };
+  std::vector<std::string> bpt;
+  for (auto b : o.bytes_per_token) bpt.push_back(s(b));
+  std::vector<std::string> a = {command,
+                                "--host",
+                                host,
+                                "--tp",
+                                s(tp),
+                                "--layers",
+                                s(o.layers),
+                                "--block-size",
+                                s(o.block_size),
+                                "--num-blocks",
+                                s(o.num_blocks),
+                                "--slots",
+                                s(o.slots),
+                                "--bytes-per-token",
+                                join(bpt, ","),
+                                "--token-budget",
+                                s(o.token_budget),
+                                "--compute-ns-per-token",
+                                s(o.compute_ns_per_token),
+                                "--compute-min-layer-us",
+                                s(o.compute_min_layer_us),
+                                "--kv-transfer-config",
+                                kv,
+                                "--trace"};
+  if (o.test_corrupt_layer >= 0) {
+    a.insert(a.end(), {"--test-corrupt-layer", s(o.test_corrupt_layer)});
+  }
+  return a;
+}
+
+Status check_options(const DemoOptions& o) {
+  if (o.layers < 1 || o.block_size == 0 || o.num_blocks == 0 || o.bytes_per_token.size() < 2) {
+    return invalid_argument(
+        "model: layers, block size, blocks and K, V bytes per token are needed");
+  }
+  if (o.min_tokens == 0 || o.min_tokens > o.max_tokens) {
+    return invalid_argument("workload: need 1 <= --min-tokens (" + std::to_string(o.min_tokens) +
+                            ") <= --max-tokens (" + std::to_string(o.max_tokens) + ")");
+  }
+  const uint64_t need = (o.max_tokens + o.output_tokens + o.block_size - 1) / o.block_size;
+  if (need > o.num_blocks) {
+    return invalid_argument("a " + std::to_string(o.max_tokens) + "-token prompt needs " +
+                            std::to_string(need) + " blocks, and --num-blocks is " +
+                            std::to_string(o.num_blocks));
+  }
+  if (o.requests == 0 || o.concurrency == 0) {
+    return invalid_argument("workload: --requests and --concurrency must be at least 1");
+  }
+  if (o.dp < 1) return invalid_argument("--dp must be at least 1");
+  return Status::ok();
+}
+
+}  // namespace
+
+Status apply_demo_config(const std::string& path, DemoOptions& o,
+                         const std::function<bool(const std::string&)>& given) {
+  std::ifstream in(path);
+  if (!in) return not_found("demo config " + path + " cannot be read");
+  std::stringstream text;
+  text << in.rdbuf();
+  const json j = json::parse(text.str(), nullptr, false);
+  if (j.is_discarded() || !j.is_object()) {
+    return invalid_argument("demo config " + path + " is not a JSON object");
+  }
+  using Setter = std::function<void(const json&)>;
+  const std::map<std::string, Setter> setters = {
+      {"prefill-tp", [&](const json& v) { o.prefill_tp = v.get<int>(); }},
+      {"decode-tp", [&](const json& v) { o.decode_tp = v.get<int>(); }},
+      {"dp", [&](const json& v) { o.dp = v.get<int>(); }},
+      {"host", [&](const json& v) { o.host = v.get<std::string>(); }},
+      {"prefill-host", [&](const json& v) { o.prefill_host = v.get<std::string>(); }},
+      {"decode-host", [&](const json& v) { o.decode_host = v.get<std::string>(); }},
+      {"proxy-port", [&](const json& v) { o.proxy_port = v.get<int>(); }},
+      {"metaserver-port", [&](const json& v) { o.metaserver_port = v.get<int>(); }},
+      {"kv-port", [&](const json& v) { o.kv_port = v.get<int>(); }},
+      {"transport", [&](const json& v) { o.transport = v.get<std::string>(); }},
+      {"layers", [&](const json& v) { o.layers = v.get<int>(); }},
+      {"block-size", [&](const json& v) { o.block_size = v.get<uint64_t>(); }},
+      {"bytes-per-token",
+       [&](const json& v) { o.bytes_per_token = v.get<std::vector<uint64_t>>(); }},
+      {"num-blocks", [&](const json& v) { o.num_blocks = v.get<uint64_t>(); }},
+      {"slots", [&](const json& v) { o.slots = v.get<int>(); }},
+      {"token-budget", [&](const json& v) { o.token_budget = v.get<uint64_t>(); }},
+      {"compute-ns-per-token", [&](const json& v) { o.compute_ns_per_token = v.get<uint64_t>(); }},
+      {"compute-min-layer-us", [&](const json& v) { o.compute_min_layer_us = v.get<uint64_t>(); }},
+      {"requests", [&](const json& v) { o.requests = v.get<uint32_t>(); }},
+      {"min-tokens", [&](const json& v) { o.min_tokens = v.get<uint64_t>(); }},
+      {"max-tokens", [&](const json& v) { o.max_tokens = v.get<uint64_t>(); }},
+      {"concurrency", [&](const json& v) { o.concurrency = v.get<uint32_t>(); }},
+      {"prompt-list-share", [&](const json& v) { o.prompt_list_share = v.get<double>(); }},
+      {"prompt-list-size", [&](const json& v) { o.prompt_list_size = v.get<uint32_t>(); }},
+      {"output-tokens", [&](const json& v) { o.output_tokens = v.get<uint32_t>(); }},
+      {"seed", [&](const json& v) { o.seed = v.get<uint64_t>(); }},
+      {"timeout", [&](const json& v) { o.timeout_s = v.get<uint32_t>(); }},
+      {"trace", [&](const json& v) { o.trace_file = v.get<std::string>(); }},
+  };
+  for (const auto& [raw, value] : j.items()) {
+    std::string key = raw;
+    std::replace(key.begin(), key.end(), '_', '-');
+    auto it = setters.find(key);
+    if (it == setters.end()) {
+      return invalid_argument("demo config " + path + ": '" + raw + "' is not a demo setting");
+    }
+    if (given(key)) continue;  // the command line wins
+    try {
+      it->second(value);
+    } catch (const json::exception&) {
+      return invalid_argument("demo config " + path + ": '" + raw + "' has the wrong type (" +
+                              value.dump() + ")");
+    }
+  }
+  return Status::ok();
+}
+
+int run_demo(const DemoOptions& options) {
+  DemoOptions o = options;
+  if (o.prefill_host.empty()) o.prefill_host = o.host;
+  if (o.decode_host.empty()) o.decode_host = o.host;
+  auto say = [&](const std::string& line) {
+    if (!o.quiet) std::printf("%s\n", line.c_str());
+    std::fflush(stdout);
+  };
+  auto fail = [](const std::string& why) {
+    std::fprintf(stderr, "rd2h demo: FAILED: %s\n", why.c_str());
+    return 1;
+  };
+  if (Status st = check_options(o); !st) return fail(st.message());
+
+  const std::vector<Request> requests = workload(o);
+  uint64_t total_tokens = 0, prompts = 0;
+  for (const auto& r : requests) {
+    prompts += r.prompts.size();
+    for (const auto& p : r.prompts) total_tokens += p.size();
+  }
+  uint64_t per_token = 0;
+  for (auto b : o.bytes_per_token) per_token += b;
+  const double pool_gb = static_cast<double>(o.layers) *
+                         static_cast<double>(o.bytes_per_token[0] + o.bytes_per_token[1]) *
+                         static_cast<double>(o.block_size * o.num_blocks) / 1e9;
+  char head[512];
+  std::snprintf(head, sizeof(head),
+                "rd2h demo: Prefill TP %d x %d, Decode TP %d x %d, %d layers, %llu bytes of KV "
+                "per token per layer, Decode main pool %.2f GB per instance, transport %s",
+                o.prefill_tp, o.dp, o.decode_tp, o.dp, o.layers,
+                static_cast<unsigned long long>(per_token), pool_gb, o.transport.c_str());
+  say(head);
+  std::snprintf(head, sizeof(head),
+                "rd2h demo: workload %u requests (%llu prompts, %llu tokens, %llu..%llu per "
+                "prompt), %u at a time",
+                o.requests, static_cast<unsigned long long>(prompts),
+                static_cast<unsigned long long>(total_tokens),
+                static_cast<unsigned long long>(o.min_tokens),
+                static_cast<unsigned long long>(o.max_tokens), o.concurrency);
+  say(head);
+
+  // Decode first (the proxy needs every origin), each on a free range of kv ports.
+  std::vector<Server> decode, prefill;
+  std::mt19937 port_rng(std::random_device{}());
+  for (int i = 0; i < o.dp; ++i) {
+    Expected<Server> s = internal_error("not started");
+    for (int attempt = 0; attempt < (o.kv_port == 0 ? 8 : 1) && !s; ++attempt) {
+      const int base =
+          o.kv_port != 0 ? o.kv_port + i * o.decode_tp
+                         : std::uniform_int_distribution<int>(20000, 60000 - o.decode_tp)(port_rng);
+      s = launch(
+          "Decode " + std::to_string(i), o.decode_wrapper,
+          engine_args(
+              "decode", o.decode_tp, o.decode_host,
+              kv_config("kv_consumer", base, o.decode_host, "decode-" + std::to_string(i), o), o));
+    }
+    if (!s) return fail(s.status().message());
+    say("rd2h demo: Decode " + std::to_string(i) + " at " + s->origin + " " + s->extra);
+    decode.push_back(std::move(*s));
+  }
+  for (int i = 0; i < o.dp; ++i) {
+    auto s = launch(
+        "Prefill " + std::to_string(i), o.prefill_wrapper,
+        engine_args("prefill", o.prefill_tp, o.prefill_host,
+                    kv_config("kv_producer", 1, o.prefill_host, "prefill-" + std::to_string(i), o),
+                    o));
+    if (!s) return fail(s.status().message());
+    say("rd2h demo: Prefill " + std::to_string(i) + " at " + s->origin + " " + s->extra);
+    prefill.push_back(std::move(*s));
+  }
+  std::vector<std::string> proxy_args = {"proxy",
+                                         "--host",
+                                         o.host,
+                                         "--port",
+                                         std::to_string(o.proxy_port),
+                                         "--metaserver-port",
+                                         std::to_string(o.metaserver_port)};
+  std::vector<std::string> origins;
+  for (auto& s : prefill) origins.push_back(s.origin);
+  proxy_args.insert(proxy_args.end(), {"--prefill", join(origins, ",")});
+  origins.clear();
+  for (auto& s : decode) origins.push_back(s.origin);
+  proxy_args.insert(proxy_args.end(), {"--decode", join(origins, ","), "--max-body-bytes",
+                                       std::to_string(64u << 20)});
+  auto proxy = launch("the proxy", "", proxy_args);
+  if (!proxy) return fail(proxy.status().message());
+  say("rd2h demo: proxy at " + proxy->origin + " " + proxy->extra);
+
+  // The workload, `concurrency` requests at a time, with progress once a second.
+  std::vector<ClientRecord> records(requests.size());
+  std::atomic<size_t> next{0}, done{0}, failed{0};
+  std::atomic<uint64_t> tokens_done{0};
+  std::vector<std::thread> clients;
+  const auto started = std::chrono::steady_clock::now();
+  for (uint32_t c = 0; c < std::min<uint32_t>(o.concurrency, o.requests); ++c) {
+    clients.emplace_back([&] {
+      for (size_t i; (i = next++) < requests.size();) {
+        records[i] = send(proxy->origin, requests[i], o);
+        if (!records[i].ok) {
+          ++failed;
+          std::fprintf(stderr, "rd2h demo: request %s failed: %s\n", records[i].id.c_str(),
+                       records[i].error.c_str());
+        }
+        tokens_done += records[i].tokens;
+        ++done;
+      }
+    });
+  }
+  std::mutex progress_mu;
+  std::condition_variable progress_cv;
+  bool finished = false;
+  std::thread progress([&] {
+    std::unique_lock lock(progress_mu);
+    while (!progress_cv.wait_for(lock, 1s, [&] { return finished; })) {
+      if (o.quiet) continue;
+      const double s =
+          std::chrono::duration<double>(std::chrono::steady_clock::now() - started).count();
+      std::printf("rd2h demo: %5.1f s  %zu/%zu requests  %llu/%llu prompt tokens  %zu failed\n", s,
+                  done.load(), requests.size(), static_cast<unsigned long long>(tokens_done.load()),
+                  static_cast<unsigned long long>(total_tokens), failed.load());
+      std::fflush(stdout);
+    }
+  });
+  for (auto& t : clients) t.join();
+  {
+    std::lock_guard lock(progress_mu);
+    finished = true;
+  }
+  progress_cv.notify_all();
+  progress.join();
+
+  std::vector<EngineTrace> traces;
+  std::vector<std::string> errors;
+  for (size_t i = 0; i < prefill.size(); ++i) {
+    auto t = collect(prefill[i], "prefill", static_cast<int>(i), o.prefill_tp);
+    if (t)
+      traces.push_back(std::move(*t));
+    else
+      errors.push_back(t.status().message());
+  }
+  for (size_t i = 0; i < decode.size(); ++i) {
+    auto t = collect(decode[i], "decode", static_cast<int>(i), o.decode_tp);
+    if (t)
+      traces.push_back(std::move(*t));
+    else
+      errors.push_back(t.status().message());
+  }
+  for (auto* s : {&*proxy}) {
+    if (Status st = stop(*s); !st) errors.push_back(st.message());
+  }
+  for (auto& s : prefill) {
+    if (Status st = stop(s); !st) errors.push_back(st.message());
+  }
+  for (auto& s : decode) {
+    if (Status st = stop(s); !st) errors.push_back(st.message());
+  }
+
+  const DemoSummary summary = summarize(traces, records);
+  say("\nrd2h demo: summary\n" + format_summary(summary));
+  if (!o.trace_file.empty()) {
+    std::ofstream out(o.trace_file);
+    out << chrome_trace(traces, records);
+    if (!out) {
+      errors.push_back("cannot write the trace to " + o.trace_file);
+    } else {
+      say("rd2h demo: timeline written to " + o.trace_file + " (open it in ui.perfetto.dev)");
+    }
+  }
+  if (summary.failed > 0) {
+    errors.push_back(std::to_string(summary.failed) + " of " + std::to_string(summary.requests) +
+                     " requests failed");
+  }
+  if (!errors.empty()) return fail(join(errors, "; "));
+  say("rd2h demo: OK: every byte of every prompt's KV was verified on Decode");
+  return 0;
+}
+
+}  // namespace rd2h::tools

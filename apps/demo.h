@@ -1,0 +1,65 @@
+// rd2h demo: a whole prefill/decode-disaggregated deployment on this machine. Starts the
+// proxy (with its metaserver), Prefill and Decode engines (`rd2h prefill` / `rd2h decode`,
+// one process per TP rank each), sends a workload through the proxy's OpenAI-style API,
+// checks that Decode verified every byte of every prompt's KV, prints progress and a
+// summary, optionally writes a Chrome trace, and stops everything. Exits non-zero on any
+// mismatch, error, hang or unclean shutdown.
+#pragma once
+
+#include <cstdint>
+#include <functional>
+#include <string>
+#include <vector>
+
+#include "rd2h/common/status.h"
+
+namespace rd2h::tools {
+
+struct DemoOptions {
+  // Deployment
+  int prefill_tp = 4;
+  int decode_tp = 2;
+  int dp = 1;  // Prefill and Decode instances behind the proxy
+  std::string host = "127.0.0.1";
+  std::string prefill_host;  // default: host
+  std::string decode_host;   // default: host; Decode's kv_ip too
+  int proxy_port = 0;        // 0: any free port
+  int metaserver_port = 0;
+  int kv_port = 0;  // Decode instance i uses kv_port + i * decode_tp; 0: a random free range
+  std::string transport = "auto";
+  // Wrappers put in front of the Prefill and Decode commands (for example
+  // "ip netns exec ns1"), split on spaces.
+  std::string prefill_wrapper, decode_wrapper;
+  // Model
+  int layers = 61;
+  uint64_t block_size = 128;
+  std::vector<uint64_t> bytes_per_token{1024, 128, 128, 4};
+  uint64_t num_blocks = 512;  // per rank; Decode's main pool holds this many blocks per layer
+  int slots = 3;
+  uint64_t token_budget = 2048;
+  uint64_t compute_ns_per_token = 1000;
+  uint64_t compute_min_layer_us = 0;
+  // Workload
+  uint32_t requests = 24;
+  uint64_t min_tokens = 100;
+  uint64_t max_tokens = 16384;
+  uint32_t concurrency = 4;
+  double prompt_list_share = 0.25;  // requests that carry a list of prompts
+  uint32_t prompt_list_size = 3;
+  uint32_t output_tokens = 8;
+  uint64_t seed = 1;
+  uint32_t timeout_s = 600;
+  // Output
+  std::string trace_file;
+  bool quiet = false;
+  int test_corrupt_layer = -1;  // test only: see sim::EngineConfig
+};
+
+// Reads a JSON config (keys are the long flag names, with - or _) into `options`, skipping
+// keys for which `given_on_command_line` is true. Unknown keys are refused, naming them.
+Status apply_demo_config(const std::string& path, DemoOptions& options,
+                         const std::function<bool(const std::string&)>& given_on_command_line);
+
+int run_demo(const DemoOptions& options);
+
+}  // namespace rd2h::tools

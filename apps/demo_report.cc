@@ -1,0 +1,244 @@
+#include "demo_report.h"
+
+#include <algorithm>
+#include <cmath>
+#include <cstdio>
+#include <map>
+#include <nlohmann/json.hpp>
+
+namespace rd2h::tools {
+
+using nlohmann::json;
+
+double hidden_fraction(const std::vector<Interval>& reads, std::vector<Interval> compute) {
+  // Merge the compute intervals, then measure each read against the merged set.
+  std::sort(compute.begin(), compute.end(),
+            [](const Interval& a, const Interval& b) { return a.begin < b.begin; });
+  std::vector<Interval> merged;
+  for (const auto& c : compute) {
+    if (!merged.empty() && c.begin <= merged.back().end) {
+      merged.back().end = std::max(merged.back().end, c.end);
+    } else {
+      merged.push_back(c);
+    }
+  }
+  double total = 0, hidden = 0;
+  for (const auto& r : reads) {
+    total += static_cast<double>(r.end - r.begin);
+    auto it = std::upper_bound(merged.begin(), merged.end(), r.begin,
+                               [](int64_t t, const Interval& c) { return t < c.end; });
+    for (; it != merged.end() && it->begin < r.end; ++it) {
+      hidden += static_cast<double>(std::min(r.end, it->end) - std::max(r.begin, it->begin));
+    }
+  }
+  return total > 0 ? hidden / total : 0;
+}
+
+double quantile(std::vector<double> values, double p) {
+  if (values.empty()) return 0;
+  std::sort(values.begin(), values.end());
+  const auto rank = static_cast<size_t>(std::ceil(p * static_cast<double>(values.size())));
+  return values[std::min(values.size() - 1, rank > 0 ? rank - 1 : 0)];
+}
+
+DemoSummary summarize(const std::vector<EngineTrace>& engines,
+                      const std::vector<ClientRecord>& client) {
+  DemoSummary s;
+  std::vector<Interval> reads, compute;
+  std::vector<double> read_us;
+  std::map<std::string, int64_t> prefill_done, kv_ready, kv_complete;
+  int64_t last_layer = -1;
+  for (const auto& e : engines) {
+    for (const auto& ev : e.events) {
+      if (ev.name == "compute") last_layer = std::max(last_layer, ev.layer);
+    }
+  }
+  // Request -> (start, duration) of the latest read of the last layer on each Decode rank.
+  std::map<std::string, std::map<std::pair<int, int>, std::pair<int64_t, int64_t>>> last_reads;
+  int64_t first_read = INT64_MAX, last_read = 0;
+  for (const auto& e : engines) {
+    for (const auto& ev : e.events) {
+      if (e.role == "decode" && ev.name == "read") {
+        reads.push_back({ev.ts_us, ev.ts_us + ev.dur_us});
+        read_us.push_back(static_cast<double>(ev.dur_us));
+        s.bytes += ev.bytes;
+        ++s.reads;
+        first_read = std::min(first_read, ev.ts_us);
+        if (ev.layer == last_layer) {
+          size_t begin = 0;
+          while (begin <= ev.request.size()) {
+            size_t end = ev.request.find(',', begin);
+            if (end == std::string::npos) end = ev.request.size();
+            auto& slot = last_reads[ev.request.substr(begin, end - begin)][{e.instance, ev.rank}];
+            if (ev.ts_us >= slot.first) slot = {ev.ts_us, ev.dur_us};
+            begin = end + 1;
+          }
+        }
+        last_read = std::max(last_read, ev.ts_us + ev.dur_us);
+      } else if (e.role == "prefill" && ev.name == "compute") {
+        compute.push_back({ev.ts_us, ev.ts_us + ev.dur_us});
+      } else if (e.role == "prefill" && ev.name == "slot wait") {
+        ++s.slot_waits;
+        s.slot_wait_us += static_cast<double>(ev.dur_us);
+      } else if (ev.name == "prefill done") {
+        prefill_done[ev.request] = ev.ts_us;
+      } else if (ev.name == "kv ready") {
+        kv_ready[ev.request] = ev.ts_us;
+      } else if (ev.name == "kv complete") {
+        auto& at = kv_complete[ev.request];
+        at = std::max(at, ev.ts_us);  // the last Decode rank
+      }
+    }
+  }
+  s.read_p50_us = quantile(read_us, 0.5);
+  s.read_p99_us = quantile(read_us, 0.99);
+  double busy_us = 0;
+  for (double d : read_us) busy_us += d;
+  if (busy_us > 0) s.link_gbps = static_cast<double>(s.bytes) / busy_us / 1e3;
+  if (last_read > first_read) {
+    s.aggregate_gbps =
+        static_cast<double>(s.bytes) / static_cast<double>(last_read - first_read) / 1e3;
+  }
+  s.hidden = hidden_fraction(reads, compute);
+  std::vector<double> delays, pickups, last_read_us, ratios;
+  for (const auto& [id, done] : prefill_done) {
+    auto it = kv_complete.find(id);
+    if (it == kv_complete.end()) continue;
+    const double delay = static_cast<double>(it->second - done);
+    delays.push_back(delay);
+    if (auto ready = kv_ready.find(id); ready != kv_ready.end()) {
+      pickups.push_back(static_cast<double>(ready->second - done));
+    }
+    auto reads_of = last_reads.find(id);
+    if (reads_of == last_reads.end()) continue;
+    int64_t slowest = 0;
+    for (const auto& [rank, read] : reads_of->second) slowest = std::max(slowest, read.second);
+    if (slowest <= 0) continue;
+    last_read_us.push_back(static_cast<double>(slowest));
+    ratios.push_back(delay / static_cast<double>(slowest));
+  }
+  s.ready_matched = delays.size();
+  s.ready_delay_p50_us = quantile(delays, 0.5);
+  s.ready_delay_p99_us = quantile(delays, 0.99);
+  s.pickup_delay_p50_us = quantile(pickups, 0.5);
+  s.pickup_delay_p99_us = quantile(pickups, 0.99);
+  s.last_layer_read_p50_us = quantile(last_read_us, 0.5);
+  s.ready_ratio_p50 = quantile(ratios, 0.5);
+  s.ready_ratio_p99 = quantile(ratios, 0.99);
+  std::vector<double> ttft;
+  int64_t begin = INT64_MAX, end = 0;
+  for (const auto& c : client) {
+    ++s.requests;
+    s.prompts += c.prompts;
+    s.tokens += c.tokens;
+    if (!c.ok) ++s.failed;
+    if (c.ok && c.first_byte_us > 0) {
+      ttft.push_back(static_cast<double>(c.first_byte_us - c.start_us) / 1e3);
+    }
+    begin = std::min(begin, c.start_us);
+    end = std::max(end, c.end_us);
+  }
+  s.ttft_p50_ms = quantile(ttft, 0.5);
+  s.ttft_p99_ms = quantile(ttft, 0.99);
+  if (end > begin) s.wall_s = static_cast<double>(end - begin) / 1e6;
+  return s;
+}
+
+std::string format_summary(const DemoSummary& s) {
+  char buf[2048];
+  std::snprintf(
+      buf, sizeof(buf),
+      "requests          %llu (%llu prompts, %llu failed) in %.1f s\n"
+      "prompt tokens     %llu\n"
+      "KV moved          %.2f GB in %llu layer reads\n"
+      "layer read        p50 %.0f us, p99 %.0f us\n"
+      "transfer          %.2f GB/s per read in flight, %.2f GB/s over the run\n"
+      "hidden behind Prefill compute  %.1f%% of the read time\n"
+      "Decode-ready delay after the last Prefill layer  p50 %.0f us, p99 %.0f us (%zu prompts)\n"
+      "  over the prompt's last-layer read (p50 %.0f us)  p50 %.1fx, p99 %.1fx\n"
+      "  until Decode's engine core scheduled it  p50 %.0f us, p99 %.0f us\n"
+      "time to first token  p50 %.1f ms, p99 %.1f ms\n"
+      "Prefill slot waits  %llu, %.1f ms in total\n",
+      static_cast<unsigned long long>(s.requests), static_cast<unsigned long long>(s.prompts),
+      static_cast<unsigned long long>(s.failed), s.wall_s,
+      static_cast<unsigned long long>(s.tokens), static_cast<double>(s.bytes) / 1e9,
+      static_cast<unsigned long long>(s.reads), s.read_p50_us, s.read_p99_us, s.link_gbps,
+      s.aggregate_gbps, 100.0 * s.hidden, s.ready_delay_p50_us, s.ready_delay_p99_us,
+      s.ready_matched, s.last_layer_read_p50_us, s.ready_ratio_p50, s.ready_ratio_p99,
+      s.pickup_delay_p50_us, s.pickup_delay_p99_us, s.ttft_p50_ms, s.ttft_p99_ms,
+      static_cast<unsigned long long>(s.slot_waits), s.slot_wait_us / 1e3);
+  return buf;
+}
+
+std::string chrome_trace(const std::vector<EngineTrace>& engines,
+                         const std::vector<ClientRecord>& client) {
+  int64_t origin = INT64_MAX;
+  for (const auto& e : engines) {
+    for (const auto& ev : e.events) origin = std::min(origin, ev.ts_us);
+  }
+  for (const auto& c : client) origin = std::min(origin, c.start_us);
+  if (origin == INT64_MAX) origin = 0;
+  json events = json::array();
+  auto name_process = [&](int pid, const std::string& name) {
+    events.push_back(
+        {{"ph", "M"}, {"name", "process_name"}, {"pid", pid}, {"args", {{"name", name}}}});
+  };
+  auto name_thread = [&](int pid, int tid, const std::string& name) {
+    events.push_back({{"ph", "M"},
+                      {"name", "thread_name"},
+                      {"pid", pid},
+                      {"tid", tid},
+                      {"args", {{"name", name}}}});
+  };
+  name_process(1, "client");
+  name_thread(1, 0, "requests");
+  for (const auto& c : client) {
+    json args = {{"prompts", c.prompts}, {"tokens", c.tokens}};
+    if (c.first_byte_us > 0)
+      args["ttft_ms"] = static_cast<double>(c.first_byte_us - c.start_us) / 1e3;
+    if (!c.ok) args["error"] = c.error;
+    events.push_back({{"ph", "X"},
+                      {"name", c.id},
+                      {"cat", "client"},
+                      {"pid", 1},
+                      {"tid", 0},
+                      {"ts", c.start_us - origin},
+                      {"dur", c.end_us - c.start_us},
+                      {"args", args}});
+  }
+  const std::vector<std::string> lanes = {"core", "compute", "sender", "reader"};
+  for (const auto& e : engines) {
+    const int pid = (e.role == "prefill" ? 100 : 200) + e.instance;
+    name_process(pid, (e.role == "prefill" ? "Prefill " : "Decode ") + std::to_string(e.instance) +
+                          " (TP " + std::to_string(e.tp) + ")");
+    std::map<int, std::string> threads;
+    for (const auto& ev : e.events) {
+      const auto lane = std::find(lanes.begin(), lanes.end(), ev.lane) - lanes.begin();
+      const int tid = (ev.rank + 1) * 10 + static_cast<int>(lane);
+      threads[tid] =
+          ev.rank < 0 ? "engine core" : "rank " + std::to_string(ev.rank) + " " + ev.lane;
+      json args = json::object();
+      if (ev.layer >= 0) args["layer"] = ev.layer;
+      if (ev.bytes > 0) args["bytes"] = ev.bytes;
+      if (!ev.request.empty()) args["request"] = ev.request;
+      json out = {{"name", ev.layer >= 0 ? ev.name + " L" + std::to_string(ev.layer) : ev.name},
+                  {"cat", ev.lane},
+                  {"pid", pid},
+                  {"tid", tid},
+                  {"ts", ev.ts_us - origin},
+                  {"args", args}};
+      if (ev.dur_us >= 0) {
+        out["ph"] = "X";
+        out["dur"] = ev.dur_us;
+      } else {
+        out["ph"] = "i";
+        out["s"] = "t";
+      }
+      events.push_back(std::move(out));
+    }
+    for (const auto& [tid, name] : threads) name_thread(pid, tid, name);
+  }
+  return json{{"traceEvents", events}, {"displayTimeUnit", "ms"}}.dump();
+}
+
+}  // namespace rd2h::tools
