@@ -3,33 +3,12 @@
 #include <sys/wait.h>
 
 #include "rd2h/common/subprocess.h"
+#include "support/rd2h_run.h"
 
 namespace rd2h {
 namespace {
 
 using namespace std::chrono_literals;
-
-struct ToolRun {
-  int exit_code = -1;
-  std::string output;
-};
-
-ToolRun run_rd2h(std::vector<std::string> args) {
-  args.insert(args.begin(), RD2H_BINARY);
-  Subprocess::Options options;
-  options.merge_stderr = true;
-  auto p = Subprocess::spawn(args, options);
-  EXPECT_TRUE(p) << p.status().to_string();
-  if (!p) return {};
-  ToolRun r;
-  auto out = p->read_all(120s);
-  EXPECT_TRUE(out) << out.status().to_string();
-  if (out) r.output = *out;
-  auto status = p->wait(30s);
-  EXPECT_TRUE(status) << status.status().to_string();
-  if (status && WIFEXITED(*status)) r.exit_code = WEXITSTATUS(*status);
-  return r;
-}
 
 const std::vector<std::string> kSmallPool = {
     "--layers",        "4",    "--blocks",       "12", "--main-bytes", "8192,1024",

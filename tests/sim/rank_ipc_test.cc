@@ -1,0 +1,82 @@
+// The simulator's inter-process pieces: the Decode ranks' all-gather over ZeroMQ and the
+// shared main pool.
+#include <gtest/gtest.h>
+
+#include <cstring>
+#include <future>
+#include <thread>
+
+#include "rank_gather.h"
+#include "shared_pool.h"
+
+namespace rd2h::sim {
+namespace {
+
+using namespace std::chrono_literals;
+
+TEST(RankGather, EveryRankGetsEveryRanksSetInRankOrderRoundAfterRound) {
+  constexpr int kSize = 3;
+  auto root = RankGather::bind(kSize, "127.0.0.1", 10s);
+  ASSERT_TRUE(root) << root.status().to_string();
+  std::vector<std::unique_ptr<RankGather>> ranks;
+  ranks.push_back(std::move(*root));
+  for (int k = 1; k < kSize; ++k) {
+    auto g = RankGather::connect(k, kSize, ranks[0]->url(), 10s);
+    ASSERT_TRUE(g) << g.status().to_string();
+    ranks.push_back(std::move(*g));
+  }
+  for (int round = 0; round < 3; ++round) {
+    std::vector<std::future<Expected<std::vector<decode::RankTerminal>>>> results;
+    for (int k = 0; k < kSize; ++k) {
+      results.push_back(std::async(std::launch::async, [&, k] {
+        decode::RankTerminal mine{{"req-" + std::to_string(round) + "-" + std::to_string(k),
+                                   k == 1}};
+        return ranks[static_cast<size_t>(k)]->function()(mine);
+      }));
+    }
+    for (int k = 0; k < kSize; ++k) {
+      auto got = results[static_cast<size_t>(k)].get();
+      ASSERT_TRUE(got) << got.status().to_string();
+      ASSERT_EQ(got->size(), static_cast<size_t>(kSize));
+      for (int j = 0; j < kSize; ++j) {
+        const auto& set = (*got)[static_cast<size_t>(j)];
+        ASSERT_EQ(set.size(), 1u);
+        EXPECT_EQ(set.begin()->first, "req-" + std::to_string(round) + "-" + std::to_string(j));
+        EXPECT_EQ(set.begin()->second, j == 1);
+      }
+    }
+  }
+}
+
+TEST(RankGather, ARankThatNeverComesTimesOutNamingTheMissing) {
+  auto root = RankGather::bind(3, "127.0.0.1", 200ms);
+  ASSERT_TRUE(root) << root.status().to_string();
+  auto one = RankGather::connect(1, 3, (*root)->url(), 200ms);
+  ASSERT_TRUE(one);
+  auto late = std::async(std::launch::async, [&] { return (*one)->function()({}); });
+  auto got = (*root)->function()({});
+  ASSERT_FALSE(got);
+  EXPECT_NE(got.status().message().find("1 of the other ranks did not gather in time"),
+            std::string::npos)
+      << got.status().to_string();
+  EXPECT_FALSE(late.get()) << "rank 1 is not answered either";
+}
+
+TEST(SharedPool, RanksThatOpenItByNameShareItsBytesAndAnUnlinkedNameIsGone) {
+  auto pool = SharedPool::create(1 << 20);
+  ASSERT_TRUE(pool) << pool.status().to_string();
+  auto other = SharedPool::open(pool->name(), 1 << 20);
+  ASSERT_TRUE(other) << other.status().to_string();
+  std::memset(pool->data() + 4096, 0x5a, 100);
+  EXPECT_EQ(other->data()[4096 + 99], std::byte{0x5a});
+  EXPECT_FALSE(SharedPool::open(pool->name(), 2 << 20)) << "smaller than asked";
+  pool->unlink();
+  auto gone = SharedPool::open(pool->name(), 1 << 20);
+  ASSERT_FALSE(gone);
+  EXPECT_NE(gone.status().message().find(pool->name()), std::string::npos);
+  other->data()[0] = std::byte{1};  // still mapped after the unlink
+  EXPECT_EQ(pool->data()[0], std::byte{1});
+}
+
+}  // namespace
+}  // namespace rd2h::sim

@@ -1,0 +1,159 @@
+// rd2h demo as a user runs it (the real binary, its proxy, Prefill and Decode processes and
+// their TP rank processes), and the figures it derives from the engines' timelines.
+#include <gtest/gtest.h>
+
+#include <cstdio>
+#include <fstream>
+#include <nlohmann/json.hpp>
+#include <sstream>
+
+#include "demo.h"
+#include "demo_report.h"
+#include "support/rd2h_run.h"
+
+namespace rd2h::tools {
+namespace {
+
+using nlohmann::json;
+
+const std::string kSmall = std::string(RD2H_SOURCE_DIR) + "/examples/demo-small.json";
+
+std::string temp_path(const std::string& name) {
+  return ::testing::TempDir() + "rd2h-" + std::to_string(getpid()) + "-" + name;
+}
+
+TEST(Demo, ASmallRunVerifiesEveryByteWritesItsTraceAndStopsCleanly) {
+  const std::string trace = temp_path("trace.json");
+  const ToolRun run = run_rd2h({"demo", "--config", kSmall, "--trace", trace});
+  ASSERT_EQ(run.exit_code, 0) << run.output;
+  EXPECT_NE(run.output.find("OK: every byte of every prompt's KV was verified"), std::string::npos)
+      << run.output;
+  EXPECT_NE(run.output.find("requests          12 ("), std::string::npos) << run.output;
+  EXPECT_NE(run.output.find("0 failed"), std::string::npos) << run.output;
+
+  std::ifstream in(trace);
+  std::stringstream text;
+  text << in.rdbuf();
+  const json t = json::parse(text.str(), nullptr, false);
+  ASSERT_TRUE(t.is_object() && t.contains("traceEvents")) << "the trace is not trace-event JSON";
+  std::map<std::string, size_t> names;
+  std::set<int> compute_ranks;
+  for (const auto& e : t["traceEvents"]) {
+    const std::string name = e.value("name", "");
+    names[name.substr(0, name.find(" L"))]++;
+    if (name.rfind("compute", 0) == 0) compute_ranks.insert(e.value("tid", -1));
+  }
+  // Every Prefill rank computed, published and heard back; Decode read and readied prompts.
+  EXPECT_EQ(compute_ranks.size(), 4u);
+  EXPECT_GT(names["readiness"], 0u);
+  EXPECT_EQ(names["answer"], names["readiness"]) << "every readiness is answered";
+  EXPECT_GT(names["read"], 0u);
+  EXPECT_GT(names["kv complete"], 0u);
+  EXPECT_GT(names["kv ready"], 0u);
+  EXPECT_GT(names["first token"], 0u);
+  std::remove(trace.c_str());
+}
+
+TEST(Demo, ACorruptedByteMakesTheRunFailNamingWhere) {
+  const ToolRun run =
+      run_rd2h({"demo", "--config", kSmall, "--requests", "3", "--test-corrupt-layer", "5"});
+  EXPECT_NE(run.exit_code, 0) << run.output;
+  EXPECT_NE(run.output.find("layer 5, tensor 0 in the shared main pool does not hold its KV"),
+            std::string::npos)
+      << run.output;
+  EXPECT_NE(run.output.find("FAILED: 1 of 3 requests failed"), std::string::npos) << run.output;
+}
+
+TEST(Demo, BadSettingsAreRefusedBeforeAnythingStarts) {
+  ToolRun run = run_rd2h({"demo", "--max-tokens", "20000", "--num-blocks", "64"});
+  EXPECT_NE(run.exit_code, 0);
+  EXPECT_NE(run.output.find("a 20000-token prompt needs 157 blocks, and --num-blocks is 64"),
+            std::string::npos)
+      << run.output;
+  EXPECT_EQ(run.output.find("Decode 0 at"), std::string::npos) << "nothing was started";
+}
+
+class DemoConfig : public ::testing::Test {
+ protected:
+  std::string write(const std::string& text) {
+    path_ = temp_path("demo-config.json");
+    std::ofstream(path_) << text;
+    return path_;
+  }
+  void TearDown() override { std::remove(path_.c_str()); }
+  std::string path_;
+};
+
+TEST_F(DemoConfig, KeysSetOptionsAndTheCommandLineWins) {
+  DemoOptions o;
+  const auto path = write(R"({"prefill_tp": 2, "decode-tp": 1, "bytes-per-token": [8, 4],
+                              "requests": 7, "trace": "t.json"})");
+  Status st = apply_demo_config(path, o, [](const std::string& key) { return key == "requests"; });
+  ASSERT_TRUE(st) << st.to_string();
+  EXPECT_EQ(o.prefill_tp, 2);
+  EXPECT_EQ(o.decode_tp, 1);
+  EXPECT_EQ(o.bytes_per_token, (std::vector<uint64_t>{8, 4}));
+  EXPECT_EQ(o.requests, DemoOptions{}.requests) << "given on the command line";
+  EXPECT_EQ(o.trace_file, "t.json");
+}
+
+TEST_F(DemoConfig, AnUnknownKeyOrAWrongTypeIsRefusedNamingIt) {
+  DemoOptions o;
+  auto none = [](const std::string&) { return false; };
+  Status st = apply_demo_config(write(R"({"prefil-tp": 2})"), o, none);
+  EXPECT_FALSE(st);
+  EXPECT_NE(st.message().find("'prefil-tp' is not a demo setting"), std::string::npos) << st.to_string();
+  st = apply_demo_config(write(R"({"layers": "many"})"), o, none);
+  EXPECT_FALSE(st);
+  EXPECT_NE(st.message().find("'layers' has the wrong type"), std::string::npos) << st.to_string();
+  st = apply_demo_config(write("[1, 2]"), o, none);
+  EXPECT_FALSE(st);
+  st = apply_demo_config(temp_path("missing.json"), o, none);
+  EXPECT_FALSE(st);
+}
+
+TEST(DemoReport, HiddenFractionCountsOnlyReadTimeUnderCompute) {
+  // Compute [0, 100) and [90, 150) merge into [0, 150); a read [140, 160) is half hidden,
+  // a read [200, 210) not at all, a read [10, 30) wholly.
+  const std::vector<Interval> compute = {{90, 150}, {0, 100}};
+  EXPECT_DOUBLE_EQ(hidden_fraction({{140, 160}}, compute), 0.5);
+  EXPECT_DOUBLE_EQ(hidden_fraction({{200, 210}}, compute), 0.0);
+  EXPECT_DOUBLE_EQ(hidden_fraction({{10, 30}}, compute), 1.0);
+  EXPECT_DOUBLE_EQ(hidden_fraction({{140, 160}, {200, 210}, {10, 30}}, compute), 30.0 / 50.0);
+  EXPECT_DOUBLE_EQ(hidden_fraction({}, compute), 0.0);
+}
+
+TEST(DemoReport, QuantileIsTheNearestRank) {
+  EXPECT_EQ(quantile({}, 0.5), 0);
+  EXPECT_EQ(quantile({5}, 0.99), 5);
+  EXPECT_EQ(quantile({4, 1, 3, 2}, 0.5), 2);
+  std::vector<double> hundred;
+  for (int i = 100; i >= 1; --i) hundred.push_back(i);
+  EXPECT_EQ(quantile(hundred, 0.99), 99);
+  EXPECT_EQ(quantile(hundred, 1.0), 100);
+}
+
+TEST(DemoReport, ReadyDelayIsMeasuredFromPrefillsLastLayerToTheLastDecodeRank) {
+  using trace::Event;
+  EngineTrace prefill{"prefill", 0, 2, {}};
+  prefill.events = {{"compute", "compute", 1000, 100, 0, 3, 0, ""},
+                    {"prefill done", "core", 1100, -1, -1, -1, 0, "a"}};
+  EngineTrace decode{"decode", 0, 2, {}};
+  decode.events = {{"read", "reader", 1110, 40, 0, 3, 4096, "a,b"},
+                   {"read", "reader", 1120, 50, 1, 3, 4096, "a"},
+                   {"kv complete", "reader", 1160, -1, 0, 3, 0, "a"},
+                   {"kv complete", "reader", 1200, -1, 1, 3, 0, "a"},
+                   {"kv ready", "core", 2100, -1, -1, -1, 0, "a"}};
+  const DemoSummary s = summarize({prefill, decode}, {});
+  EXPECT_EQ(s.reads, 2u);
+  EXPECT_EQ(s.bytes, 8192u);
+  EXPECT_EQ(s.ready_matched, 1u);
+  EXPECT_DOUBLE_EQ(s.ready_delay_p50_us, 100) << "to the later of the two ranks";
+  EXPECT_DOUBLE_EQ(s.last_layer_read_p50_us, 50) << "the slower rank's read of layer 3";
+  EXPECT_DOUBLE_EQ(s.ready_ratio_p50, 2.0);
+  EXPECT_DOUBLE_EQ(s.pickup_delay_p50_us, 1000);
+  EXPECT_DOUBLE_EQ(s.hidden, 0.0) << "both reads ran after compute ended";
+}
+
+}  // namespace
+}  // namespace rd2h::tools
