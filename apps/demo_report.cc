@@ -150,7 +150,7 @@ std::string format_summary(const DemoSummary& s) {
       buf, sizeof(buf),
       "requests          %llu (%llu prompts, %llu failed) in %.1f s\n"
       "prompt tokens     %llu\n"
-      "KV moved          %.2f GB in %llu layer reads\n"
+      "KV moved          %.3f GB (%llu bytes) in %llu layer reads\n"
       "layer read        p50 %.0f us, p99 %.0f us\n"
       "transfer          %.2f GB/s per read in flight, %.2f GB/s over the run\n"
       "hidden behind Prefill compute  %.1f%% of the read time\n"
@@ -162,11 +162,12 @@ std::string format_summary(const DemoSummary& s) {
       static_cast<unsigned long long>(s.requests), static_cast<unsigned long long>(s.prompts),
       static_cast<unsigned long long>(s.failed), s.wall_s,
       static_cast<unsigned long long>(s.tokens), static_cast<double>(s.bytes) / 1e9,
-      static_cast<unsigned long long>(s.reads), s.read_p50_us, s.read_p99_us, s.link_gbps,
-      s.aggregate_gbps, 100.0 * s.hidden, s.ready_delay_p50_us, s.ready_delay_p99_us,
-      s.ready_matched, s.last_layer_read_p50_us, s.ready_ratio_p50, s.ready_ratio_p99,
-      s.pickup_delay_p50_us, s.pickup_delay_p99_us, s.ttft_p50_ms, s.ttft_p99_ms,
-      static_cast<unsigned long long>(s.slot_waits), s.slot_wait_us / 1e3);
+      static_cast<unsigned long long>(s.bytes), static_cast<unsigned long long>(s.reads),
+      s.read_p50_us, s.read_p99_us, s.link_gbps, s.aggregate_gbps, 100.0 * s.hidden,
+      s.ready_delay_p50_us, s.ready_delay_p99_us, s.ready_matched, s.last_layer_read_p50_us,
+      s.ready_ratio_p50, s.ready_ratio_p99, s.pickup_delay_p50_us, s.pickup_delay_p99_us,
+      s.ttft_p50_ms, s.ttft_p99_ms, static_cast<unsigned long long>(s.slot_waits),
+      s.slot_wait_us / 1e3);
   return buf;
 }
 

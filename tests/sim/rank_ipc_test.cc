@@ -29,8 +29,8 @@ TEST(RankGather, EveryRankGetsEveryRanksSetInRankOrderRoundAfterRound) {
     std::vector<std::future<Expected<std::vector<decode::RankTerminal>>>> results;
     for (int k = 0; k < kSize; ++k) {
       results.push_back(std::async(std::launch::async, [&, k] {
-        decode::RankTerminal mine{{"req-" + std::to_string(round) + "-" + std::to_string(k),
-                                   k == 1}};
+        decode::RankTerminal mine{
+            {"req-" + std::to_string(round) + "-" + std::to_string(k), k == 1}};
         return ranks[static_cast<size_t>(k)]->function()(mine);
       }));
     }

@@ -16,9 +16,15 @@ struct ToolRun {
   std::string output;  // stdout and stderr
 };
 
+// `prefix` goes before the binary (a command looked up on PATH, e.g. "ip netns exec ns").
 inline ToolRun run_rd2h(std::vector<std::string> args,
-                        std::chrono::seconds timeout = std::chrono::seconds(120)) {
+                        std::chrono::seconds timeout = std::chrono::seconds(120),
+                        std::vector<std::string> prefix = {}) {
   args.insert(args.begin(), RD2H_BINARY);
+  if (!prefix.empty()) {
+    prefix.insert(prefix.begin(), "/usr/bin/env");
+    args.insert(args.begin(), prefix.begin(), prefix.end());
+  }
   Subprocess::Options options;
   options.merge_stderr = true;
   auto p = Subprocess::spawn(args, options);

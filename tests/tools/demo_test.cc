@@ -1,5 +1,7 @@
 // rd2h demo as a user runs it (the real binary, its proxy, Prefill and Decode processes and
 // their TP rank processes), and the figures it derives from the engines' timelines.
+#include "demo.h"
+
 #include <gtest/gtest.h>
 
 #include <cstdio>
@@ -7,7 +9,6 @@
 #include <nlohmann/json.hpp>
 #include <sstream>
 
-#include "demo.h"
 #include "demo_report.h"
 #include "support/rd2h_run.h"
 
@@ -102,7 +103,8 @@ TEST_F(DemoConfig, AnUnknownKeyOrAWrongTypeIsRefusedNamingIt) {
   auto none = [](const std::string&) { return false; };
   Status st = apply_demo_config(write(R"({"prefil-tp": 2})"), o, none);
   EXPECT_FALSE(st);
-  EXPECT_NE(st.message().find("'prefil-tp' is not a demo setting"), std::string::npos) << st.to_string();
+  EXPECT_NE(st.message().find("'prefil-tp' is not a demo setting"), std::string::npos)
+      << st.to_string();
   st = apply_demo_config(write(R"({"layers": "many"})"), o, none);
   EXPECT_FALSE(st);
   EXPECT_NE(st.message().find("'layers' has the wrong type"), std::string::npos) << st.to_string();
