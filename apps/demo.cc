@@ -14,6 +14,7 @@
 #include <random>
 #include <sstream>
 #include <thread>
+#include <tuple>
 
 #include "demo_report.h"
 #include "rd2h/common/deadline.h"
@@ -348,7 +349,7 @@ Status apply_demo_config(const std::string& path, DemoOptions& o,
   return Status::ok();
 }
 
-int run_demo(const DemoOptions& options) {
+Expected<DemoSummary> run_demo_once(const DemoOptions& options) {
   DemoOptions o = options;
   if (o.prefill_host.empty()) o.prefill_host = o.host;
   if (o.decode_host.empty()) o.decode_host = o.host;
@@ -356,11 +357,8 @@ int run_demo(const DemoOptions& options) {
     if (!o.quiet) std::printf("%s\n", line.c_str());
     std::fflush(stdout);
   };
-  auto fail = [](const std::string& why) {
-    std::fprintf(stderr, "rd2h demo: FAILED: %s\n", why.c_str());
-    return 1;
-  };
-  if (Status st = check_options(o); !st) return fail(st.message());
+  auto fail = [](const std::string& why) -> Expected<DemoSummary> { return internal_error(why); };
+  if (Status st = check_options(o); !st) return st;
 
   const std::vector<Request> requests = workload(o);
   uint64_t total_tokens = 0, prompts = 0;
@@ -481,28 +479,21 @@ int run_demo(const DemoOptions& options) {
 
   std::vector<EngineTrace> traces;
   std::vector<std::string> errors;
-  for (size_t i = 0; i < prefill.size(); ++i) {
-    auto t = collect(prefill[i], "prefill", static_cast<int>(i), o.prefill_tp);
-    if (t)
-      traces.push_back(std::move(*t));
-    else
-      errors.push_back(t.status().message());
+  for (const auto& [servers, role, tp] : {std::tuple{&prefill, "prefill", o.prefill_tp},
+                                          std::tuple{&decode, "decode", o.decode_tp}}) {
+    for (size_t i = 0; i < servers->size(); ++i) {
+      auto t = collect((*servers)[i], role, static_cast<int>(i), tp);
+      if (!t) errors.push_back(t.status().message());
+      if (t) traces.push_back(std::move(*t));
+    }
   }
-  for (size_t i = 0; i < decode.size(); ++i) {
-    auto t = collect(decode[i], "decode", static_cast<int>(i), o.decode_tp);
-    if (t)
-      traces.push_back(std::move(*t));
-    else
-      errors.push_back(t.status().message());
+  // The proxy first, so that nothing new reaches the engines while they stop.
+  std::vector<Server*> order = {&*proxy};
+  for (auto* servers : {&prefill, &decode}) {
+    for (auto& s : *servers) order.push_back(&s);
   }
-  for (auto* s : {&*proxy}) {
+  for (auto* s : order) {
     if (Status st = stop(*s); !st) errors.push_back(st.message());
-  }
-  for (auto& s : prefill) {
-    if (Status st = stop(s); !st) errors.push_back(st.message());
-  }
-  for (auto& s : decode) {
-    if (Status st = stop(s); !st) errors.push_back(st.message());
   }
 
   const DemoSummary summary = summarize(traces, records);
@@ -521,7 +512,63 @@ int run_demo(const DemoOptions& options) {
                      " requests failed");
   }
   if (!errors.empty()) return fail(join(errors, "; "));
-  say("rd2h demo: OK: every byte of every prompt's KV was verified on Decode");
+  return summary;
+}
+
+int run_demo(const DemoOptions& options) {
+  auto summary = run_demo_once(options);
+  if (!summary) {
+    std::fprintf(stderr, "rd2h demo: FAILED: %s\n", summary.status().message().c_str());
+    return 1;
+  }
+  if (!options.quiet) {
+    std::printf("rd2h demo: OK: every byte of every prompt's KV was verified on Decode\n");
+  }
+  return 0;
+}
+
+int run_bench_demo(const BenchDemoOptions& options) {
+  struct Row {
+    std::string topology;
+    DemoSummary s;
+  };
+  std::vector<Row> rows;
+  for (const auto& t : options.topologies) {
+    DemoOptions o = options.demo;
+    const size_t colon = t.find(':');
+    try {
+      if (colon == std::string::npos) throw std::invalid_argument(t);
+      o.prefill_tp = std::stoi(t.substr(0, colon));
+      o.decode_tp = std::stoi(t.substr(colon + 1));
+    } catch (const std::exception&) {
+      std::fprintf(stderr, "rd2h bench demo: topology '%s' is not P:D (e.g. 4:2)\n", t.c_str());
+      return 2;
+    }
+    o.quiet = true;
+    std::printf("rd2h bench demo: Prefill TP %d, Decode TP %d ...\n", o.prefill_tp, o.decode_tp);
+    std::fflush(stdout);
+    auto s = run_demo_once(o);
+    if (!s) {
+      std::fprintf(stderr, "rd2h bench demo: %s: %s\n", t.c_str(), s.status().message().c_str());
+      return 1;
+    }
+    rows.push_back({t, *s});
+  }
+  std::printf(
+      "\n| P:D | hidden | layer compute p50 | layer read p50 | last-layer read p50 | "
+      "Decode-ready p50 (x last-layer read) | p99 | core pickup p50 | GB/s in flight | "
+      "GB/s run | TTFT p50 | wall |\n|---|---|---|---|---|---|---|---|---|---|---|---|\n");
+  for (const auto& r : rows) {
+    const auto& s = r.s;
+    std::printf(
+        "| %s | %.1f%% | %.0f us | %.0f us | %.0f us | %.0f us (%.1fx) | %.0f us (%.1fx) | %.0f us "
+        "| "
+        "%.2f | %.2f | %.0f ms | %.1f s |\n",
+        r.topology.c_str(), 100 * s.hidden, s.compute_p50_us, s.read_p50_us,
+        s.last_layer_read_p50_us, s.ready_delay_p50_us, s.ready_ratio_p50, s.ready_delay_p99_us,
+        s.ready_ratio_p99, s.pickup_delay_p50_us, s.link_gbps, s.aggregate_gbps, s.ttft_p50_ms,
+        s.wall_s);
+  }
   return 0;
 }
 

@@ -11,6 +11,7 @@
 #include <string>
 #include <vector>
 
+#include "demo_report.h"
 #include "rd2h/common/status.h"
 
 namespace rd2h::tools {
@@ -60,6 +61,15 @@ struct DemoOptions {
 Status apply_demo_config(const std::string& path, DemoOptions& options,
                          const std::function<bool(const std::string&)>& given_on_command_line);
 
+// One run; its summary, or why it failed.
+Expected<DemoSummary> run_demo_once(const DemoOptions& options);
 int run_demo(const DemoOptions& options);
+
+// rd2h bench demo: the same workload over several Prefill:Decode TP pairs, one table.
+struct BenchDemoOptions {
+  DemoOptions demo;
+  std::vector<std::string> topologies{"4:2", "2:2", "1:1"};
+};
+int run_bench_demo(const BenchDemoOptions& options);
 
 }  // namespace rd2h::tools

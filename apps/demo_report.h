@@ -58,6 +58,7 @@ struct DemoSummary {
   double ready_ratio_p50 = 0, ready_ratio_p99 = 0;
   double ttft_p50_ms = 0, ttft_p99_ms = 0;
   double wall_s = 0;
+  double compute_p50_us = 0;  // one Prefill layer's compute, on one rank
   uint64_t slot_waits = 0;
   double slot_wait_us = 0;
 };

@@ -78,6 +78,16 @@ int main(int argc, char** argv) {
   bench_layers->add_option("--timeout-ms", bl.timeout_ms, "bound on every wait")
       ->check(CLI::Range(1u, 3600000u));
 
+  rd2h::tools::BenchDemoOptions bd;
+  std::string bench_demo_config;
+  auto* bench_demo = bench->add_subcommand(
+      "demo", "The demo's workload over several Prefill:Decode TP pairs, in one table");
+  bench_demo->add_option("--config", bench_demo_config, "demo settings (JSON, as rd2h demo)");
+  bench_demo->add_option("--topologies", bd.topologies, "Prefill:Decode TP pairs")->delimiter(',');
+  bench_demo->add_option("--requests", bd.demo.requests, "requests per run");
+  bench_demo->add_option("--compute-ns-per-token", bd.demo.compute_ns_per_token,
+                         "Prefill compute per token per layer");
+
   rd2h::metaserver::ProxyConfig px;
   auto* proxy = app.add_subcommand(
       "proxy", "OpenAI-style front over Prefill and Decode instances, with the metaserver");
@@ -182,17 +192,23 @@ int main(int argc, char** argv) {
 
   CLI11_PARSE(app, argc, argv);
   if (worker_cmd->parsed()) return rd2h::sim::run_rank_worker(core_url, worker_rank);
+  // A demo config file fills in what the command line did not set.
+  auto load_demo_config = [](CLI::App* cmd, const std::string& path,
+                             rd2h::tools::DemoOptions& options) {
+    if (path.empty()) return true;
+    auto st = rd2h::tools::apply_demo_config(path, options, [cmd](const std::string& key) {
+      auto* opt = cmd->get_option_no_throw("--" + key);
+      return opt != nullptr && opt->count() > 0;
+    });
+    if (!st) std::fprintf(stderr, "rd2h: %s\n", st.message().c_str());
+    return st.is_ok();
+  };
+  if (bench_demo->parsed()) {
+    if (!load_demo_config(bench_demo, bench_demo_config, bd.demo)) return 2;
+    return rd2h::tools::run_bench_demo(bd);
+  }
   if (demo->parsed()) {
-    if (!demo_config.empty()) {
-      auto st = rd2h::tools::apply_demo_config(demo_config, dm, [demo](const std::string& key) {
-        auto* opt = demo->get_option_no_throw("--" + key);
-        return opt != nullptr && opt->count() > 0;
-      });
-      if (!st) {
-        std::fprintf(stderr, "rd2h demo: %s\n", st.message().c_str());
-        return 2;
-      }
-    }
+    if (!load_demo_config(demo, demo_config, dm)) return 2;
     return rd2h::tools::run_demo(dm);
   }
   if (prefill_cmd->parsed()) return rd2h::tools::run_engine(eo, rd2h::connector::KvRole::kProducer);
