@@ -204,7 +204,8 @@ ClientRecord send(const std::string& proxy, const Request& r, const DemoOptions&
   return rec;
 }
 
-Expected<EngineTrace> collect(const Server& s, const std::string& role, int instance, int tp) {
+Expected<EngineTrace> collect(const Server& s, const std::string& role, int instance, int tp,
+                              bool quiet) {
   httplib::Client c(s.origin);
   c.set_read_timeout(60);
   auto r = c.Get("/rd2h/report");
@@ -214,6 +215,12 @@ Expected<EngineTrace> collect(const Server& s, const std::string& role, int inst
   if (report->events_dropped > 0) {
     std::fprintf(stderr, "rd2h demo: %s dropped %llu timeline events\n", s.name.c_str(),
                  static_cast<unsigned long long>(report->events_dropped));
+  }
+  if (role == "decode" && !quiet) {
+    std::printf("rd2h demo: %s verified %llu block-layers; its main pool was %s\n", s.name.c_str(),
+                static_cast<unsigned long long>(report->stats.verified_blocks),
+                report->stats.main_pool_locked ? "locked in memory"
+                                               : "not locked in memory (not permitted here)");
   }
   return EngineTrace{role, instance, tp, std::move(report->events)};
 }
@@ -434,6 +441,20 @@ Expected<DemoSummary> run_demo_once(const DemoOptions& options) {
   if (!proxy) return fail(proxy.status().message());
   say("rd2h demo: proxy at " + proxy->origin + " " + proxy->extra);
 
+  // Warm-up: the first request between a Prefill and a Decode instance connects their
+  // engines (and maps Prefill's KV into Decode); that one-time cost is kept out of the
+  // figures, whose timelines start after it.
+  for (int i = 0; i < o.dp * o.dp; ++i) {
+    Request warm{"warmup-" + std::to_string(i), {std::vector<int64_t>(o.block_size, 7 + i)}, false};
+    const ClientRecord r = send(proxy->origin, warm, o);
+    if (!r.ok) return fail("warm-up request failed: " + r.error);
+  }
+  for (const auto* servers : {&prefill, &decode}) {
+    for (const auto& s : *servers) {
+      if (auto t = collect(s, "", 0, 0, /*quiet=*/true); !t) return fail(t.status().message());
+    }
+  }
+
   // The workload, `concurrency` requests at a time, with progress once a second.
   std::vector<ClientRecord> records(requests.size());
   std::atomic<size_t> next{0}, done{0}, failed{0};
@@ -482,7 +503,7 @@ Expected<DemoSummary> run_demo_once(const DemoOptions& options) {
   for (const auto& [servers, role, tp] : {std::tuple{&prefill, "prefill", o.prefill_tp},
                                           std::tuple{&decode, "decode", o.decode_tp}}) {
     for (size_t i = 0; i < servers->size(); ++i) {
-      auto t = collect((*servers)[i], role, static_cast<int>(i), tp);
+      auto t = collect((*servers)[i], role, static_cast<int>(i), tp, o.quiet);
       if (!t) errors.push_back(t.status().message());
       if (t) traces.push_back(std::move(*t));
     }
