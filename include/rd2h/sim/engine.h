@@ -39,7 +39,7 @@ struct EngineConfig {
   uint64_t decode_cached_tokens = 0;
   // A Prefill step computes each layer for max(compute_min_layer_us, tokens in the step x
   // compute_ns_per_token): writing the layer's KV, then waiting out the rest of that time.
-  uint64_t compute_ns_per_token = 400;
+  uint64_t compute_ns_per_token = 1000;
   uint64_t compute_min_layer_us = 0;
   std::string host = "127.0.0.1";
   int port = 0;  // HTTP; 0 picks a free one
