@@ -291,6 +291,7 @@ Status check_options(const DemoOptions& o) {
     return invalid_argument("workload: --requests and --concurrency must be at least 1");
   }
   if (o.dp < 1) return invalid_argument("--dp must be at least 1");
+  if (o.token_budget == 0) return invalid_argument("--token-budget must be at least 1");
   return Status::ok();
 }
 
@@ -443,7 +444,8 @@ Expected<DemoSummary> run_demo_once(const DemoOptions& options) {
 
   // Warm-up: the first request between a Prefill and a Decode instance connects their
   // engines (and maps Prefill's KV into Decode); that one-time cost is kept out of the
-  // figures, whose timelines start after it.
+  // figures, whose timelines start after it. With --dp above 1 the proxy picks the pairs,
+  // so a pair it did not pick here connects during the measured run.
   for (int i = 0; i < o.dp * o.dp; ++i) {
     Request warm{"warmup-" + std::to_string(i), {std::vector<int64_t>(o.block_size, 7 + i)}, false};
     const ClientRecord r = send(proxy->origin, warm, o);

@@ -189,9 +189,11 @@ int main(int argc, char** argv) {
   worker_cmd->group("");  // started by the engine, not by hand
   worker_cmd->add_option("--core", core_url, "the engine core's rank channel")->required();
   worker_cmd->add_option("--rank", worker_rank, "TP rank")->required();
+  int core_pid = 0;
+  worker_cmd->add_option("--core-pid", core_pid, "the engine core's process id")->required();
 
   CLI11_PARSE(app, argc, argv);
-  if (worker_cmd->parsed()) return rd2h::sim::run_rank_worker(core_url, worker_rank);
+  if (worker_cmd->parsed()) return rd2h::sim::run_rank_worker(core_url, worker_rank, core_pid);
   // A demo config file fills in what the command line did not set.
   auto load_demo_config = [](CLI::App* cmd, const std::string& path,
                              rd2h::tools::DemoOptions& options) {

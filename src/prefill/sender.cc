@@ -160,6 +160,7 @@ void Sender::receive(const std::string& url, Endpoint& ep) {
     if (!ep.acked) {
       if (protocol::is_ack(bytes)) {
         ep.acked = true;
+        trace::instant("mf_meta ack", "sender");
         std::deque<Task> waiting;
         waiting.swap(ep.waiting);
         for (auto& t : waiting) transmit(ep, std::move(t));

@@ -90,6 +90,9 @@ struct Engine::Impl {
   std::mutex mu;
   std::condition_variable cv;
   std::deque<std::shared_ptr<EngineRequest>> incoming;
+  std::set<std::string> in_flight;  // ext ids of requests not answered yet
+  // Reports waiting for the ranks' timeline events (the core thread alone talks to them).
+  std::vector<std::promise<void>> event_drains;
   bool stopping = false;
   EngineStats stats;
   std::thread core;
@@ -105,6 +108,7 @@ struct Engine::Impl {
   // Runs `job` on every rank, then takes what their verifiers finished.
   Expected<std::vector<json>> call_ranks(const json& job) {
     auto replies = ranks->call_all(job, job_timeout());
+    take_verified(ranks->take_late());
     if (replies) take_verified(*replies);
     return replies;
   }
@@ -146,6 +150,7 @@ Status Engine::Impl::init() {
         "model layout: layers, block size, blocks and tensor sizes must be set");
   }
   if (config.tp_size < 1) return invalid_argument("TP size must be at least 1");
+  if (config.token_budget == 0) return invalid_argument("token budget must be at least 1");
   prefill = config.connector.role == connector::KvRole::kProducer;
   model = std::make_unique<KvModel>(m, prefill);
   corrupt_pending = prefill && config.test_corrupt_layer >= 0;
@@ -220,6 +225,7 @@ void Engine::Impl::complete(const std::shared_ptr<EngineRequest>& r, Result resu
     std::lock_guard lock(mu);
     if (!result.ok) ++stats.failed_requests;
     stats.verified_blocks += result.verified_blocks;
+    in_flight.erase(r->ext_id);
   }
   if (auto it = verifying.find(r->ext_id); it != verifying.end() && it->second == r) {
     verifying.erase(it);
@@ -426,13 +432,20 @@ void Engine::Impl::run_core() {
   const uint64_t bs = config.model.block_size;
   while (true) {
     std::deque<std::shared_ptr<EngineRequest>> fresh;
+    std::vector<std::promise<void>> drains;
     {
       std::unique_lock lock(mu);
       const bool busy = !active.empty();
       cv.wait_for(lock, busy ? std::chrono::milliseconds(1) : std::chrono::milliseconds(50),
-                  [&] { return stopping || !incoming.empty(); });
+                  [&] { return stopping || !incoming.empty() || !event_drains.empty(); });
       if (stopping) break;
       fresh.swap(incoming);
+      drains.swap(event_drains);
+    }
+    if (!drains.empty()) {
+      (void)call_ranks({{"op", "events"}});  // their events go to this process's recorder
+      for (auto& d : drains) d.set_value();
+      drains.clear();
     }
     for (auto& r : fresh) {
       const uint64_t need =
@@ -467,7 +480,10 @@ void Engine::Impl::run_core() {
   for (auto& r : waiting_blocks) complete(r, {false, "", "the engine is stopping"});
   waiting_blocks.clear();
   std::lock_guard lock(mu);
+  for (auto& d : event_drains) d.set_value();
+  event_drains.clear();
   for (auto& r : incoming) {
+    in_flight.erase(r->ext_id);
     r->done.set_value({false, "", "the engine is stopping"});
     r->progress(false);
   }
@@ -524,7 +540,10 @@ void Engine::Impl::serve(const httplib::Request& req, httplib::Response& res, bo
     if (stopping) return fail(503, "the engine is stopping");
     for (auto& [id, tokens] : children) {
       if (tokens.empty()) return fail(400, "request " + id + " has an empty prompt");
+      // Both sides of the transfer know a request by this id: two at once would mix.
+      if (in_flight.count(id) != 0) return fail(409, "request " + id + " is already in flight");
     }
+    for (auto& [id, tokens] : children) in_flight.insert(id);
     for (auto& [id, tokens] : children) {
       auto r = std::make_shared<EngineRequest>();
       r->ext_id = id;
@@ -573,9 +592,8 @@ void Engine::Impl::serve(const httplib::Request& req, httplib::Response& res, bo
     first.progress_cv.wait_until(lock, deadline, [&] { return first.first_token || first.ended; });
     if (!first.first_token) {
       lock.unlock();
-      auto [status, out] = answer();
-      return fail(status == 200 ? 500 : status,
-                  status == 200 ? "no token" : out.get<std::string>());
+      auto [status, out] = answer();  // ended: an error, or Prefill's one token
+      if (status != 200) return fail(status, out.get<std::string>());
     }
   }
   res.set_chunked_content_provider(
@@ -594,6 +612,23 @@ void Engine::Impl::serve(const httplib::Request& req, httplib::Response& res, bo
 }
 
 void Engine::Impl::report(httplib::Response& res) {
+  if (trace::enabled()) {
+    std::future<void> drained;
+    {
+      std::lock_guard lock(mu);
+      if (!stopping) {
+        event_drains.emplace_back();
+        drained = event_drains.back().get_future();
+      }
+    }
+    cv.notify_all();
+    if (drained.valid() &&
+        drained.wait_for(std::chrono::seconds(10)) != std::future_status::ready) {
+      res.status = 503;
+      return res.set_content(R"({"error": {"message": "the engine core is busy", "code": 503}})",
+                             "application/json");
+    }
+  }
   json out;
   {
     std::lock_guard lock(mu);

@@ -1,6 +1,7 @@
 #include "rank_set.h"
 
 #include <sys/wait.h>
+#include <unistd.h>
 
 #include "rd2h/common/deadline.h"
 #include "rd2h/common/trace.h"
@@ -27,9 +28,9 @@ Expected<std::unique_ptr<RankSet>> RankSet::start(const std::string& executable,
   Subprocess::Options options;
   options.inherit_stdout = true;
   for (int k = 0; k < size; ++k) {
-    auto p = Subprocess::spawn(
-        {executable, "worker", "--core", set->router_->url(), "--rank", std::to_string(k)},
-        options);
+    auto p = Subprocess::spawn({executable, "worker", "--core", set->router_->url(), "--rank",
+                                std::to_string(k), "--core-pid", std::to_string(getpid())},
+                               options);
     if (!p) return p.status().with_context("starting TP rank " + std::to_string(k));
     set->ranks_.push_back({std::move(*p), {}});
   }
@@ -75,9 +76,12 @@ Expected<std::vector<json>> RankSet::call(const std::vector<json>& jobs,
   std::vector<json> replies(ranks_.size());
   std::vector<bool> answered(ranks_.size(), true);
   size_t missing = 0;
+  const uint64_t seq = ++seq_;
   for (size_t k = 0; k < ranks_.size(); ++k) {
     if (jobs[k].is_null()) continue;
-    RD2H_RETURN_IF_ERROR(router_->send(ranks_[k].identity, pack(jobs[k]))
+    json job = jobs[k];
+    job["seq"] = seq;
+    RD2H_RETURN_IF_ERROR(router_->send(ranks_[k].identity, pack(job))
                              .with_context("sending a job to TP rank " + std::to_string(k)));
     answered[k] = false;
     ++missing;
@@ -102,14 +106,21 @@ Expected<std::vector<json>> RankSet::call(const std::vector<json>& jobs,
     }
     for (size_t k = 0; k < ranks_.size(); ++k) {
       if (answered[k] || ranks_[k].identity != (*in)->identity) continue;
-      replies[k] = unpack((*in)->payload);
-      if (!replies[k].is_object()) {
+      json reply = unpack((*in)->payload);
+      if (!reply.is_object()) {
         return internal_error("TP rank " + std::to_string(k) + " answered with a malformed reply");
       }
       if (trace::enabled()) {
-        for (auto& e : events_from_json(replies[k]["events"])) trace::record(std::move(e));
+        for (auto& e : events_from_json(reply["events"])) trace::record(std::move(e));
       }
-      replies[k].erase("events");
+      reply.erase("events");
+      // An answer to a job this core gave up on (a timeout): its news is taken, the rank
+      // is still owed an answer to this one.
+      if (reply.value("seq", uint64_t{0}) != seq) {
+        late_.push_back(std::move(reply));
+        continue;
+      }
+      replies[k] = std::move(reply);
       answered[k] = true;
       --missing;
     }

@@ -8,6 +8,7 @@
 #include <nlohmann/json.hpp>
 #include <optional>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "rd2h/common/subprocess.h"
@@ -33,6 +34,9 @@ class RankSet {
   void stop(std::chrono::milliseconds timeout);
 
   size_t size() const { return ranks_.size(); }
+  // Answers that came after their job's deadline, since the last call (their verification
+  // results still count).
+  std::vector<nlohmann::json> take_late() { return std::exchange(late_, {}); }
 
  private:
   struct RankProcess {
@@ -46,6 +50,8 @@ class RankSet {
   std::unique_ptr<control::RouterChannel> router_;
   std::vector<RankProcess> ranks_;
   bool stopped_ = false;
+  uint64_t seq_ = 0;  // jobs sent; every answer names the job it answers
+  std::vector<nlohmann::json> late_;
 };
 
 }  // namespace rd2h::sim

@@ -79,6 +79,8 @@ class Rank {
   // Decode: the main pool is shared, so only rank 0 writes or checks it.
   bool owns(size_t t) const { return prefill_ || !KvModel::is_main(t) || rank_ == 0; }
   void write_blocks(int layer, const Blocks& b);
+  // Prefill: every layer of one step, as a model's forward pass would call the connector.
+  Status compute_layers(const json& j, const std::vector<Blocks>& writes, int64_t& compute_end_us);
   std::vector<layout::CacheLayer> cache_layers() const;
 
   int rank_ = 0;
@@ -183,53 +185,57 @@ void Rank::write_blocks(int layer, const Blocks& b) {
   }
 }
 
+Status Rank::compute_layers(const json& j, const std::vector<Blocks>& writes,
+                            int64_t& compute_end_us) {
+  const bool corrupt = j.value("corrupt", false);
+  const uint64_t tokens = j.value("tokens", uint64_t{0});
+  const auto layer_time =
+      std::chrono::microseconds(std::max<uint64_t>(min_layer_us_, tokens * ns_per_token_ / 1000));
+  for (int l = 0; l < model_->layout().layers; ++l) {
+    const std::string name = layer_name(l);
+    RD2H_RETURN_IF_ERROR(worker_->wait_for_layer_load(name));
+    const int64_t wait_start = trace::now_us();
+    RD2H_RETURN_IF_ERROR(worker_->wait_for_layer_send(name));
+    const auto start = std::chrono::steady_clock::now();
+    const int64_t start_us = trace::now_us();
+    if (start_us - wait_start >= 10) trace::span("slot wait", "compute", wait_start, start_us, l);
+    for (const auto& w : writes) write_blocks(l, w);
+    if (l == corrupt_layer_ && corrupt && !corrupted_) {
+      // Test-only: one byte of the last block of the first request, in main K.
+      const auto& w = writes.front();
+      *block_addr(l, 0, w.blocks.back()) ^= std::byte{0x5a};
+      corrupted_ = true;
+    }
+    std::this_thread::sleep_until(start + layer_time);
+    compute_end_us = trace::now_us();
+    trace::span("compute", "compute", start_us, compute_end_us, l);
+    RD2H_RETURN_IF_ERROR(worker_->save_kv_layer(name));
+  }
+  return Status::ok();
+}
+
 json Rank::step(const json& j) {
-  auto fail = [](const Status& st) { return json{{"ok", false}, {"error", st.message()}}; };
   const auto& bin = j.at("meta").get_binary();
   std::vector<std::byte> meta(bin.size());
   std::memcpy(meta.data(), bin.data(), bin.size());
   std::vector<Blocks> writes;
   for (const auto& w : j.at("writes")) writes.push_back(Blocks::from(w));
-  const bool corrupt = j.value("corrupt", false);
-  if (Status st = worker_->bind_connector_metadata(std::span<const std::byte>(meta)); !st) {
-    return fail(st);
-  }
-  if (Status st = worker_->start_load_kv(); !st) return fail(st);
+  Status st = worker_->bind_connector_metadata(std::span<const std::byte>(meta));
+  if (st) st = worker_->start_load_kv();
   int64_t compute_end_us = 0;
-  if (prefill_ && !writes.empty()) {
-    const uint64_t tokens = j.value("tokens", uint64_t{0});
-    const auto layer_time =
-        std::chrono::microseconds(std::max<uint64_t>(min_layer_us_, tokens * ns_per_token_ / 1000));
-    for (int l = 0; l < model_->layout().layers; ++l) {
-      const std::string name = layer_name(l);
-      if (Status st = worker_->wait_for_layer_load(name); !st) return fail(st);
-      const int64_t wait_start = trace::now_us();
-      if (Status st = worker_->wait_for_layer_send(name); !st) return fail(st);
-      const auto start = std::chrono::steady_clock::now();
-      const int64_t start_us = trace::now_us();
-      if (start_us - wait_start >= 10) trace::span("slot wait", "compute", wait_start, start_us, l);
-      for (const auto& w : writes) write_blocks(l, w);
-      if (l == corrupt_layer_ && corrupt && !corrupted_) {
-        // Test-only: one byte of the last block of the first request, in main K.
-        const auto& w = writes.front();
-        *block_addr(l, 0, w.blocks.back()) ^= std::byte{0x5a};
-        corrupted_ = true;
-      }
-      std::this_thread::sleep_until(start + layer_time);
-      compute_end_us = trace::now_us();
-      trace::span("compute", "compute", start_us, compute_end_us, l);
-      if (Status st = worker_->save_kv_layer(name); !st) return fail(st);
-    }
-  }
-  Status saved = worker_->wait_for_save();
+  if (st && prefill_ && !writes.empty()) st = compute_layers(j, writes, compute_end_us);
+  if (st) st = worker_->wait_for_save();
   worker_->clear_connector_metadata();
-  json out = {
-      {"ok", saved.is_ok()}, {"error", saved.message()}, {"compute_end_us", compute_end_us}};
+  json out = {{"ok", st.is_ok()}, {"error", st.message()}, {"compute_end_us", compute_end_us}};
   if (!prefill_) {
+    // Every Decode rank gathers every step, failed or not, so the group's rounds stay
+    // aligned.
     auto finished = worker_->get_finished(gather_->function());
-    if (!finished) return fail(finished.status());
-    out["recving"] = finished->recving;
-    out["load_errors"] = worker_->get_block_ids_with_load_errors();
+    if (!finished && st) out = {{"ok", false}, {"error", finished.status().message()}};
+    if (finished) {
+      out["recving"] = finished->recving;
+      out["load_errors"] = worker_->get_block_ids_with_load_errors();
+    }
   }
   return out;
 }
@@ -318,9 +324,9 @@ json Rank::check(const Blocks& b) const {
 
 }  // namespace
 
-int run_rank_worker(const std::string& core_url, int rank) {
-  prctl(PR_SET_PDEATHSIG, SIGKILL);  // a rank never outlives its engine core
-  const pid_t parent = getppid();
+int run_rank_worker(const std::string& core_url, int rank, pid_t core_pid) {
+  prctl(PR_SET_PDEATHSIG, SIGKILL);     // a rank never outlives its engine core...
+  if (getppid() != core_pid) return 1;  // ...even one that died before the line above
   auto dealer = control::DealerChannel::connect(control::Context::create(), core_url);
   if (!dealer) {
     std::fprintf(stderr, "rd2h worker %d: %s\n", rank, dealer.status().to_string().c_str());
@@ -328,18 +334,21 @@ int run_rank_worker(const std::string& core_url, int rank) {
   }
   auto& core = **dealer;
   Rank state;
+  uint64_t seq = 0;
   auto answer = [&](json reply) {
+    reply["seq"] = seq;  // the core drops answers to jobs it gave up on
     reply["verified"] = state.take_verified();
     reply["events"] = to_json(trace::drain());
     return core.send(pack(reply));
   };
   if (Status st = core.send(pack({{"hello", rank}})); !st) return 1;
-  while (getppid() == parent) {
+  while (getppid() == core_pid) {
     auto in = core.receive(std::chrono::milliseconds(500));
     if (!in) break;
     if (!in->has_value()) continue;
     const json job = unpack(**in);
     const std::string op = job.is_object() ? job.value("op", "") : "";
+    seq = job.is_object() ? job.value("seq", uint64_t{0}) : 0;
     json reply;
     try {
       if (op == "init") {
@@ -351,6 +360,8 @@ int run_rank_worker(const std::string& core_url, int rank) {
         reply = state.write(job);
       } else if (op == "verify") {
         reply = state.verify(job);
+      } else if (op == "events") {
+        reply = {{"ok", true}};  // what the rank recorded since its last answer
       } else if (op == "stop") {
         state.shutdown();
         (void)answer({{"ok", true}});

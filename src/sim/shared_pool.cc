@@ -29,16 +29,25 @@ Expected<SharedPool> SharedPool::create(uint64_t bytes) {
   SharedPool pool;
   pool.name_ = "/rd2h-" + std::to_string(getpid()) + "-" + std::to_string(counter++);
   int fd = shm_open(pool.name_.c_str(), O_CREAT | O_EXCL | O_RDWR, 0600);
+  if (fd < 0 && errno == EEXIST) {
+    // Left by a dead process that had this pid (no live one has it): not anyone's now.
+    shm_unlink(pool.name_.c_str());
+    fd = shm_open(pool.name_.c_str(), O_CREAT | O_EXCL | O_RDWR, 0600);
+  }
   if (fd < 0) {
     return internal_error("cannot create shared memory " + pool.name_ + ": " +
                           std::strerror(errno));
   }
   pool.owner_ = true;
-  if (ftruncate(fd, static_cast<off_t>(bytes)) != 0) {
-    const int e = errno;
+  // Reserve the pages now: a pool larger than /dev/shm fails here, naming the size, rather
+  // than with SIGBUS at the first write past what tmpfs can hold.
+  if (const int e = posix_fallocate(fd, 0, static_cast<off_t>(bytes)); e != 0) {
     close(fd);
-    return internal_error("cannot size shared memory " + pool.name_ + " to " +
-                          std::to_string(bytes) + " bytes: " + std::strerror(e));
+    return internal_error("cannot reserve " + std::to_string(bytes) +
+                          " bytes of shared memory for " + pool.name_ +
+                          " (is /dev/shm large "
+                          "enough?): " +
+                          std::strerror(e));
   }
   auto data = map(fd, bytes, pool.name_);
   close(fd);

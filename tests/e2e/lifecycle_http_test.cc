@@ -6,11 +6,13 @@
 #include <gtest/gtest.h>
 #include <httplib.h>
 
+#include <future>
 #include <nlohmann/json.hpp>
 #include <random>
 
 #include "rd2h/metaserver/proxy.h"
 #include "rd2h/sim/engine.h"
+#include "support/http_server.h"
 
 namespace rd2h::sim {
 namespace {
@@ -148,6 +150,51 @@ TEST_F(HttpLifecycle, TwoHundredPromptsInOneRequestComplete) {
   EXPECT_EQ(out["rd2h"]["verified_blocks"], 200 * kLayers);
   EXPECT_EQ(proxy_->stats().rendezvous, 200u);
   EXPECT_EQ(proxy_->stats().prefill_dispatches, 1u);
+}
+
+TEST_F(HttpLifecycle, ASecondRequestWithTheIdOfOneInFlightIsRefused) {
+  // Both sides know a request by its id: a second one under the same id would mix with it.
+  // Decode generates 400 tokens for the first (one per step), so it stays in flight.
+  httplib::Client c(decode_->origin());
+  c.set_read_timeout(60, 0);
+  const httplib::Headers id = {{"X-Request-Id", "same"}};
+  const json body = {{"prompt", text(20, 'a')}, {"max_tokens", 400}};
+  const uint64_t before = decode_->stats().requests;
+  auto first = std::async(std::launch::async, [&] {
+    return c.Post("/v1/completions", id, body.dump(), "application/json");
+  });
+  ASSERT_TRUE(rd2h::testing::eventually([&] { return decode_->stats().requests == before + 1; }));
+  httplib::Client c2(decode_->origin());
+  auto second = c2.Post("/v1/completions", id, body.dump(), "application/json");
+  ASSERT_TRUE(second);
+  EXPECT_EQ(second->status, 409) << second->body;
+  EXPECT_NE(second->body.find("cmpl-same-0 is already in flight"), std::string::npos)
+      << second->body;
+  auto r = first.get();
+  ASSERT_TRUE(r);
+  EXPECT_EQ(r->status, 200) << r->body;
+  auto again = c2.Post("/v1/completions", id, json{{"prompt", "x"}, {"max_tokens", 1}}.dump(),
+                       "application/json");
+  ASSERT_TRUE(again);
+  EXPECT_EQ(again->status, 200) << "the id is free once its request ended";
+}
+
+TEST_F(HttpLifecycle, AStreamedRequestToPrefillGetsItsOneToken) {
+  httplib::Client c(prefill_->origin());
+  auto r = c.Post("/v1/completions", json{{"prompt", text(30, 'q')}, {"stream", true}}.dump(),
+                  "application/json");
+  ASSERT_TRUE(r);
+  EXPECT_EQ(r->status, 200) << r->body;
+  EXPECT_NE(r->body.find("data: [DONE]"), std::string::npos) << r->body;
+}
+
+TEST(Engine, AZeroTokenBudgetIsRefusedBeforeAnythingStarts) {
+  EngineConfig c = engine_config(connector::KvRole::kProducer, 1);
+  c.token_budget = 0;
+  auto e = Engine::start(c);
+  ASSERT_FALSE(e);
+  EXPECT_NE(e.status().message().find("token budget must be at least 1"), std::string::npos)
+      << e.status().to_string();
 }
 
 }  // namespace

@@ -8,6 +8,8 @@
 // received before it decodes, and reports the check in its response.
 #pragma once
 
+#include <sys/types.h>
+
 #include <chrono>
 #include <cstdint>
 #include <memory>
@@ -90,8 +92,8 @@ struct Report {
 };
 Expected<Report> parse_report(std::string_view body);
 
-// The body of `rd2h worker`: one TP rank process of an engine whose core listens at
-// `core_url`. Returns the process exit status.
-int run_rank_worker(const std::string& core_url, int rank);
+// The body of `rd2h worker`: one TP rank process of the engine core `core_pid`, which
+// listens at `core_url`. Returns the process exit status.
+int run_rank_worker(const std::string& core_url, int rank, pid_t core_pid);
 
 }  // namespace rd2h::sim
