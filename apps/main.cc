@@ -3,10 +3,10 @@
 
 #include "bench_engine.h"
 #include "bench_layers.h"
-#include "demo.h"
 #include "engine_command.h"
 #include "pd_read.h"
 #include "proxy_command.h"
+#include "rd2h/sim/demo.h"
 #include "rd2h/sim/engine.h"
 
 int main(int argc, char** argv) {
@@ -78,7 +78,7 @@ int main(int argc, char** argv) {
   bench_layers->add_option("--timeout-ms", bl.timeout_ms, "bound on every wait")
       ->check(CLI::Range(1u, 3600000u));
 
-  rd2h::tools::BenchDemoOptions bd;
+  rd2h::sim::BenchDemoOptions bd;
   std::string bench_demo_config;
   auto* bench_demo = bench->add_subcommand(
       "demo", "The demo's workload over several Prefill:Decode TP pairs, in one table");
@@ -133,7 +133,7 @@ int main(int argc, char** argv) {
   decode_cmd->add_option("--cached-tokens", eo.decode_cached_tokens,
                          "tokens of each prompt held in a pretend local prefix cache");
 
-  rd2h::tools::DemoOptions dm;
+  rd2h::sim::DemoOptions dm;
   std::string demo_config;
   auto* demo = app.add_subcommand(
       "demo",
@@ -196,9 +196,9 @@ int main(int argc, char** argv) {
   if (worker_cmd->parsed()) return rd2h::sim::run_rank_worker(core_url, worker_rank, core_pid);
   // A demo config file fills in what the command line did not set.
   auto load_demo_config = [](CLI::App* cmd, const std::string& path,
-                             rd2h::tools::DemoOptions& options) {
+                             rd2h::sim::DemoOptions& options) {
     if (path.empty()) return true;
-    auto st = rd2h::tools::apply_demo_config(path, options, [cmd](const std::string& key) {
+    auto st = rd2h::sim::apply_demo_config(path, options, [cmd](const std::string& key) {
       auto* opt = cmd->get_option_no_throw("--" + key);
       return opt != nullptr && opt->count() > 0;
     });
@@ -207,11 +207,11 @@ int main(int argc, char** argv) {
   };
   if (bench_demo->parsed()) {
     if (!load_demo_config(bench_demo, bench_demo_config, bd.demo)) return 2;
-    return rd2h::tools::run_bench_demo(bd);
+    return rd2h::sim::run_bench_demo(bd);
   }
   if (demo->parsed()) {
     if (!load_demo_config(demo, demo_config, dm)) return 2;
-    return rd2h::tools::run_demo(dm);
+    return rd2h::sim::run_demo(dm);
   }
   if (prefill_cmd->parsed()) return rd2h::tools::run_engine(eo, rd2h::connector::KvRole::kProducer);
   if (decode_cmd->parsed()) return rd2h::tools::run_engine(eo, rd2h::connector::KvRole::kConsumer);

@@ -11,10 +11,10 @@
 #include <string>
 #include <vector>
 
-#include "demo_report.h"
 #include "rd2h/common/status.h"
+#include "rd2h/sim/demo_report.h"
 
-namespace rd2h::tools {
+namespace rd2h::sim {
 
 struct DemoOptions {
   // Deployment
@@ -72,4 +72,4 @@ struct BenchDemoOptions {
 };
 int run_bench_demo(const BenchDemoOptions& options);
 
-}  // namespace rd2h::tools
+}  // namespace rd2h::sim

@@ -1,4 +1,4 @@
-#include "demo_report.h"
+#include "rd2h/sim/demo_report.h"
 
 #include <algorithm>
 #include <cmath>
@@ -6,7 +6,7 @@
 #include <map>
 #include <nlohmann/json.hpp>
 
-namespace rd2h::tools {
+namespace rd2h::sim {
 
 using nlohmann::json;
 
@@ -244,4 +244,4 @@ std::string chrome_trace(const std::vector<EngineTrace>& engines,
   return json{{"traceEvents", events}, {"displayTimeUnit", "ms"}}.dump();
 }
 
-}  // namespace rd2h::tools
+}  // namespace rd2h::sim

@@ -1,6 +1,6 @@
 // rd2h demo as a user runs it (the real binary, its proxy, Prefill and Decode processes and
 // their TP rank processes), and the figures it derives from the engines' timelines.
-#include "demo.h"
+#include "rd2h/sim/demo.h"
 
 #include <gtest/gtest.h>
 
@@ -9,10 +9,10 @@
 #include <nlohmann/json.hpp>
 #include <sstream>
 
-#include "demo_report.h"
+#include "rd2h/sim/demo_report.h"
 #include "support/rd2h_run.h"
 
-namespace rd2h::tools {
+namespace rd2h::sim {
 namespace {
 
 using nlohmann::json;
@@ -168,4 +168,4 @@ TEST(DemoReport, ReadyDelayIsMeasuredFromPrefillsLastLayerToTheLastDecodeRank) {
 }
 
 }  // namespace
-}  // namespace rd2h::tools
+}  // namespace rd2h::sim

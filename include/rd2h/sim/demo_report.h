@@ -8,7 +8,7 @@
 
 #include "rd2h/common/trace.h"
 
-namespace rd2h::tools {
+namespace rd2h::sim {
 
 struct EngineTrace {
   std::string role;  // "prefill" | "decode"
@@ -69,4 +69,4 @@ std::string format_summary(const DemoSummary& s);
 std::string chrome_trace(const std::vector<EngineTrace>& engines,
                          const std::vector<ClientRecord>& client);
 
-}  // namespace rd2h::tools
+}  // namespace rd2h::sim

@@ -1,4 +1,4 @@
-#include "demo.h"
+#include "rd2h/sim/demo.h"
 
 #include <httplib.h>
 #include <sys/wait.h>
@@ -16,12 +16,11 @@
 #include <thread>
 #include <tuple>
 
-#include "demo_report.h"
 #include "rd2h/common/deadline.h"
 #include "rd2h/common/subprocess.h"
 #include "rd2h/sim/engine.h"
 
-namespace rd2h::tools {
+namespace rd2h::sim {
 namespace {
 
 using nlohmann::json;
@@ -210,7 +209,7 @@ Expected<EngineTrace> collect(const Server& s, const std::string& role, int inst
   c.set_read_timeout(60);
   auto r = c.Get("/rd2h/report");
   if (!r || r->status != 200) return unreachable("no report from " + s.name);
-  auto report = sim::parse_report(r->body);
+  auto report = parse_report(r->body);
   if (!report) return report.status().with_context(s.name);
   if (report->events_dropped > 0) {
     std::fprintf(stderr, "rd2h demo: %s dropped %llu timeline events\n", s.name.c_str(),
@@ -595,4 +594,4 @@ int run_bench_demo(const BenchDemoOptions& options) {
   return 0;
 }
 
-}  // namespace rd2h::tools
+}  // namespace rd2h::sim
