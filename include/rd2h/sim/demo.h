@@ -35,7 +35,7 @@ struct DemoOptions {
   int layers = 61;
   uint64_t block_size = 128;
   std::vector<uint64_t> bytes_per_token{1024, 128, 128, 4};
-  uint64_t num_blocks = 512;  // per rank; Decode's main pool holds this many blocks per layer
+  uint64_t num_blocks = 320;  // per rank; Decode's main pool holds this many blocks per layer
   int slots = 3;
   uint64_t token_budget = 2048;
   uint64_t compute_ns_per_token = 1000;
