@@ -105,26 +105,31 @@ int main(int argc, char** argv) {
   proxy->add_option("--max-concurrent", px.max_concurrent, "client requests served at once")
       ->check(CLI::Range(1u, 65536u));
 
+  // The model and compute flags the engines and the demo share (same field names).
+  auto model_options = [](CLI::App* cmd, auto& o) {
+    cmd->add_option("--layers", o.layers, "attention layers")->check(CLI::Range(1, 1024));
+    cmd->add_option("--block-size", o.block_size, "tokens per block");
+    cmd->add_option("--num-blocks", o.num_blocks, "blocks per rank");
+    cmd->add_option("--slots", o.slots, "Prefill's physical layer buffers (0: one per layer)");
+    cmd->add_option("--bytes-per-token", o.bytes_per_token, "K, V, indexer[, scale]")
+        ->delimiter(',');
+    cmd->add_option("--token-budget", o.token_budget, "Prefill tokens per step (chunking)");
+    cmd->add_option("--compute-ns-per-token", o.compute_ns_per_token,
+                    "Prefill compute time per token per layer");
+    cmd->add_option("--compute-min-layer-us", o.compute_min_layer_us,
+                    "least Prefill compute time per layer");
+    cmd->add_option("--test-corrupt-layer", o.test_corrupt_layer)->group("");
+  };
+
   rd2h::tools::EngineCommandOptions eo;
-  auto engine_options = [&eo](CLI::App* cmd) {
+  auto engine_options = [&eo, &model_options](CLI::App* cmd) {
     cmd->add_option("--kv-transfer-config", eo.kv_transfer_config,
                     "vLLM-style kv_transfer_config JSON");
     cmd->add_option("--host", eo.host, "HTTP address to bind");
     cmd->add_option("--port", eo.port, "HTTP port (0: any)")->check(CLI::Range(0, 65535));
     cmd->add_option("--tp", eo.tp, "TP size (ranks)")->check(CLI::Range(1, 64));
-    cmd->add_option("--layers", eo.layers, "attention layers")->check(CLI::Range(1, 1024));
-    cmd->add_option("--block-size", eo.block_size, "tokens per block");
-    cmd->add_option("--num-blocks", eo.num_blocks, "blocks per rank");
-    cmd->add_option("--slots", eo.slots, "Prefill's physical layer buffers (0: one per layer)");
-    cmd->add_option("--bytes-per-token", eo.bytes_per_token, "K, V, indexer[, scale]")
-        ->delimiter(',');
-    cmd->add_option("--token-budget", eo.token_budget, "tokens per step (chunked prefill)");
-    cmd->add_option("--compute-ns-per-token", eo.compute_ns_per_token,
-                    "Prefill: compute time per token per layer");
-    cmd->add_option("--compute-min-layer-us", eo.compute_min_layer_us,
-                    "Prefill: least compute time per layer");
+    model_options(cmd, eo);
     cmd->add_flag("--trace", eo.trace, "record the timeline (GET /rd2h/report)");
-    cmd->add_option("--test-corrupt-layer", eo.test_corrupt_layer)->group("");
   };
   auto* prefill_cmd = app.add_subcommand("prefill", "A simulated Prefill engine (HTTP server)");
   engine_options(prefill_cmd);
@@ -157,17 +162,7 @@ int main(int argc, char** argv) {
       ->check(CLI::Range(0, 65535));
   demo->add_option("--transport", dm.transport, "shm | tcp | auto")
       ->check(CLI::IsMember({"shm", "tcp", "auto"}));
-  demo->add_option("--layers", dm.layers, "attention layers")->check(CLI::Range(1, 1024));
-  demo->add_option("--block-size", dm.block_size, "tokens per block");
-  demo->add_option("--bytes-per-token", dm.bytes_per_token, "K, V, indexer[, scale]")
-      ->delimiter(',');
-  demo->add_option("--num-blocks", dm.num_blocks, "blocks per rank");
-  demo->add_option("--slots", dm.slots, "Prefill's physical layer buffers");
-  demo->add_option("--token-budget", dm.token_budget, "Prefill tokens per step (chunking)");
-  demo->add_option("--compute-ns-per-token", dm.compute_ns_per_token,
-                   "Prefill compute per token per layer");
-  demo->add_option("--compute-min-layer-us", dm.compute_min_layer_us,
-                   "least Prefill compute per layer");
+  model_options(demo, dm);
   demo->add_option("--requests", dm.requests, "requests in the workload");
   demo->add_option("--min-tokens", dm.min_tokens, "shortest prompt");
   demo->add_option("--max-tokens", dm.max_tokens, "longest prompt");
@@ -181,7 +176,6 @@ int main(int argc, char** argv) {
   demo->add_option("--timeout", dm.timeout_s, "seconds a request may take");
   demo->add_option("--trace", dm.trace_file, "write a Chrome trace-event timeline here");
   demo->add_flag("--quiet", dm.quiet, "print only failures");
-  demo->add_option("--test-corrupt-layer", dm.test_corrupt_layer)->group("");
 
   std::string core_url;
   int worker_rank = 0;
