@@ -3,6 +3,7 @@
 #include <httplib.h>
 #include <sys/wait.h>
 
+#include <algorithm>
 #include <atomic>
 #include <cmath>
 #include <csignal>
@@ -464,7 +465,8 @@ Expected<DemoSummary> run_demo_once(const DemoOptions& options) {
   const auto started = std::chrono::steady_clock::now();
   for (uint32_t c = 0; c < std::min<uint32_t>(o.concurrency, o.requests); ++c) {
     clients.emplace_back([&] {
-      for (size_t i; (i = next++) < requests.size();) {
+      // After the first failure no new request leaves: the run has failed already.
+      for (size_t i; failed == 0 && (i = next++) < requests.size();) {
         records[i] = send(proxy->origin, requests[i], o);
         if (!records[i].ok) {
           ++failed;
@@ -501,9 +503,11 @@ Expected<DemoSummary> run_demo_once(const DemoOptions& options) {
 
   std::vector<EngineTrace> traces;
   std::vector<std::string> errors;
+  // A failed run has no figures worth waiting for: an engine stuck on a dead peer answers
+  // its report only once its own deadlines fire.
   for (const auto& [servers, role, tp] : {std::tuple{&prefill, "prefill", o.prefill_tp},
                                           std::tuple{&decode, "decode", o.decode_tp}}) {
-    for (size_t i = 0; i < servers->size(); ++i) {
+    for (size_t i = 0; failed == 0 && i < servers->size(); ++i) {
       auto t = collect((*servers)[i], role, static_cast<int>(i), tp, o.quiet);
       if (!t) errors.push_back(t.status().message());
       if (t) traces.push_back(std::move(*t));
@@ -518,8 +522,12 @@ Expected<DemoSummary> run_demo_once(const DemoOptions& options) {
     if (Status st = stop(*s); !st) errors.push_back(st.message());
   }
 
+  // Requests never sent (the run stopped at a failure) are not in the figures.
+  records.erase(std::remove_if(records.begin(), records.end(),
+                               [](const ClientRecord& r) { return r.start_us == 0; }),
+                records.end());
   const DemoSummary summary = summarize(traces, records);
-  say("\nrd2h demo: summary\n" + format_summary(summary));
+  if (failed == 0) say("\nrd2h demo: summary\n" + format_summary(summary));
   if (!o.trace_file.empty()) {
     std::ofstream out(o.trace_file);
     out << chrome_trace(traces, records);
@@ -531,7 +539,11 @@ Expected<DemoSummary> run_demo_once(const DemoOptions& options) {
   }
   if (summary.failed > 0) {
     errors.push_back(std::to_string(summary.failed) + " of " + std::to_string(summary.requests) +
-                     " requests failed");
+                     " requests sent failed" +
+                     (summary.requests < requests.size()
+                          ? " (the other " + std::to_string(requests.size() - summary.requests) +
+                                " were not sent)"
+                          : ""));
   }
   if (!errors.empty()) return fail(join(errors, "; "));
   return summary;

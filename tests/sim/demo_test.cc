@@ -3,12 +3,17 @@
 #include "rd2h/sim/demo.h"
 
 #include <gtest/gtest.h>
+#include <signal.h>
+#include <sys/wait.h>
 
+#include <algorithm>
 #include <cstdio>
+#include <filesystem>
 #include <fstream>
 #include <nlohmann/json.hpp>
 #include <sstream>
 
+#include "rd2h/common/subprocess.h"
 #include "rd2h/sim/demo_report.h"
 #include "support/rd2h_run.h"
 
@@ -65,6 +70,69 @@ TEST(Demo, ACorruptedByteMakesTheRunFailNamingWhere) {
   // The first prompt Prefill finishes carries the corruption (the warm-up's, here).
   EXPECT_NE(run.output.find("rd2h demo: FAILED: "), std::string::npos) << run.output;
   EXPECT_EQ(run.output.find("rd2h demo: OK"), std::string::npos) << run.output;
+}
+
+// The processes whose parent is `pid`.
+std::vector<pid_t> children_of(pid_t pid) {
+  std::vector<pid_t> out;
+  for (const auto& entry : std::filesystem::directory_iterator("/proc")) {
+    const std::string name = entry.path().filename();
+    if (name.find_first_not_of("0123456789") != std::string::npos) continue;
+    std::ifstream stat(entry.path() / "stat");
+    std::string line;
+    std::getline(stat, line);
+    const size_t close = line.rfind(')');  // the command may hold spaces
+    if (close == std::string::npos) continue;
+    std::istringstream rest(line.substr(close + 2));
+    char state = 0;
+    pid_t parent = 0;
+    rest >> state >> parent;
+    if (parent == pid) out.push_back(std::stoi(name));
+  }
+  return out;
+}
+
+std::string command_of(pid_t pid) {
+  std::ifstream in("/proc/" + std::to_string(pid) + "/cmdline");
+  std::string s((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  std::replace(s.begin(), s.end(), '\0', ' ');
+  return s;
+}
+
+TEST(Demo, ADecodeRankKilledMidRunFailsTheRunInsteadOfHanging) {
+  Subprocess::Options options;
+  options.merge_stderr = true;
+  auto demo = Subprocess::spawn(
+      {RD2H_BINARY, "demo", "--config", kSmall, "--requests", "2000", "--timeout", "30"}, options);
+  ASSERT_TRUE(demo) << demo.status().to_string();
+  std::string output;
+  // Once the workload runs (its first progress line), kill Decode's TP rank 1.
+  for (;;) {
+    auto line = demo->read_line(std::chrono::seconds(60));
+    ASSERT_TRUE(line) << output;
+    output += *line + "\n";
+    if (line->find("requests") != std::string::npos && line->find(" s ") != std::string::npos)
+      break;
+  }
+  pid_t victim = 0;
+  for (pid_t engine : children_of(demo->pid())) {
+    if (command_of(engine).find(" decode ") == std::string::npos) continue;
+    for (pid_t rank : children_of(engine)) {
+      if (command_of(rank).find("--rank 1 ") != std::string::npos) victim = rank;
+    }
+  }
+  ASSERT_NE(victim, 0) << "no Decode rank 1 among the demo's processes";
+  ASSERT_EQ(::kill(victim, SIGKILL), 0);
+  auto rest = demo->read_all(std::chrono::seconds(120));
+  ASSERT_TRUE(rest) << "the demo did not end: " << rest.status().to_string();
+  output += *rest;
+  auto status = demo->wait(std::chrono::seconds(30));
+  ASSERT_TRUE(status);
+  EXPECT_TRUE(WIFEXITED(*status) && WEXITSTATUS(*status) != 0) << output;
+  EXPECT_NE(output.find("TP rank 1 (pid " + std::to_string(victim) + ") was killed by signal 9"),
+            std::string::npos)
+      << output;
+  EXPECT_NE(output.find("rd2h demo: FAILED: "), std::string::npos) << output;
 }
 
 TEST(Demo, BadSettingsAreRefusedBeforeAnythingStarts) {
