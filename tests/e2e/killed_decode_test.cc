@@ -50,10 +50,12 @@ std::optional<DecodeProcess> start_decode(int kv_port) {
 
 std::unique_ptr<Engine> start_prefill() {
   EngineConfig c;
+  // Deadlines short enough to find the dead Decode soon, long enough for a restarted one
+  // (its rank processes seed the request while its readiness is held) under sanitizers.
   auto cfg = connector::ConnectorConfig::from_json(
       R"({"kv_connector": "rd2h", "kv_role": "kv_producer", "kv_port": 1,
-          "kv_connector_extra_config": {"transport": "shm", "reply_timeout_ms": 500,
-                                        "ack_timeout_ms": 1000, "send_timeout_ms": 10000}})");
+          "kv_connector_extra_config": {"transport": "shm", "reply_timeout_ms": 3000,
+                                        "ack_timeout_ms": 3000, "send_timeout_ms": 10000}})");
   EXPECT_TRUE(cfg) << cfg.status().to_string();
   c.connector = *cfg;
   c.tp_size = 2;
