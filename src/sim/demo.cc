@@ -19,6 +19,7 @@
 
 #include "rd2h/common/deadline.h"
 #include "rd2h/common/subprocess.h"
+#include "rd2h/metaserver/proxy.h"
 #include "rd2h/sim/engine.h"
 
 namespace rd2h::sim {
@@ -444,12 +445,26 @@ Expected<DemoSummary> run_demo_once(const DemoOptions& options) {
 
   // Warm-up: the first request between a Prefill and a Decode instance connects their
   // engines (and maps Prefill's KV into Decode); that one-time cost is kept out of the
-  // figures, whose timelines start after it. With --dp above 1 the proxy picks the pairs,
-  // so a pair it did not pick here connects during the measured run.
-  for (int i = 0; i < o.dp * o.dp; ++i) {
-    Request warm{"warmup-" + std::to_string(i), {std::vector<int64_t>(o.block_size, 7 + i)}, false};
-    const ClientRecord r = send(proxy->origin, warm, o);
-    if (!r.ok) return fail("warm-up request failed: " + r.error);
+  // figures, whose timelines start after it. With several instances every pair gets its
+  // request through a proxy of its own, since the main one picks pairs by load.
+  for (size_t i = 0; i < prefill.size(); ++i) {
+    for (size_t j = 0; j < decode.size(); ++j) {
+      std::unique_ptr<metaserver::Proxy> pair;
+      if (o.dp > 1) {
+        metaserver::ProxyConfig pc;
+        pc.host = o.host;
+        pc.prefill = {prefill[i].origin};
+        pc.decode = {decode[j].origin};
+        auto started = metaserver::Proxy::start(pc);
+        if (!started) return fail(started.status().message());
+        pair = std::move(*started);
+      }
+      const int n = static_cast<int>(i * decode.size() + j);
+      Request warm{
+          "warmup-" + std::to_string(n), {std::vector<int64_t>(o.block_size, 7 + n)}, false};
+      const ClientRecord r = send(pair ? pair->url() : proxy->origin, warm, o);
+      if (!r.ok) return fail("warm-up request failed: " + r.error);
+    }
   }
   for (const auto* servers : {&prefill, &decode}) {
     for (const auto& s : *servers) {

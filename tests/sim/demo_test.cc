@@ -60,6 +60,27 @@ TEST(Demo, ASmallRunVerifiesEveryByteWritesItsTraceAndStopsCleanly) {
   std::remove(trace.c_str());
 }
 
+TEST(Demo, WithTwoInstancesEveryPairIsConnectedBeforeTheMeasuredRun) {
+  // A connection's first message is MF_META, answered by an ACK: none may fall inside the
+  // measured run, whichever Prefill/Decode pairs the proxy picks for it.
+  const std::string trace = temp_path("dp-trace.json");
+  const ToolRun run = run_rd2h({"demo", "--config", kSmall, "--dp", "2", "--trace", trace});
+  ASSERT_EQ(run.exit_code, 0) << run.output;
+  std::ifstream in(trace);
+  std::stringstream text;
+  text << in.rdbuf();
+  const json t = json::parse(text.str(), nullptr, false);
+  ASSERT_TRUE(t.is_object() && t.contains("traceEvents"));
+  size_t acks = 0, engines = 0;
+  for (const auto& e : t["traceEvents"]) {
+    if (e.value("name", "") == "mf_meta ack") ++acks;
+    if (e.value("name", "") == "process_name") ++engines;
+  }
+  EXPECT_EQ(engines, 5u) << "the client, two Prefill and two Decode instances";
+  EXPECT_EQ(acks, 0u) << "a connection was made during the measured run";
+  std::remove(trace.c_str());
+}
+
 TEST(Demo, ACorruptedByteMakesTheRunFailNamingWhere) {
   const ToolRun run =
       run_rd2h({"demo", "--config", kSmall, "--requests", "3", "--test-corrupt-layer", "5"});
