@@ -35,7 +35,7 @@ void set_rank(int rank) {
 }
 
 void record(Event event) {
-  if (event.rank == -2) event.rank = g_rank.load(std::memory_order_relaxed);
+  if (event.rank == kThisProcessRank) event.rank = g_rank.load(std::memory_order_relaxed);
   std::lock_guard lock(g_mu);
   auto& events = buffer();
   if (events.size() >= kMaxEvents) {

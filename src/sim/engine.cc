@@ -105,6 +105,16 @@ struct Engine::Impl {
   std::chrono::milliseconds job_timeout() const {
     return config.request_timeout + config.connector.send_timeout;
   }
+  // Blocks holding the prompt's KV, and blocks the request needs here (Decode also holds
+  // the tokens it generates).
+  size_t prompt_blocks(const EngineRequest& r) const {
+    return (r.request.num_prompt_tokens + config.model.block_size - 1) / config.model.block_size;
+  }
+  size_t blocks_needed(const EngineRequest& r) const {
+    return (r.request.num_prompt_tokens + (prefill ? 0 : r.max_tokens) + config.model.block_size -
+            1) /
+           config.model.block_size;
+  }
   // Runs `job` on every rank, then takes what their verifiers finished.
   Expected<std::vector<json>> call_ranks(const json& job) {
     auto replies = ranks->call_all(job, job_timeout());
@@ -152,7 +162,7 @@ Status Engine::Impl::init() {
   if (config.tp_size < 1) return invalid_argument("TP size must be at least 1");
   if (config.token_budget == 0) return invalid_argument("token budget must be at least 1");
   prefill = config.connector.role == connector::KvRole::kProducer;
-  model = std::make_unique<KvModel>(m, prefill);
+  model = std::make_unique<KvModel>(m);
   corrupt_pending = prefill && config.test_corrupt_layer >= 0;
   trace::set_enabled(config.trace);
   connector::Parallel parallel{config.tp_size, 1, 1, 0};
@@ -238,7 +248,7 @@ void Engine::Impl::complete(const std::shared_ptr<EngineRequest>& r, Result resu
 void Engine::Impl::admit(const std::shared_ptr<EngineRequest>& r) {
   const uint64_t bs = config.model.block_size;
   const uint64_t prompt = r->request.num_prompt_tokens;
-  const uint64_t need = (prompt + (prefill ? 0 : r->max_tokens) + bs - 1) / bs;
+  const size_t need = blocks_needed(*r);
   r->blocks.assign(free_blocks.end() - static_cast<long>(need), free_blocks.end());
   free_blocks.resize(free_blocks.size() - need);
   active.push_back(r);
@@ -268,8 +278,7 @@ void Engine::Impl::admit(const std::shared_ptr<EngineRequest>& r) {
 }
 
 Status Engine::Impl::verify(const std::shared_ptr<EngineRequest>& r) {
-  const size_t blocks =
-      (r->request.num_prompt_tokens + config.model.block_size - 1) / config.model.block_size;
+  const size_t blocks = prompt_blocks(*r);
   r->state = EngineRequest::State::kVerifying;
   r->verify_pending = static_cast<int>(ranks->size());
   verifying[r->ext_id] = r;
@@ -290,8 +299,7 @@ void Engine::Impl::take_verified(const std::vector<json>& replies) {
       }
       if (--r->verify_pending > 0) continue;
       verifying.erase(it);
-      r->verified_blocks = (r->request.num_prompt_tokens + config.model.block_size - 1) /
-                           config.model.block_size * static_cast<uint64_t>(config.model.layers);
+      r->verified_blocks = prompt_blocks(*r) * static_cast<uint64_t>(config.model.layers);
       r->computed = r->request.num_prompt_tokens;
       r->state = EngineRequest::State::kRunning;
     }
@@ -301,8 +309,7 @@ void Engine::Impl::take_verified(const std::vector<json>& replies) {
 void Engine::Impl::decode_token(EngineRequest& r) {
   // "Attention" over the request's KV: one block of one layer per token, K and V, read
   // from the pool the ranks share.
-  const size_t blocks =
-      (r.request.num_prompt_tokens + config.model.block_size - 1) / config.model.block_size;
+  const size_t blocks = prompt_blocks(r);
   const int layer = static_cast<int>(r.generated % static_cast<uint64_t>(config.model.layers));
   const int64_t block = r.blocks[r.generated % blocks];
   for (size_t t = 0; t < 2; ++t) {
@@ -409,7 +416,7 @@ Status Engine::Impl::step() {
     if (r->state == EngineRequest::State::kWaitingRemote) {
       if (ready.count(r->request.request_id) == 0) continue;
       trace::instant("kv ready", "core", -1, r->ext_id);
-      const size_t blocks = (r->request.num_prompt_tokens + bs - 1) / bs;
+      const size_t blocks = prompt_blocks(*r);
       bool failed_load = false;
       for (size_t i = 0; i < blocks; ++i) failed_load = failed_load || bad.count(r->blocks[i]);
       if (failed_load) {
@@ -429,7 +436,6 @@ Status Engine::Impl::step() {
 }
 
 void Engine::Impl::run_core() {
-  const uint64_t bs = config.model.block_size;
   while (true) {
     std::deque<std::shared_ptr<EngineRequest>> fresh;
     std::vector<std::promise<void>> drains;
@@ -448,8 +454,7 @@ void Engine::Impl::run_core() {
       drains.clear();
     }
     for (auto& r : fresh) {
-      const uint64_t need =
-          (r->request.num_prompt_tokens + (prefill ? 0 : r->max_tokens) + bs - 1) / bs;
+      const size_t need = blocks_needed(*r);
       if (need > config.model.num_blocks) {
         complete(r, {false, "",
                      "the request needs " + std::to_string(need) + " blocks, the engine has " +
@@ -461,9 +466,7 @@ void Engine::Impl::run_core() {
     // First come, first served: a large request is not starved by smaller ones behind it.
     while (!waiting_blocks.empty()) {
       auto& r = waiting_blocks.front();
-      const uint64_t need =
-          (r->request.num_prompt_tokens + (prefill ? 0 : r->max_tokens) + bs - 1) / bs;
-      if (need > free_blocks.size()) break;
+      if (blocks_needed(*r) > free_blocks.size()) break;
       auto next = r;
       waiting_blocks.pop_front();
       admit(next);

@@ -21,7 +21,7 @@ inline std::string layer_name(int l) {
 
 class KvModel {
  public:
-  KvModel(const ModelLayout& m, bool prefill) : m_(m), prefill_(prefill) {
+  explicit KvModel(const ModelLayout& m) : m_(m) {
     for (auto b : m.bytes_per_token) block_bytes_.push_back(b * m.block_size);
   }
   const ModelLayout& layout() const { return m_; }
@@ -78,7 +78,6 @@ class KvModel {
   }
 
   ModelLayout m_;
-  bool prefill_;
   std::vector<uint64_t> block_bytes_;
 };
 

@@ -136,7 +136,7 @@ Status Rank::init(const json& j) {
   m.bytes_per_token = j.at("bytes_per_token").get<std::vector<uint64_t>>();
   m.num_blocks = j.at("num_blocks").get<uint64_t>();
   m.prefill_slots = j.at("slots").get<int>();
-  model_ = std::make_unique<KvModel>(m, prefill_);
+  model_ = std::make_unique<KvModel>(m);
   ns_per_token_ = j.value("compute_ns_per_token", uint64_t{0});
   min_layer_us_ = j.value("compute_min_layer_us", uint64_t{0});
   corrupt_layer_ = j.value("corrupt_layer", -1);

@@ -23,6 +23,8 @@ struct Event {
 };
 
 constexpr size_t kMaxEvents = 4'000'000;
+// An Event's rank to be filled in by record() with the one set_rank() gave.
+constexpr int kThisProcessRank = -2;
 
 int64_t now_us();
 void set_enabled(bool on);
@@ -34,13 +36,14 @@ void record(Event event);
 inline void span(std::string name, std::string lane, int64_t start_us, int64_t end_us,
                  int64_t layer = -1, uint64_t bytes = 0, std::string request = {}) {
   if (!enabled()) return;
-  record({std::move(name), std::move(lane), start_us, end_us - start_us, -2, layer, bytes,
-          std::move(request)});
+  record({std::move(name), std::move(lane), start_us, end_us - start_us, kThisProcessRank, layer,
+          bytes, std::move(request)});
 }
 inline void instant(std::string name, std::string lane, int64_t layer = -1,
                     std::string request = {}) {
   if (!enabled()) return;
-  record({std::move(name), std::move(lane), now_us(), -1, -2, layer, 0, std::move(request)});
+  record({std::move(name), std::move(lane), now_us(), -1, kThisProcessRank, layer, 0,
+          std::move(request)});
 }
 
 // Everything recorded since the last drain, in recording order.
