@@ -60,8 +60,8 @@ RankSet::~RankSet() {
   stop(std::chrono::seconds(10));
 }
 
-std::optional<std::string> RankSet::exited(size_t k) {
-  auto status = ranks_[k].process.wait(std::chrono::milliseconds(0));
+std::optional<std::string> RankSet::exited(size_t k, std::chrono::milliseconds wait) {
+  auto status = ranks_[k].process.wait(wait);
   if (!status) return std::nullopt;
   const int s = *status;
   return "TP rank " + std::to_string(k) + " (pid " + std::to_string(ranks_[k].process.pid()) +
@@ -81,8 +81,11 @@ Expected<std::vector<json>> RankSet::call(const std::vector<json>& jobs,
     if (jobs[k].is_null()) continue;
     json job = jobs[k];
     job["seq"] = seq;
-    RD2H_RETURN_IF_ERROR(router_->send(ranks_[k].identity, pack(job))
-                             .with_context("sending a job to TP rank " + std::to_string(k)));
+    if (Status st = router_->send(ranks_[k].identity, pack(job)); !st) {
+      // A rank that is gone is named with how it ended, as when it dies mid-job.
+      if (auto why = exited(k, std::chrono::milliseconds(500))) return internal_error(*why);
+      return st.with_context("sending a job to TP rank " + std::to_string(k));
+    }
     answered[k] = false;
     ++missing;
   }

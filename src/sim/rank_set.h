@@ -44,8 +44,9 @@ class RankSet {
     std::string identity;
   };
   RankSet() = default;
-  // Why rank k is gone, if it is.
-  std::optional<std::string> exited(size_t k);
+  // Why rank k is gone, if it is (or is within `wait`).
+  std::optional<std::string> exited(size_t k,
+                                    std::chrono::milliseconds wait = std::chrono::milliseconds(0));
 
   std::unique_ptr<control::RouterChannel> router_;
   std::vector<RankProcess> ranks_;
