@@ -16,9 +16,9 @@
 #include <sstream>
 #include <thread>
 
+#include "common/pattern.h"
 #include "pd_read.h"
 #include "rd2h/common/deadline.h"
-#include "rd2h/common/pattern.h"
 
 namespace rd2h::tools {
 

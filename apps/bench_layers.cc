@@ -9,8 +9,8 @@
 #include <mutex>
 #include <thread>
 
-#include "rd2h/decode/worker.h"
-#include "rd2h/prefill/worker.h"
+#include "decode/worker.h"
+#include "prefill/worker.h"
 
 namespace rd2h::tools {
 

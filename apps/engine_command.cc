@@ -2,8 +2,8 @@
 
 #include <cstdio>
 
-#include "rd2h/common/subprocess.h"
-#include "rd2h/sim/engine.h"
+#include "common/subprocess.h"
+#include "sim/engine.h"
 #include "stop_signal.h"
 
 namespace rd2h::tools {

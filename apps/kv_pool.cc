@@ -2,8 +2,8 @@
 
 #include <cstring>
 
-#include "rd2h/common/bytes.h"
-#include "rd2h/common/pattern.h"
+#include "common/bytes.h"
+#include "common/pattern.h"
 
 namespace rd2h::tools {
 

@@ -1,16 +1,19 @@
 // rd2h: one binary, one subcommand per job.
 #include <CLI/CLI.hpp>
+#include <string>
 
 #include "bench_engine.h"
 #include "bench_layers.h"
 #include "engine_command.h"
 #include "pd_read.h"
 #include "proxy_command.h"
-#include "rd2h/sim/demo.h"
-#include "rd2h/sim/engine.h"
+#include "rd2h/version.h"
+#include "sim/demo.h"
+#include "sim/engine.h"
 
 int main(int argc, char** argv) {
   CLI::App app{"rd2h: layerwise KV-cache transfer for prefill/decode disaggregated serving"};
+  app.set_version_flag("--version", std::string("rd2h ") + rd2h::version());
   app.require_subcommand(1);
 
   rd2h::tools::PdReadOptions pd;

@@ -9,8 +9,8 @@
 #include <numeric>
 #include <random>
 
+#include "common/pattern.h"
 #include "rd2h/common/deadline.h"
-#include "rd2h/common/pattern.h"
 
 namespace rd2h::tools {
 
@@ -23,7 +23,10 @@ constexpr size_t kMaxHandshake = 32u << 20;
 
 std::string join(const std::vector<uint64_t>& v) {
   std::string s;
-  for (auto x : v) s += (s.empty() ? "" : ",") + std::to_string(x);
+  for (auto x : v) {
+    if (!s.empty()) s += ',';
+    s += std::to_string(x);
+  }
   return s;
 }
 

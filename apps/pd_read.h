@@ -10,8 +10,8 @@
 #include <string>
 #include <vector>
 
+#include "common/subprocess.h"
 #include "kv_pool.h"
-#include "rd2h/common/subprocess.h"
 #include "rd2h/transfer/transfer_engine.h"
 #include "tool_socket.h"
 

@@ -1,4 +1,4 @@
-#include "rd2h/common/subprocess.h"
+#include "common/subprocess.h"
 
 #include <fcntl.h>
 #include <poll.h>

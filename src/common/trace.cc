@@ -1,4 +1,4 @@
-#include "rd2h/common/trace.h"
+#include "common/trace.h"
 
 #include <atomic>
 #include <chrono>

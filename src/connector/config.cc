@@ -110,8 +110,9 @@ Expected<ConnectorConfig> ConnectorConfig::from_json(std::string_view text) {
   std::string connector;
   if (!j.contains("kv_connector")) return bad("kv_connector", "is missing");
   RD2H_RETURN_IF_ERROR(read_string(j["kv_connector"], "kv_connector", connector));
-  if (connector != "SfaRemoteD2HConnector" && connector != "rd2h") {
-    return bad("kv_connector", "is '" + connector + "', expected SfaRemoteD2HConnector or rd2h");
+  if (connector != "SfaRemoteD2HConnector" && connector != "Rd2hConnector" && connector != "rd2h") {
+    return bad("kv_connector",
+               "is '" + connector + "', expected Rd2hConnector, SfaRemoteD2HConnector or rd2h");
   }
   std::string role;
   if (!j.contains("kv_role")) return bad("kv_role", "is missing");

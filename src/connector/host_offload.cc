@@ -5,6 +5,8 @@
 #include <cstring>
 #include <nlohmann/json.hpp>
 
+#include "layout/cache.h"
+
 namespace rd2h::connector {
 
 using nlohmann::json;

@@ -1,7 +1,8 @@
 #include "rd2h/connector/scheduler.h"
 
-#include "rd2h/layout/cache.h"
-#include "rd2h/topology/topology.h"
+#include "layout/cache.h"
+#include "metaserver/client.h"
+#include "topology/topology.h"
 
 namespace rd2h::connector {
 

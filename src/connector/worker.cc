@@ -1,5 +1,10 @@
 #include "rd2h/connector/worker.h"
 
+#include "control/channel.h"
+#include "decode/worker.h"
+#include "layout/cache.h"
+#include "prefill/worker.h"
+
 namespace rd2h::connector {
 
 Expected<std::unique_ptr<ConnectorWorker>> ConnectorWorker::create(
@@ -118,8 +123,14 @@ Status ConnectorWorker::start_load_kv() {
   return Status::ok();
 }
 
-Status ConnectorWorker::wait_for_layer_load(std::string_view) {
-  return Status::ok();
+Status ConnectorWorker::wait_for_layer_load(std::string_view layer_name) {
+  if (config_.role != KvRole::kProducer) return Status::ok();
+  RD2H_RETURN_IF_ERROR(need(prefill_.get(), "wait_for_layer_load"));
+  // vLLM calls this before an attention layer writes its KV and never calls
+  // wait_for_layer_send: the write may reuse a physical buffer Decode is still reading.
+  auto index = layout::layer_index_from_name(layer_name);
+  if (!index) return Status::ok();  // not a numbered layer: it owns no slot
+  return prefill_->wait_for_layer_reuse(*index);
 }
 
 Status ConnectorWorker::save_kv_layer(std::string_view layer_name,

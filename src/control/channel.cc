@@ -1,8 +1,7 @@
-#include "rd2h/control/channel.h"
+#include "control/channel.h"
 
 #include <atomic>
 #include <cstring>
-
 #include <zmq.hpp>
 
 #include "rd2h/common/deadline.h"

@@ -1,9 +1,9 @@
-#include "rd2h/decode/reader.h"
+#include "decode/reader.h"
 
 #include <algorithm>
 #include <cstdio>
 
-#include "rd2h/common/trace.h"
+#include "common/trace.h"
 
 namespace rd2h::decode {
 

@@ -1,6 +1,6 @@
-#include "rd2h/decode/worker.h"
+#include "decode/worker.h"
 
-#include "rd2h/topology/topology.h"
+#include "topology/topology.h"
 
 namespace rd2h::decode {
 

@@ -1,4 +1,4 @@
-#include "rd2h/layout/layout.h"
+#include "layout/layout.h"
 
 #include <algorithm>
 

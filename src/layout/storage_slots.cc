@@ -1,4 +1,4 @@
-#include "rd2h/layout/storage_slots.h"
+#include "layout/storage_slots.h"
 
 #include <algorithm>
 

@@ -1,4 +1,4 @@
-#include "rd2h/metaserver/client.h"
+#include "metaserver/client.h"
 
 #include <httplib.h>
 

@@ -10,7 +10,7 @@
 #include <random>
 #include <thread>
 
-#include "rd2h/metaserver/client.h"
+#include "metaserver/client.h"
 
 namespace rd2h::metaserver {
 

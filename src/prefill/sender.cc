@@ -1,9 +1,9 @@
-#include "rd2h/prefill/sender.h"
+#include "prefill/sender.h"
 
 #include <sys/eventfd.h>
 #include <unistd.h>
 
-#include "rd2h/common/trace.h"
+#include "common/trace.h"
 
 namespace rd2h::prefill {
 

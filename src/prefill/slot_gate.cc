@@ -1,4 +1,4 @@
-#include "rd2h/prefill/slot_gate.h"
+#include "prefill/slot_gate.h"
 
 namespace rd2h::prefill {
 

@@ -1,9 +1,9 @@
-#include "rd2h/prefill/worker.h"
+#include "prefill/worker.h"
 
 #include <algorithm>
 #include <set>
 
-#include "rd2h/topology/topology.h"
+#include "topology/topology.h"
 
 namespace rd2h::prefill {
 
@@ -206,6 +206,13 @@ Status Worker::wait_for_layer_send(std::string_view layer_name) {
             .with_context("waiting for Decode to read " + std::string(layer_name)));
   }
   return Status::ok();
+}
+
+Status Worker::wait_for_layer_reuse(int64_t layer_index) {
+  auto it = std::lower_bound(layers_.begin(), layers_.end(), layer_index,
+                             [](const Layer& l, int64_t index) { return l.index < index; });
+  if (it == layers_.end() || it->index != layer_index) return Status::ok();
+  return wait_for_layer_send(it->name);
 }
 
 Status Worker::wait_for_save() {

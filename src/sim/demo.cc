@@ -1,4 +1,4 @@
-#include "rd2h/sim/demo.h"
+#include "sim/demo.h"
 
 #include <httplib.h>
 #include <sys/wait.h>
@@ -17,10 +17,10 @@
 #include <thread>
 #include <tuple>
 
+#include "common/subprocess.h"
 #include "rd2h/common/deadline.h"
-#include "rd2h/common/subprocess.h"
 #include "rd2h/metaserver/proxy.h"
-#include "rd2h/sim/engine.h"
+#include "sim/engine.h"
 
 namespace rd2h::sim {
 namespace {

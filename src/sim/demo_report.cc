@@ -1,4 +1,4 @@
-#include "rd2h/sim/demo_report.h"
+#include "sim/demo_report.h"
 
 #include <algorithm>
 #include <cmath>

@@ -1,4 +1,4 @@
-#include "rd2h/sim/engine.h"
+#include "sim/engine.h"
 
 #include <httplib.h>
 
@@ -14,13 +14,13 @@
 #include <set>
 #include <thread>
 
-#include "kv_model.h"
-#include "rank_set.h"
-#include "rd2h/common/trace.h"
+#include "common/trace.h"
 #include "rd2h/connector/metadata.h"
 #include "rd2h/connector/scheduler.h"
-#include "shared_pool.h"
-#include "sim_message.h"
+#include "sim/kv_model.h"
+#include "sim/rank_set.h"
+#include "sim/shared_pool.h"
+#include "sim/sim_message.h"
 
 namespace rd2h::sim {
 

@@ -10,8 +10,8 @@
 #include <string>
 #include <vector>
 
-#include "rd2h/common/pattern.h"
-#include "rd2h/sim/engine.h"
+#include "common/pattern.h"
+#include "sim/engine.h"
 
 namespace rd2h::sim {
 

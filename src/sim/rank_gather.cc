@@ -1,11 +1,11 @@
-#include "rank_gather.h"
+#include "sim/rank_gather.h"
 
 #include <map>
 #include <nlohmann/json.hpp>
 #include <optional>
 
 #include "rd2h/common/deadline.h"
-#include "sim_message.h"
+#include "sim/sim_message.h"
 
 namespace rd2h::sim {
 namespace {

@@ -8,8 +8,8 @@
 #include <memory>
 #include <string>
 
-#include "rd2h/control/channel.h"
-#include "rd2h/decode/completion_tracker.h"
+#include "control/channel.h"
+#include "rd2h/decode/all_gather.h"
 
 namespace rd2h::sim {
 

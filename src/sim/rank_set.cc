@@ -1,11 +1,11 @@
-#include "rank_set.h"
+#include "sim/rank_set.h"
 
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include "common/trace.h"
 #include "rd2h/common/deadline.h"
-#include "rd2h/common/trace.h"
-#include "sim_message.h"
+#include "sim/sim_message.h"
 
 namespace rd2h::sim {
 namespace {

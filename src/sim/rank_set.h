@@ -11,8 +11,8 @@
 #include <utility>
 #include <vector>
 
-#include "rd2h/common/subprocess.h"
-#include "rd2h/control/channel.h"
+#include "common/subprocess.h"
+#include "control/channel.h"
 
 namespace rd2h::sim {
 

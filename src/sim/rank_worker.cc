@@ -13,11 +13,11 @@
 #include <optional>
 #include <thread>
 
-#include "kv_model.h"
-#include "rank_gather.h"
 #include "rd2h/connector/worker.h"
-#include "shared_pool.h"
-#include "sim_message.h"
+#include "sim/kv_model.h"
+#include "sim/rank_gather.h"
+#include "sim/shared_pool.h"
+#include "sim/sim_message.h"
 
 namespace rd2h::sim {
 namespace {

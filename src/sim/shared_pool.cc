@@ -1,4 +1,4 @@
-#include "shared_pool.h"
+#include "sim/shared_pool.h"
 
 #include <fcntl.h>
 #include <sys/mman.h>

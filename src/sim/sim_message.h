@@ -6,7 +6,7 @@
 #include <nlohmann/json.hpp>
 #include <vector>
 
-#include "rd2h/common/trace.h"
+#include "common/trace.h"
 
 namespace rd2h::sim {
 

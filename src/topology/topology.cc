@@ -1,4 +1,4 @@
-#include "rd2h/topology/topology.h"
+#include "topology/topology.h"
 
 #include <string>
 

@@ -1,4 +1,4 @@
-#include "rd2h/transfer/fault_injecting_engine.h"
+#include "transfer/fault_injecting_engine.h"
 
 #include <thread>
 

@@ -1,4 +1,4 @@
-#include "peer_liveness.h"
+#include "transfer/peer_liveness.h"
 
 #include <poll.h>
 #include <sys/stat.h>

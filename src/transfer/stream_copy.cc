@@ -1,4 +1,4 @@
-#include "stream_copy.h"
+#include "transfer/stream_copy.h"
 
 #include <cstdint>
 #include <cstring>

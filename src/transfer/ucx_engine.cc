@@ -42,14 +42,14 @@
 #include <thread>
 #include <unordered_map>
 
-#include "peer_liveness.h"
+#include "common/format.h"
 #include "rd2h/common/deadline.h"
-#include "rd2h/common/format.h"
 #include "rd2h/transfer/transfer_engine.h"
-#include "stream_copy.h"
-#include "ucx_lanes.h"
-#include "ucx_metadata.h"
-#include "ucx_session.h"
+#include "transfer/peer_liveness.h"
+#include "transfer/stream_copy.h"
+#include "transfer/ucx_lanes.h"
+#include "transfer/ucx_metadata.h"
+#include "transfer/ucx_session.h"
 
 namespace rd2h::transfer {
 

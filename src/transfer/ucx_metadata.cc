@@ -1,9 +1,9 @@
-#include "ucx_metadata.h"
+#include "transfer/ucx_metadata.h"
 
 #include <cstring>
 
-#include "rd2h/common/bytes.h"
-#include "rd2h/common/format.h"
+#include "common/bytes.h"
+#include "common/format.h"
 
 namespace rd2h::transfer {
 

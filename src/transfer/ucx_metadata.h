@@ -8,8 +8,8 @@
 #include <string>
 #include <vector>
 
-#include "peer_liveness.h"
 #include "rd2h/common/status.h"
+#include "transfer/peer_liveness.h"
 
 namespace rd2h::transfer {
 

@@ -1,4 +1,4 @@
-#include "ucx_session.h"
+#include "transfer/ucx_session.h"
 
 #include <cstring>
 

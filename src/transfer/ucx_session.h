@@ -13,9 +13,9 @@
 #include <string>
 #include <vector>
 
-#include "peer_liveness.h"
 #include "rd2h/common/status.h"
-#include "ucx_metadata.h"
+#include "transfer/peer_liveness.h"
+#include "transfer/ucx_metadata.h"
 
 namespace rd2h::transfer {
 

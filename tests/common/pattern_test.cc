@@ -1,4 +1,4 @@
-#include "rd2h/common/pattern.h"
+#include "common/pattern.h"
 
 #include <gtest/gtest.h>
 

@@ -8,6 +8,7 @@
 
 #include <random>
 
+#include "connector/test_access.h"
 #include "e2e/pd_cluster.h"
 #include "rd2h/connector/scheduler.h"
 #include "rd2h/connector/worker.h"
@@ -248,15 +249,15 @@ TEST_F(Lifecycle, AChunkedRequestWithACachedPrefixGoesFromRendezvousToDecodeRead
   }
   decode_scheduler_->request_finished(d);
   prefill_scheduler_->request_finished(p);
-  EXPECT_EQ(decode_scheduler_->tracked(), 0u);
-  EXPECT_EQ(prefill_scheduler_->tracked(), 0u);
+  EXPECT_EQ(testing::SchedulerAccess::tracked(*decode_scheduler_), 0u);
+  EXPECT_EQ(testing::SchedulerAccess::tracked(*prefill_scheduler_), 0u);
 }
 
 TEST_F(Lifecycle, WithoutLayerwiseEveryLayerIsPublishedInWaitForSave) {
   ConnectorConfig at_end = prefill_config_;
   at_end.use_layerwise = false;
   for (size_t r = 0; r < prefill_.size(); ++r) {
-    auto engine = prefill_[r]->engine();
+    auto engine = testing::WorkerAccess::engine(*prefill_[r]);
     prefill_[r].reset();
     auto w = ConnectorWorker::create(at_end, {kPrefillTp, 1, 1, 0}, static_cast<int>(r), engine);
     ASSERT_TRUE(w);
@@ -279,12 +280,15 @@ TEST_F(Lifecycle, WithoutLayerwiseEveryLayerIsPublishedInWaitForSave) {
   auto& w0 = *prefill_[0];
   ASSERT_TRUE(w0.bind_connector_metadata(p).is_ok());
   for (int l = 0; l < kLayers; ++l) ASSERT_TRUE(w0.save_kv_layer(layer_name(l)).is_ok());
-  EXPECT_EQ(w0.prefill()->stats().readiness_queued, 0u) << "published before wait_for_save";
+  EXPECT_EQ(testing::WorkerAccess::prefill(w0)->stats().readiness_queued, 0u)
+      << "published before wait_for_save";
   ASSERT_TRUE(w0.wait_for_save().is_ok());
-  EXPECT_EQ(w0.prefill()->stats().readiness_queued, static_cast<uint64_t>(kLayers));
+  EXPECT_EQ(testing::WorkerAccess::prefill(w0)->stats().readiness_queued,
+            static_cast<uint64_t>(kLayers));
 
   // Layers sharing a buffer cannot wait until the end of the pass.
-  auto shared = ConnectorWorker::create(at_end, {kPrefillTp, 1, 1, 0}, 0, prefill_[0]->engine());
+  auto shared = ConnectorWorker::create(at_end, {kPrefillTp, 1, 1, 0}, 0,
+                                        testing::WorkerAccess::engine(*prefill_[0]));
   ASSERT_TRUE(shared);
   auto layers = prefill_layers(0);
   layers[2].tensors = layers[0].tensors;
@@ -317,7 +321,8 @@ TEST_F(Lifecycle, KvThatNeverArrivesFailsTheRequestAfterItsDeadlineAndReportsIts
   std::sort(errors.begin(), errors.end());
   errors.erase(std::unique(errors.begin(), errors.end()), errors.end());
   EXPECT_EQ(errors, (std::vector<int64_t>{4, 5}));
-  EXPECT_EQ(decode_[0]->decode()->reader().tracked_requests(), 0u) << "its state outlived it";
+  EXPECT_EQ(testing::WorkerAccess::decode(*decode_[0])->reader().tracked_requests(), 0u)
+      << "its state outlived it";
 }
 
 }  // namespace

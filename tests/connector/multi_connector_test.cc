@@ -11,8 +11,8 @@
 #include "rd2h/connector/host_offload.h"
 #include "rd2h/connector/scheduler.h"
 #include "rd2h/connector/worker.h"
-#include "rd2h/transfer/fault_injecting_engine.h"
 #include "support/engines.h"
+#include "transfer/fault_injecting_engine.h"
 
 namespace rd2h::connector {
 namespace {

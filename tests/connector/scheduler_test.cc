@@ -3,6 +3,7 @@
 
 #include <gtest/gtest.h>
 
+#include "connector/test_access.h"
 #include "support/http_server.h"
 
 namespace rd2h::connector {
@@ -72,7 +73,7 @@ TEST(DecodeScheduler, MatchesAllocatesAndPostsTheRendezvousOnce) {
 
   (*s)->request_finished(r);
   EXPECT_EQ((*s)->build_connector_meta({})->abort, std::vector<std::string>{"cmpl-x-0"});
-  EXPECT_EQ((*s)->tracked(), 0u);
+  EXPECT_EQ(testing::SchedulerAccess::tracked(**s), 0u);
 }
 
 TEST(DecodeScheduler, RequestsWithoutRemotePrefillAreLeftAlone) {
@@ -127,7 +128,7 @@ TEST(PrefillScheduler, EachChunkPublishesItsNewlyCompleteBlocksAndTheLastItsPart
   EXPECT_EQ(last->save[0].main_start, 4);
   EXPECT_TRUE(last->save[0].final_chunk);
   (*s)->request_finished(r);
-  EXPECT_EQ((*s)->tracked(), 0u);
+  EXPECT_EQ(testing::SchedulerAccess::tracked(**s), 0u);
 }
 
 TEST(PrefillScheduler, SeparateIndexerGroupsSliceByTheirOwnBlockSize) {

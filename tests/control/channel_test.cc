@@ -1,11 +1,11 @@
-#include "rd2h/control/channel.h"
+#include "control/channel.h"
 
 #include <gtest/gtest.h>
 
 #include <map>
 #include <zmq.hpp>
 
-#include "rd2h/protocol/messages.h"
+#include "protocol/messages.h"
 
 namespace rd2h::control {
 namespace {

@@ -1,4 +1,4 @@
-#include "rd2h/decode/completion_tracker.h"
+#include "decode/completion_tracker.h"
 
 #include <gtest/gtest.h>
 

@@ -10,9 +10,9 @@
 #include <string>
 #include <vector>
 
-#include "rd2h/common/pattern.h"
-#include "rd2h/layout/layout.h"
-#include "rd2h/protocol/messages.h"
+#include "common/pattern.h"
+#include "layout/layout.h"
+#include "protocol/messages.h"
 #include "rd2h/transfer/transfer_engine.h"
 
 namespace rd2h::testing {

@@ -1,6 +1,6 @@
 // A Decode rank's reader against a Prefill made of the real pieces: a UCX engine exposing a
 // KV pool and a ZMQ DEALER speaking the wire protocol, on loopback in one process.
-#include "rd2h/decode/reader.h"
+#include "decode/reader.h"
 
 #include <gtest/gtest.h>
 

@@ -10,9 +10,9 @@
 #include <nlohmann/json.hpp>
 #include <random>
 
-#include "rd2h/common/subprocess.h"
+#include "common/subprocess.h"
 #include "rd2h/metaserver/proxy.h"
-#include "rd2h/sim/engine.h"
+#include "sim/engine.h"
 
 namespace rd2h::sim {
 namespace {

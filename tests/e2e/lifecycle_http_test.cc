@@ -11,7 +11,7 @@
 #include <random>
 
 #include "rd2h/metaserver/proxy.h"
-#include "rd2h/sim/engine.h"
+#include "sim/engine.h"
 #include "support/http_server.h"
 
 namespace rd2h::sim {

@@ -19,13 +19,13 @@
 #include <thread>
 #include <vector>
 
-#include "rd2h/common/pattern.h"
-#include "rd2h/decode/local_all_gather.h"
-#include "rd2h/decode/worker.h"
-#include "rd2h/layout/cache.h"
-#include "rd2h/prefill/worker.h"
-#include "rd2h/transfer/fault_injecting_engine.h"
+#include "common/pattern.h"
+#include "decode/local_all_gather.h"
+#include "decode/worker.h"
+#include "layout/cache.h"
+#include "prefill/worker.h"
 #include "support/engines.h"
+#include "transfer/fault_injecting_engine.h"
 
 namespace rd2h::testing {
 

@@ -1,4 +1,4 @@
-#include "rd2h/layout/cache.h"
+#include "layout/cache.h"
 
 #include <gtest/gtest.h>
 

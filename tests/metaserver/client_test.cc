@@ -1,5 +1,5 @@
 // The metaserver client against real HTTP servers on loopback.
-#include "rd2h/metaserver/client.h"
+#include "metaserver/client.h"
 
 #include <gtest/gtest.h>
 #include <httplib.h>

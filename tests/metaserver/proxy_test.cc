@@ -10,7 +10,7 @@
 #include <cstring>
 #include <nlohmann/json.hpp>
 
-#include "rd2h/metaserver/client.h"
+#include "metaserver/client.h"
 #include "support/http_server.h"
 
 namespace rd2h::metaserver {

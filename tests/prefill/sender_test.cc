@@ -1,10 +1,10 @@
 // Prefill's sender against real Decode readers: ZeroMQ and UCX on loopback, one process.
-#include "rd2h/prefill/sender.h"
+#include "prefill/sender.h"
 
 #include <gtest/gtest.h>
 
 #include "decode/kv_fixture.h"
-#include "rd2h/decode/reader.h"
+#include "decode/reader.h"
 #include "support/http_server.h"
 
 namespace rd2h::prefill {

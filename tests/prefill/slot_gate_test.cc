@@ -1,4 +1,4 @@
-#include "rd2h/prefill/slot_gate.h"
+#include "prefill/slot_gate.h"
 
 #include <gtest/gtest.h>
 

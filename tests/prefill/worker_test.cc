@@ -1,6 +1,6 @@
 // The Prefill worker on its own and against one Decode worker: registration, MF_META, step
 // validation and the write event that gates publishing a layer.
-#include "rd2h/prefill/worker.h"
+#include "prefill/worker.h"
 
 #include <gtest/gtest.h>
 

@@ -1,4 +1,4 @@
-#include "rd2h/protocol/messages.h"
+#include "protocol/messages.h"
 
 #include <gtest/gtest.h>
 

@@ -1,6 +1,6 @@
 // rd2h demo as a user runs it (the real binary, its proxy, Prefill and Decode processes and
 // their TP rank processes), and the figures it derives from the engines' timelines.
-#include "rd2h/sim/demo.h"
+#include "sim/demo.h"
 
 #include <gtest/gtest.h>
 #include <signal.h>
@@ -13,8 +13,8 @@
 #include <nlohmann/json.hpp>
 #include <sstream>
 
-#include "rd2h/common/subprocess.h"
-#include "rd2h/sim/demo_report.h"
+#include "common/subprocess.h"
+#include "sim/demo_report.h"
 #include "support/rd2h_run.h"
 
 namespace rd2h::sim {

@@ -6,8 +6,8 @@
 #include <future>
 #include <thread>
 
-#include "rank_gather.h"
-#include "shared_pool.h"
+#include "sim/rank_gather.h"
+#include "sim/shared_pool.h"
 
 namespace rd2h::sim {
 namespace {

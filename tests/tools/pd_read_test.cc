@@ -2,7 +2,7 @@
 #include <gtest/gtest.h>
 #include <sys/wait.h>
 
-#include "rd2h/common/subprocess.h"
+#include "common/subprocess.h"
 #include "support/rd2h_run.h"
 
 namespace rd2h {

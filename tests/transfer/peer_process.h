@@ -7,7 +7,7 @@
 #include <string>
 #include <vector>
 
-#include "rd2h/common/subprocess.h"
+#include "common/subprocess.h"
 #include "transfer/hex.h"
 
 namespace rd2h::testing {

@@ -1,11 +1,11 @@
-#include "stream_copy.h"
+#include "transfer/stream_copy.h"
 
 #include <gtest/gtest.h>
 
 #include <cstring>
 #include <vector>
 
-#include "rd2h/common/pattern.h"
+#include "common/pattern.h"
 
 namespace rd2h::transfer {
 namespace {

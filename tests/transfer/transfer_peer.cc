@@ -17,7 +17,7 @@
 #include <string>
 #include <vector>
 
-#include "rd2h/common/pattern.h"
+#include "common/pattern.h"
 #include "rd2h/transfer/transfer_engine.h"
 #include "transfer/hex.h"
 

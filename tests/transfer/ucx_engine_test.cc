@@ -11,10 +11,10 @@
 #include <random>
 #include <thread>
 
+#include "common/pattern.h"
 #include "rd2h/common/deadline.h"
-#include "rd2h/common/pattern.h"
-#include "rd2h/transfer/fault_injecting_engine.h"
 #include "rd2h/transfer/transfer_engine.h"
+#include "transfer/fault_injecting_engine.h"
 #include "transfer/peer_process.h"
 
 namespace rd2h::transfer {

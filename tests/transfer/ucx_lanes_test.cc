@@ -1,4 +1,4 @@
-#include "ucx_lanes.h"
+#include "transfer/ucx_lanes.h"
 
 #include <gtest/gtest.h>
 

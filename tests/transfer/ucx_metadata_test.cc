@@ -1,4 +1,4 @@
-#include "ucx_metadata.h"
+#include "transfer/ucx_metadata.h"
 
 #include <gtest/gtest.h>
 

@@ -14,8 +14,8 @@
 
 #include "rd2h/common/status.h"
 #include "rd2h/connector/metadata.h"
-#include "rd2h/decode/completion_tracker.h"
-#include "rd2h/layout/cache.h"
+#include "rd2h/decode/all_gather.h"
+#include "rd2h/layout/cache_layer.h"
 #include "rd2h/prefill/write_event.h"
 
 namespace rd2h::connector {

@@ -8,11 +8,12 @@
 #include <cstdint>
 #include <span>
 #include <string>
+#include <string_view>
 #include <utility>
 #include <vector>
 
 #include "rd2h/common/status.h"
-#include "rd2h/prefill/worker.h"
+#include "rd2h/prefill/send_request.h"
 
 namespace rd2h::connector {
 

@@ -24,9 +24,16 @@
 #include "rd2h/connector/config.h"
 #include "rd2h/connector/kv_connector.h"
 #include "rd2h/connector/metadata.h"
-#include "rd2h/metaserver/client.h"
+
+namespace rd2h::metaserver {
+class Client;
+}  // namespace rd2h::metaserver
 
 namespace rd2h::connector {
+
+namespace testing {
+struct SchedulerAccess;
+}  // namespace testing
 
 // One KV-cache group of the host engine: the layers whose blocks it allocates, and its block
 // size in tokens. The main group is the one whose layers carry no "indexer" in their name,
@@ -76,13 +83,11 @@ class Scheduler final : public KvConnectorScheduler {
   // connector is the one chosen for lookup.
   bool requires_full_blocks_on_update_after_alloc() const override { return true; }
 
-  // Decode's advertised base port.
+  // Decode's advertised base port: kv_port + global_dp_rank * tp_size.
   int base_port() const { return base_port_; }
-  // Requests with state here.
-  size_t tracked() const { return recv_.size() + send_.size(); }
-  const metaserver::Client* metaserver() const { return metaserver_.get(); }
 
  private:
+  friend struct testing::SchedulerAccess;
   struct Send {  // Prefill
     std::string ext_id;
     KvTransferParams decode;

@@ -21,12 +21,25 @@
 #include "rd2h/connector/kv_connector.h"
 #include "rd2h/connector/metadata.h"
 #include "rd2h/connector/scheduler.h"
-#include "rd2h/decode/worker.h"
-#include "rd2h/layout/cache.h"
-#include "rd2h/prefill/worker.h"
+#include "rd2h/layout/cache_layer.h"
+#include "rd2h/prefill/write_event.h"
 #include "rd2h/transfer/transfer_engine.h"
 
+namespace rd2h::control {
+class Context;
+}  // namespace rd2h::control
+namespace rd2h::decode {
+class Worker;
+}  // namespace rd2h::decode
+namespace rd2h::prefill {
+class Worker;
+}  // namespace rd2h::prefill
+
 namespace rd2h::connector {
+
+namespace testing {
+struct WorkerAccess;
+}  // namespace testing
 
 class ConnectorWorker final : public KvConnectorWorker {
  public:
@@ -47,7 +60,10 @@ class ConnectorWorker final : public KvConnectorWorker {
   void clear_connector_metadata() override;
   // Decode: expect the step's new requests and drop the aborted ones.
   Status start_load_kv() override;
-  // Decode loads whole requests in the background: a layer never waits here.
+  // Decode loads whole requests in the background: a layer never waits here. Prefill: the
+  // host is about to write the layer's KV, so this waits until Decode answered for what the
+  // layer's physical buffers held before (as wait_for_layer_send does); a name without
+  // "layers.<n>" does not wait.
   Status wait_for_layer_load(std::string_view layer_name) override;
   // Prefill: the layer's KV is written (or will be once `event` completes): publish it.
   Status save_kv_layer(std::string_view layer_name,
@@ -65,11 +81,8 @@ class ConnectorWorker final : public KvConnectorWorker {
   // Stops the connector's threads and unregisters its memory. Idempotent.
   void shutdown() override;
 
-  prefill::Worker* prefill() { return prefill_.get(); }
-  decode::Worker* decode() { return decode_.get(); }
-  const std::shared_ptr<transfer::TransferEngine>& engine() const { return engine_; }
-
  private:
+  friend struct testing::WorkerAccess;
   ConnectorWorker(ConnectorConfig config, Parallel parallel, int tp_rank,
                   std::shared_ptr<transfer::TransferEngine> engine);
   Status need(const void* worker, const char* call) const;

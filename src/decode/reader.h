@@ -15,11 +15,11 @@
 #include <thread>
 #include <vector>
 
+#include "control/channel.h"
+#include "decode/completion_tracker.h"
+#include "layout/layout.h"
+#include "protocol/messages.h"
 #include "rd2h/common/status.h"
-#include "rd2h/control/channel.h"
-#include "rd2h/decode/completion_tracker.h"
-#include "rd2h/layout/layout.h"
-#include "rd2h/protocol/messages.h"
 #include "rd2h/transfer/transfer_engine.h"
 
 namespace rd2h::decode {

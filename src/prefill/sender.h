@@ -15,11 +15,11 @@
 #include <string>
 #include <thread>
 
+#include "control/channel.h"
+#include "prefill/slot_gate.h"
+#include "protocol/messages.h"
 #include "rd2h/common/status.h"
-#include "rd2h/control/channel.h"
-#include "rd2h/prefill/slot_gate.h"
 #include "rd2h/prefill/write_event.h"
-#include "rd2h/protocol/messages.h"
 
 namespace rd2h::prefill {
 

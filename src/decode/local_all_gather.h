@@ -8,7 +8,7 @@
 #include <mutex>
 #include <vector>
 
-#include "rd2h/decode/completion_tracker.h"
+#include "rd2h/decode/all_gather.h"
 
 namespace rd2h::decode {
 

@@ -9,8 +9,8 @@
 #include <string>
 #include <vector>
 
+#include "protocol/messages.h"
 #include "rd2h/common/status.h"
-#include "rd2h/protocol/messages.h"
 
 namespace rd2h::layout {
 

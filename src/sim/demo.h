@@ -12,7 +12,7 @@
 #include <vector>
 
 #include "rd2h/common/status.h"
-#include "rd2h/sim/demo_report.h"
+#include "sim/demo_report.h"
 
 namespace rd2h::sim {
 

@@ -10,10 +10,10 @@
 #include <string>
 #include <vector>
 
+#include "control/channel.h"
+#include "decode/reader.h"
+#include "layout/cache.h"
 #include "rd2h/common/status.h"
-#include "rd2h/control/channel.h"
-#include "rd2h/decode/reader.h"
-#include "rd2h/layout/cache.h"
 #include "rd2h/transfer/transfer_engine.h"
 
 namespace rd2h::decode {

@@ -6,7 +6,7 @@
 #include <string>
 #include <vector>
 
-#include "rd2h/common/trace.h"
+#include "common/trace.h"
 
 namespace rd2h::sim {
 

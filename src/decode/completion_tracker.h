@@ -7,21 +7,15 @@
 
 #include <cstddef>
 #include <deque>
-#include <functional>
 #include <map>
 #include <set>
 #include <string>
 #include <vector>
 
 #include "rd2h/common/status.h"
+#include "rd2h/decode/all_gather.h"
 
 namespace rd2h::decode {
-
-// What one rank reports to the others when gathering: ext id -> failed.
-using RankTerminal = std::map<std::string, bool>;
-// Exchanges every rank's RankTerminal over the TP CPU group; returns one per rank, in rank
-// order, the same on every rank.
-using AllGather = std::function<Expected<std::vector<RankTerminal>>(const RankTerminal&)>;
 
 struct Finished {
   std::vector<std::string> finished;  // internal ids ready to be scheduled

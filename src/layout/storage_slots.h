@@ -7,7 +7,7 @@
 #include <optional>
 #include <vector>
 
-#include "rd2h/layout/layout.h"
+#include "layout/layout.h"
 
 namespace rd2h::layout {
 

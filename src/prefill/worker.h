@@ -17,14 +17,15 @@
 #include <string_view>
 #include <vector>
 
+#include "control/channel.h"
+#include "layout/cache.h"
+#include "layout/storage_slots.h"
+#include "prefill/sender.h"
+#include "prefill/slot_gate.h"
+#include "protocol/messages.h"
 #include "rd2h/common/status.h"
-#include "rd2h/control/channel.h"
-#include "rd2h/layout/cache.h"
-#include "rd2h/layout/storage_slots.h"
-#include "rd2h/prefill/sender.h"
-#include "rd2h/prefill/slot_gate.h"
+#include "rd2h/prefill/send_request.h"
 #include "rd2h/prefill/write_event.h"
-#include "rd2h/protocol/messages.h"
 #include "rd2h/transfer/transfer_engine.h"
 
 namespace rd2h::prefill {
@@ -38,20 +39,6 @@ struct WorkerConfig {
   // Register the caches with the engine. False when they live in memory the engine
   // allocated (allocate_memory), which is registered already.
   bool register_memory = true;
-};
-
-// What one request publishes in this step: its Decode endpoint and the Prefill blocks that
-// became complete (layout::chunk_slice), with their offsets in Decode's block lists.
-struct SendRequest {
-  std::string ext_id;
-  std::string d_host;
-  int d_base_port = 0;  // Decode's advertised base port
-  int d_tp = 1;
-  std::vector<int64_t> main_block_ids;
-  std::vector<int64_t> indexer_block_ids;
-  int64_t main_start = 0;
-  int64_t indexer_start = 0;
-  bool final_chunk = false;  // the last cache-bearing layer also names it in done_ext_ids
 };
 
 struct WorkerStats {
@@ -86,6 +73,10 @@ class Worker {
   // once the compute path raised for a step, later failures of that step's layers only
   // release their slots, so an aborted step's leftovers never fail the next one.
   Status wait_for_layer_send(std::string_view layer_name);
+  // The same, for the layer whose index is `layer_index` (the n of "layers.<n>"): what the
+  // compute path calls before it writes that layer's KV into its physical slots. An index
+  // no registered layer has owns no slot, and returns at once.
+  Status wait_for_layer_reuse(int64_t layer_index);
   // The same for every slot: the end of a forward pass.
   Status wait_for_save();
 
