@@ -229,6 +229,7 @@ class Rd2hConnector(KVConnectorBase_V1, SupportsHMA):
     def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
         assert self._worker is not None, "a worker-role call on the scheduler role"
         group_of = self._group_of_layer()
+        num_blocks = getattr(self._kv_cache_config, "num_blocks", None)
         main: dict[int, tuple[str, list]] = {}
         indexer: dict[int, list] = {}
         for name, value in kv_caches.items():
@@ -239,7 +240,14 @@ class Rd2hConnector(KVConnectorBase_V1, SupportsHMA):
                 )
             tensors = list(value) if isinstance(value, (tuple, list)) else [value]
             g = group_of.get(name, 0)
-            wrapped = [rd2h.CacheTensor(t, group_idx=g) for t in tensors]
+            for t in tensors:
+                first = tuple(getattr(t, "shape", ()))[:1]
+                if num_blocks is not None and first != (num_blocks,):
+                    raise rd2h.InvalidArgument(
+                        f"KV cache layer {name!r}: blocks must lie along the first dimension "
+                        f"({num_blocks} blocks), the tensor's shape is {tuple(t.shape)}"
+                    )
+            wrapped = [rd2h.CacheTensor(t, num_blocks=num_blocks, group_idx=g) for t in tensors]
             target = indexer if is_indexer_layer(name) else None
             if target is not None:
                 if n in indexer:

@@ -11,6 +11,7 @@
 #include <chrono>
 #include <cstdint>
 #include <memory>
+#include <mutex>
 #include <optional>
 #include <string>
 #include <utility>
@@ -219,12 +220,17 @@ class Scheduler {
   std::unique_ptr<connector::Scheduler> s_;
 };
 
+// One ConnectorWorker behind a mutex: its calls come from one host thread, but they run
+// without the GIL, so another Python thread's shutdown() waits for a blocked call instead of
+// freeing what it uses. The mutex is taken only with the GIL released (the all-gather
+// callback takes the GIL while the mutex is held).
 class Worker {
  public:
   Worker(const connector::ConnectorConfig& config, connector::Parallel parallel, int tp_rank)
       : w_(take(connector::ConnectorWorker::create(config, parallel, tp_rank))) {}
   ~Worker() {
     py::gil_scoped_release release;
+    std::lock_guard lock(mu_);
     w_.reset();
   }
 
@@ -242,31 +248,39 @@ class Worker {
       }
       out.push_back(std::move(c));
     }
-    Status s;
-    {
-      py::gil_scoped_release release;
-      s = w_->register_kv_caches(std::move(out), engine_allocated);
-    }
-    raise_if_error(s);
+    call([&](connector::ConnectorWorker& w) {
+      return w.register_kv_caches(std::move(out), engine_allocated);
+    });
     registered_ = std::move(keep);
   }
   void bind_connector_metadata(const py::bytes& metadata) {
-    std::string_view v = metadata;
-    raise_if_error(w_->bind_connector_metadata(
-        std::span<const std::byte>(reinterpret_cast<const std::byte*>(v.data()), v.size())));
+    const std::string_view v = metadata;  // the bytes object outlives the call
+    call([&](connector::ConnectorWorker& w) {
+      return w.bind_connector_metadata(
+          std::span<const std::byte>(reinterpret_cast<const std::byte*>(v.data()), v.size()));
+    });
   }
-  void clear_connector_metadata() { w_->clear_connector_metadata(); }
-  void start_load_kv() { released([&] { return w_->start_load_kv(); }); }
+  void clear_connector_metadata() {
+    call([](connector::ConnectorWorker& w) {
+      w.clear_connector_metadata();
+      return Status::ok();
+    });
+  }
+  void start_load_kv() {
+    call([](connector::ConnectorWorker& w) { return w.start_load_kv(); });
+  }
   void wait_for_layer_load(const std::string& layer) {
-    released([&] { return w_->wait_for_layer_load(layer); });
+    call([&](connector::ConnectorWorker& w) { return w.wait_for_layer_load(layer); });
   }
   void save_kv_layer(const std::string& layer, std::shared_ptr<prefill::HostWriteEvent> event) {
-    released([&] { return w_->save_kv_layer(layer, std::move(event)); });
+    call([&](connector::ConnectorWorker& w) { return w.save_kv_layer(layer, std::move(event)); });
   }
   void wait_for_layer_send(const std::string& layer) {
-    released([&] { return w_->wait_for_layer_send(layer); });
+    call([&](connector::ConnectorWorker& w) { return w.wait_for_layer_send(layer); });
   }
-  void wait_for_save() { released([&] { return w_->wait_for_save(); }); }
+  void wait_for_save() {
+    call([](connector::ConnectorWorker& w) { return w.wait_for_save(); });
+  }
 
   // `all_gather(mine) -> [per rank]` over the TP group; None: this rank is the only one.
   std::pair<std::vector<std::string>, std::vector<std::string>> get_finished(
@@ -289,12 +303,13 @@ class Worker {
         }
       };
     }
-    std::optional<Expected<connector::FinishedTransfers>> done;
-    {
-      py::gil_scoped_release release;
-      done.emplace(w_->get_finished(gather));
-    }
-    auto out = take(std::move(*done));
+    connector::FinishedTransfers out;
+    call([&](connector::ConnectorWorker& w) {
+      auto done = w.get_finished(gather);
+      if (!done) return done.status();
+      out = std::move(*done);
+      return Status::ok();
+    });
     return {std::move(out.sending), std::move(out.recving)};
   }
   // The per-layer loop of a forward pass, run in C++ on this worker, for the benchmark that
@@ -302,55 +317,65 @@ class Worker {
   // wait_for_layer_load + save_kv_layer (timed), wait_for_save, clear. Nanoseconds per layer.
   std::vector<int64_t> time_layer_loop(const py::bytes& metadata,
                                        const std::vector<std::string>& layers, int steps) {
-    std::string_view v = metadata;
+    const std::string_view v = metadata;
     const std::span<const std::byte> bytes(reinterpret_cast<const std::byte*>(v.data()), v.size());
     std::vector<int64_t> out;
     out.reserve(static_cast<size_t>(steps) * layers.size());
-    Status s;
-    {
-      py::gil_scoped_release release;
-      for (int step = 0; step < steps && s.is_ok(); ++step) {
-        s = w_->bind_connector_metadata(bytes);
-        if (s.is_ok()) s = w_->start_load_kv();
-        for (size_t l = 0; l < layers.size() && s.is_ok(); ++l) {
+    call([&](connector::ConnectorWorker& w) {
+      for (int step = 0; step < steps; ++step) {
+        RD2H_RETURN_IF_ERROR(w.bind_connector_metadata(bytes));
+        RD2H_RETURN_IF_ERROR(w.start_load_kv());
+        for (const auto& layer : layers) {
           const auto t0 = std::chrono::steady_clock::now();
-          s = w_->wait_for_layer_load(layers[l]);
-          if (s.is_ok()) s = w_->save_kv_layer(layers[l], nullptr);
+          RD2H_RETURN_IF_ERROR(w.wait_for_layer_load(layer));
+          RD2H_RETURN_IF_ERROR(w.save_kv_layer(layer, nullptr));
           out.push_back(std::chrono::duration_cast<std::chrono::nanoseconds>(
                             std::chrono::steady_clock::now() - t0)
                             .count());
         }
-        if (s.is_ok()) s = w_->wait_for_save();
-        w_->clear_connector_metadata();
+        RD2H_RETURN_IF_ERROR(w.wait_for_save());
+        w.clear_connector_metadata();
       }
-    }
-    raise_if_error(s);
+      return Status::ok();
+    });
     return out;
   }
   std::vector<int64_t> get_block_ids_with_load_errors() {
-    return w_->get_block_ids_with_load_errors();
+    std::vector<int64_t> out;
+    call([&](connector::ConnectorWorker& w) {
+      out = w.get_block_ids_with_load_errors();
+      return Status::ok();
+    });
+    return out;
   }
+  // Stops the connector's threads and unregisters its memory (after any call in flight
+  // returned); later calls raise. Idempotent.
   void shutdown() {
     {
       py::gil_scoped_release release;
-      w_->shutdown();
+      std::lock_guard lock(mu_);
+      if (w_) w_->shutdown();
+      w_.reset();
     }
     registered_.clear();
   }
 
  private:
+  // Runs f(worker) without the GIL, under the mutex; raises its error.
   template <typename F>
-  void released(F&& f) {
+  void call(F&& f) {
     Status s;
     {
       py::gil_scoped_release release;
-      s = f();
+      std::lock_guard lock(mu_);
+      s = w_ ? f(*w_) : failed_precondition("the connector worker is shut down");
     }
     raise_if_error(s);
   }
 
+  std::mutex mu_;
   std::unique_ptr<connector::ConnectorWorker> w_;
-  std::vector<PyCacheTensor> registered_;
+  std::vector<PyCacheTensor> registered_;  // touched with the GIL held only
 };
 
 class Proxy {

@@ -211,6 +211,9 @@ def in_own_process(fn):
             failure = parent.recv()
         finally:
             p.join(timeout=30)
+            if p.is_alive():
+                p.kill()
+                p.join(timeout=10)
         if failure:
             pytest.fail(failure, pytrace=False)
 

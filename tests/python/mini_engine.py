@@ -167,6 +167,12 @@ class Rank:
             self.reqs.pop(req_id, None)
         return out, error
 
+    def poison(self, blocks: list[int]) -> None:
+        """Freed blocks hold garbage, so a block reused without being written is caught."""
+        ids = torch.tensor(blocks, dtype=torch.int64)
+        for t in {id(x): x for x in self.caches.values()}.values():
+            t[ids] = 0xEE
+
     def verify(self, tokens: list[int], blocks: list[int]) -> tuple[int, int, str]:
         """Checks every byte of the prompt's KV in every layer: (bytes, mismatches, first)."""
         n = len(tokens)
@@ -208,6 +214,9 @@ def rank_main(conn, args: argparse.Namespace, rank: int) -> None:
                 conn.send(("step", r.step(payload)))
             elif kind == "verify":
                 conn.send(("verify", r.verify(*payload)))
+            elif kind == "poison":
+                r.poison(payload)
+                conn.send(("poison", None))
             elif kind == "stop":
                 break
     finally:
@@ -315,6 +324,7 @@ class Core:
     def free_blocks(self, r: EngineRequest, cache: bool) -> None:
         blocks = self.blocks.pop(r.request_id, [])
         hashes = self.prefix_hashes(r.prompt_token_ids) if cache else []
+        garbage = []
         for i, b in enumerate(blocks):
             if i < len(hashes) and hashes[i] not in self.cached:
                 self.cached[hashes[i]] = b
@@ -322,9 +332,20 @@ class Core:
             self.ref[b] -= 1
             if self.ref[b] == 0:
                 self.free[b] = None  # cached blocks are evicted last-freed-last
+                if b not in self.hash_of:
+                    garbage.append(b)
+        if garbage and not self.prefill:
+            self.call_ranks("poison", garbage)
 
     def kv_blocks(self, r: EngineRequest) -> V.KVCacheBlocks:
         return V.KVCacheBlocks((tuple(V.KVCacheBlock(b) for b in self.blocks.get(r.request_id, [])),))
+
+    def verify(self, r: EngineRequest) -> None:
+        """Every rank checks every byte of the prompt's KV that it holds."""
+        results = self.call_ranks("verify", (r.prompt_token_ids, self.blocks[r.request_id]))
+        r.verified = {"bytes": sum(x[0] for x in results),
+                      "mismatches": sum(x[1] for x in results),
+                      "first": next((x[2] for x in results if x[2]), "")}
 
     # -- requests --
     def add(self, reqs: list[EngineRequest]) -> None:
@@ -347,11 +368,8 @@ class Core:
         if r in self.waiting:
             self.waiting.remove(r)
         ok = error is None and not self.prefill
-        if ok:
-            results = self.call_ranks("verify", (r.prompt_token_ids, self.blocks[r.request_id]))
-            r.verified = {"bytes": sum(x[0] for x in results),
-                          "mismatches": sum(x[1] for x in results),
-                          "first": next((x[2] for x in results if x[2]), "")}
+        if ok and r.verified is None:  # computed here: checked before its blocks are freed
+            self.verify(r)
         delay, _params = self.connector.request_finished_all_groups(
             r, tuple([list(g) for g in self.kv_blocks(r).get_block_ids()]))
         assert delay is False
@@ -491,6 +509,8 @@ class Core:
                 self.finish(r, V.RequestStatus.FINISHED_ERROR,
                             f"request {req_id}: its KV failed to load (kv_load_failure_policy=fail)")
             else:
+                if r.recompute_from is None:
+                    self.verify(r)  # what was loaded, before any forward pass touches it
                 self.recved.add(req_id)
 
     def loop(self) -> None:

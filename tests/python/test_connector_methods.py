@@ -9,6 +9,7 @@ import importlib
 import inspect
 import pickle
 import threading
+import time
 
 import pytest
 import torch
@@ -193,6 +194,20 @@ def test_errors_are_python_exceptions_naming_what_was_wrong():
         c.shutdown()
 
 
+def test_kv_caches_with_blocks_off_the_first_dimension_are_refused():
+    from rd2h.vllm import KVConnectorRole
+
+    c = load(kv_config("kv_producer", free_ports(1)), KVConnectorRole.WORKER)
+    try:
+        kv = caches()
+        kv[main_name(1)] = torch.zeros(2, M.num_blocks, M.block_size, M.main_bytes // 2,
+                                       dtype=torch.uint8)  # K/V first: [2, num_blocks, ...]
+        with pytest.raises(rd2h.InvalidArgument, match="first dimension"):
+            c.register_kv_caches(kv)
+    finally:
+        c.shutdown()
+
+
 def test_kv_buffers_from_tensors_and_the_buffer_protocol():
     t = torch.zeros(8, 16, 4, dtype=torch.float16)
     ct = rd2h.CacheTensor(t)
@@ -234,10 +249,11 @@ def test_a_blocking_call_releases_the_gil():
             [V.NewRequestData(req.request_id, req.prompt_token_ids, req.sampling_params, ([0],), 0)],
             V.CachedRequestData(), {req.request_id: 16}, 16)))
         c.save_kv_layer(main_name(0), None, None)
-        done = threading.Event()
+        entered, done = threading.Event(), threading.Event()
         raised = []
 
         def blocked():
+            entered.set()
             try:
                 c.wait_for_layer_send(main_name(0))
             except rd2h.Error as e:
@@ -245,10 +261,17 @@ def test_a_blocking_call_releases_the_gil():
             done.set()
 
         threading.Thread(target=blocked).start()
-        spins = 0
+        assert entered.wait(10)
+        start = last = time.monotonic()
+        longest_gap = 0.0
         while not done.is_set():
-            spins += 1
-        assert spins > 10000, "the waiting call held the GIL"
+            now = time.monotonic()
+            longest_gap, last = max(longest_gap, now - last), now
+        waited = time.monotonic() - start
+        assert waited > 1.0, f"the call returned after {waited:.3f} s, before its ACK deadline"
+        # Python's switch interval is 5 ms: a call holding the GIL would stall this loop for
+        # the whole wait.
+        assert longest_gap < 0.5, f"this thread stalled {longest_gap:.3f} s: the call held the GIL"
         assert raised and "layers.0" in str(raised[0])
     finally:
         c.shutdown()

@@ -60,7 +60,7 @@ def test_chunked_prompts_and_prompt_lists_arrive_byte_exact(cluster):
             assert len(choice["text"]) == job["max_tokens"]
 
 
-def test_decode_cached_prefix_is_not_pulled_again(cluster):
+def test_a_prefix_cached_on_decode_is_kept_and_the_rest_arrives(cluster):
     prefix = "a shared system prompt, exactly sixty-four bytes long, padded..."
     assert len(prefix) == 64
     status, body = post(cluster.url + "/v1/completions", {"prompt": prefix + " first question", "max_tokens": 1})
@@ -68,8 +68,8 @@ def test_decode_cached_prefix_is_not_pulled_again(cluster):
     check(body["choices"][0], 64 + 15)
     status, body = post(cluster.url + "/v1/completions", {"prompt": prefix + " another one, longer", "max_tokens": 1})
     assert status == 200, body
-    # Decode found the four prefix blocks locally, told Prefill (remote_cached_tokens), and
-    # pulled only the rest; the whole prompt is right.
+    # Decode found the four prefix blocks locally and loaded the rest (Prefill is told
+    # remote_cached_tokens=64); the whole prompt is right.
     assert body["choices"][0]["cached_tokens"] == 64
     check(body["choices"][0], 64 + 20)
 

@@ -134,6 +134,8 @@ def test_prefill_waits_for_decode_before_reusing_a_layer_buffer(metaserver):
         # Prefill's step cannot finish before Decode reads; without the wait it would, having
         # overwritten layer 0. Either way Decode is told of the request afterwards.
         prefill.join(timeout=2.0)
+        assert prefill.is_alive() and not errors, \
+            f"Prefill's step finished before Decode read its first layer {errors}"
 
         conn.send(d_meta)
         assert conn.poll(60), "Decode did not answer"
