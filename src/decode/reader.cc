@@ -43,13 +43,17 @@ Status Reader::add_request(const std::string& ext_id, const std::string& interna
                            std::vector<int64_t> main_blocks, std::vector<int64_t> indexer_blocks) {
   std::lock_guard lock(mu_);
   RD2H_RETURN_IF_ERROR(tracker_.add_request(ext_id, internal_id));
-  requests_[ext_id] = {std::move(main_blocks), std::move(indexer_blocks)};
+  requests_[ext_id] = {std::move(main_blocks), std::move(indexer_blocks), internal_id};
   return Status::ok();
 }
 
 void Reader::remove_request(const std::string& ext_id) {
   std::lock_guard lock(mu_);
-  requests_.erase(ext_id);
+  auto it = requests_.find(ext_id);
+  if (it != requests_.end()) {
+    aborted_.emplace_back(ext_id, it->second.internal_id);
+    requests_.erase(it);
+  }
   tracker_.remove_request(ext_id);
 }
 
@@ -84,6 +88,15 @@ Expected<Finished> Reader::get_finished(const AllGather& all_gather) {
       out.finished.push_back(std::move(e.internal_id));
     }
     if (dest != requests_.end()) requests_.erase(dest);  // the request ends here
+  }
+  for (auto it = aborted_.begin(); it != aborted_.end();) {
+    if (reading_.count(it->first)) {  // its blocks are being written: next time
+      ++it;
+      continue;
+    }
+    out.ended_ext_ids.push_back(it->first);
+    out.finished.push_back(std::move(it->second));
+    it = aborted_.erase(it);
   }
   return out;
 }
@@ -265,6 +278,7 @@ Status Reader::read_layer(const std::string& identity, const protocol::ReadReady
     const layout::ReadRole role{config_.d_rank, config_.d_tp,
                                 static_cast<int>(ready.group_member_idx),
                                 static_cast<int>(ready.tp_ratio)};
+    std::vector<std::string> batch;  // the requests this read writes into
     for (const auto& req : ready.read_reqs) {
       auto dest = requests_.find(req.ext_id);
       if (dest == requests_.end()) {
@@ -276,7 +290,9 @@ Status Reader::read_layer(const std::string& identity, const protocol::ReadReady
                                p_layer->second, d_layer->second,
                                {&req, &dest->second.main, &dest->second.indexer}, role, descriptors)
                                .with_context(where));
+      batch.push_back(req.ext_id);
     }
+    if (!descriptors.empty()) reading_.insert(batch.begin(), batch.end());
   }
   if (descriptors.empty()) return Status::ok();  // nothing on this rank: still answered
 
@@ -305,6 +321,7 @@ Status Reader::read_layer(const std::string& identity, const protocol::ReadReady
                 ready.layer_idx, bytes, std::move(ids));
   }
   std::lock_guard lock(mu_);
+  reading_.clear();
   ++stats_.reads;
   stats_.read_ns += static_cast<uint64_t>(ns);
   if (st.is_ok()) stats_.bytes_read += bytes;

@@ -11,6 +11,7 @@
 #include <map>
 #include <memory>
 #include <mutex>
+#include <set>
 #include <string>
 #include <thread>
 #include <vector>
@@ -67,6 +68,9 @@ class Reader {
   // Decode expects `ext_id`; its blocks land in these destination lists.
   Status add_request(const std::string& ext_id, const std::string& internal_id,
                      std::vector<int64_t> main_blocks, std::vector<int64_t> indexer_blocks);
+  // Decode gave the request up. It is reported finished by the next get_finished that runs
+  // after any read into its blocks returned (vLLM keeps an aborted request's blocks until
+  // then); an id this rank no longer tracks is left alone.
   void remove_request(const std::string& ext_id);
   // Gives up waiting for the request's KV on this rank: it becomes terminal and failed.
   void expire_request(const std::string& ext_id);
@@ -85,6 +89,7 @@ class Reader {
   struct Destinations {
     std::vector<int64_t> main;
     std::vector<int64_t> indexer;
+    std::string internal_id;
   };
 
   Reader(ReaderConfig config, std::shared_ptr<transfer::TransferEngine> engine, DecodeLayout layout,
@@ -114,6 +119,8 @@ class Reader {
 
   mutable std::mutex mu_;  // guards what the worker's thread shares with the reader
   std::map<std::string, Destinations> requests_;
+  std::set<std::string> reading_;  // ext ids of the read in flight
+  std::vector<std::pair<std::string, std::string>> aborted_;  // ext, internal: to report
   CompletionTracker tracker_;
   ReaderStats stats_;
 

@@ -199,6 +199,28 @@ TEST_F(ReaderTest, AnAbortedRequestIsSkippedWithoutFailingTheLayer) {
   EXPECT_TRUE(decode_.holds(0, 0, 3, 7));
 }
 
+TEST_F(ReaderTest, AnAbortedLoadIsReportedFinishedOnceSoItsBlocksCanBeFreed) {
+  // vLLM keeps the blocks of a request aborted while its KV loads until the id comes back
+  // as received; an id that already ended is not reported again.
+  ASSERT_TRUE(reader_->add_request("aborted", "int-aborted", {2}, {2}).is_ok());
+  ASSERT_TRUE(reader_->add_request("done", "int-done", {3}, {3}).is_ok());
+  send_mf_meta(mf_meta(prefill_));
+  auto m = exchange_message(protocol::encode(ready(0, {{"done", {7}, {7}, 0, 0}}, {"done"})));
+  ASSERT_TRUE(std::holds_alternative<protocol::ReadDone>(m));
+  auto first = reader_->get_finished(kAlone);
+  ASSERT_TRUE(first);
+  EXPECT_EQ(first->finished, std::vector<std::string>{"int-done"});
+  reader_->remove_request("aborted");
+  reader_->remove_request("done");  // ended already: nothing to report
+  auto second = reader_->get_finished(kAlone);
+  ASSERT_TRUE(second);
+  EXPECT_EQ(second->finished, std::vector<std::string>{"int-aborted"});
+  EXPECT_TRUE(second->failed.empty());
+  EXPECT_EQ(second->ended_ext_ids, std::vector<std::string>{"aborted"});
+  EXPECT_TRUE(reader_->get_finished(kAlone)->finished.empty()) << "reported twice";
+  EXPECT_EQ(reader_->tracked_requests(), 0u);
+}
+
 TEST_F(ReaderTest, AnIncompatiblePrefillIsRefusedWithBothVersions) {
   auto meta = mf_meta(prefill_);
   meta.protocol_version = protocol::kProtocolVersion + 1;

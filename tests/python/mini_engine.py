@@ -269,6 +269,8 @@ class Core:
         self.hash_of: dict[int, int] = {}  # block -> prefix hash (cached full blocks)
         self.cached: dict[int, int] = {}  # prefix hash -> block
         self.recv_counts: collections.Counter = collections.Counter()
+        # Aborted while their KV loaded: vLLM keeps their blocks until the id is received.
+        self.aborted_loading: dict[str, EngineRequest] = {}
         self.recved: set[str] = set()
         self.finished_ids: set[str] = set()
         self.stopped = False
@@ -359,6 +361,30 @@ class Core:
                 self.requests[r.request_id] = r
                 self.waiting.append(r)
             self.lock.notify()
+
+    def abort(self, request_ids: list[str]) -> None:
+        with self.lock:
+            for req_id in request_ids:
+                r = self.requests.get(req_id)
+                if r is None:
+                    continue
+                if r.status == V.RequestStatus.WAITING_FOR_REMOTE_KVS:
+                    r.status = V.RequestStatus.FINISHED_ABORTED
+                    r.error = f"request {req_id} was aborted"
+                    self.waiting.remove(r)
+                    self.connector.request_finished_all_groups(
+                        r, tuple([list(g) for g in self.kv_blocks(r).get_block_ids()]))
+                    self.aborted_loading[req_id] = r
+                    self.finished_ids.add(req_id)
+                    del self.requests[req_id]
+                    r.done.set()
+                else:
+                    self.finish(r, V.RequestStatus.FINISHED_ABORTED, f"request {req_id} was aborted")
+
+    def stats(self) -> dict:
+        with self.lock:
+            return {"free_blocks": len(self.free), "num_blocks": self.m.num_blocks,
+                    "requests": len(self.requests), "aborted_loading": len(self.aborted_loading)}
 
     def finish(self, r: EngineRequest, status: V.RequestStatus, error: Optional[str] = None) -> None:
         r.status = status
@@ -503,6 +529,9 @@ class Core:
             if n < len(self.ranks):
                 continue
             del self.recv_counts[req_id]
+            if req_id in self.aborted_loading:  # its blocks are free to go now
+                self.free_blocks(self.aborted_loading.pop(req_id), cache=False)
+                continue
             r = self.requests.get(req_id)
             assert r is not None and r.status == V.RequestStatus.WAITING_FOR_REMOTE_KVS, req_id
             if r.load_failed:
@@ -580,9 +609,18 @@ def make_handler(core: Core, timeout_s: float):
         def do_GET(self):
             if self.path == "/health":
                 return self.send_json(200, {"status": "ok"})
+            if self.path == "/stats":
+                return self.send_json(200, core.stats())
             self.send_json(404, {"error": {"message": "not found", "code": 404}})
 
         def do_POST(self):
+            if self.path == "/abort":  # vLLM aborts the requests of a client that went away
+                body = json.loads(self.rfile.read(int(self.headers.get("Content-Length", 0))))
+                parent = body["x_request_id"]
+                with core.lock:
+                    ids = [i for i in core.requests if i.startswith(f"cmpl-{parent}-")]
+                core.abort(ids)
+                return self.send_json(200, {"aborted": ids})
             if self.path != "/v1/completions":
                 return self.send_json(404, {"error": {"message": "not found", "code": 404}})
             body = json.loads(self.rfile.read(int(self.headers.get("Content-Length", 0))))
