@@ -191,12 +191,15 @@ class Rd2hConnector(KVConnectorBase_V1, SupportsHMA):
         counts = scheduler_output.num_scheduled_tokens
         # New requests: their blocks reached update_state_after_alloc already.
         for r in scheduler_output.scheduled_new_reqs:
-            scheduled.append((r.req_id, [], r.num_computed_tokens + counts.get(r.req_id, 0)))
+            scheduled.append((r.req_id, [], r.num_computed_tokens + counts.get(r.req_id, 0), False))
         cached = scheduler_output.scheduled_cached_reqs
+        # A resumed request's block list replaces the one it lost when preempted.
+        resumed = getattr(cached, "resumed_req_ids", None) or set()
         for i, req_id in enumerate(cached.req_ids):
             new_blocks = cached.new_block_ids[i]
             groups = [list(g) for g in new_blocks] if new_blocks else []
-            scheduled.append((req_id, groups, cached.num_computed_tokens[i] + counts.get(req_id, 0)))
+            computed = cached.num_computed_tokens[i] + counts.get(req_id, 0)
+            scheduled.append((req_id, groups, computed, req_id in resumed))
         return Rd2hConnectorMetadata(self._scheduler.build_connector_meta(scheduled))
 
     def request_finished(

@@ -201,12 +201,16 @@ class Scheduler {
     raise_if_error(get().update_state_after_alloc(r, block_ids, num_external_tokens));
     return r.params && r.params->do_remote_prefill;
   }
+  // `scheduled`: (request id, new block ids per group, computed tokens after the step,
+  // resumed after a preemption: the block ids replace the request's).
   py::bytes build_connector_meta(
-      const std::vector<std::tuple<std::string, std::vector<std::vector<int64_t>>, uint64_t>>&
-          scheduled) {
+      const std::vector<
+          std::tuple<std::string, std::vector<std::vector<int64_t>>, uint64_t, bool>>& scheduled) {
     std::vector<connector::ScheduledRequest> steps;
     steps.reserve(scheduled.size());
-    for (const auto& [id, blocks, computed] : scheduled) steps.push_back({id, blocks, computed});
+    for (const auto& [id, blocks, computed, resumed] : scheduled) {
+      steps.push_back({id, blocks, computed, resumed});
+    }
     auto bytes = take(get().build_metadata(steps));
     return py::bytes(reinterpret_cast<const char*>(bytes.data()), bytes.size());
   }

@@ -205,6 +205,7 @@ Expected<std::vector<std::byte>> HostOffloadScheduler::build_metadata(
     Tracked& t = it->second;
     if (step.new_block_ids.size() > group_) {
       const auto& more = step.new_block_ids[group_];
+      if (step.resumed) t.blocks.clear();
       t.blocks.insert(t.blocks.end(), more.begin(), more.end());
     }
     const size_t full = std::min<size_t>(step.num_computed_tokens / block_size_, t.keys.size());

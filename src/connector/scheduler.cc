@@ -143,9 +143,11 @@ Expected<ConnectorMetadata> Scheduler::build_connector_meta(
                                 std::to_string(groups_.size()));
       }
       const auto& m = step.new_block_ids[roles_.main];
+      if (step.resumed) s.main_blocks.clear();  // recomputed into new blocks
       s.main_blocks.insert(s.main_blocks.end(), m.begin(), m.end());
       if (roles_.indexer != roles_.main) {
         const auto& i = step.new_block_ids[roles_.indexer];
+        if (step.resumed) s.indexer_blocks.clear();
         s.indexer_blocks.insert(s.indexer_blocks.end(), i.begin(), i.end());
       } else {
         s.indexer_blocks = s.main_blocks;

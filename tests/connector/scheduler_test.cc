@@ -131,6 +131,25 @@ TEST(PrefillScheduler, EachChunkPublishesItsNewlyCompleteBlocksAndTheLastItsPart
   EXPECT_EQ(testing::SchedulerAccess::tracked(**s), 0u);
 }
 
+TEST(PrefillScheduler, AResumedRequestPublishesFromItsNewBlocks) {
+  // Preempted after its first chunk was published, the request is recomputed into new
+  // blocks; what Decode holds stays, the rest comes from the new list.
+  auto s = Scheduler::create(config(KvRole::kProducer), {4, 1, 1, 0}, {{{kMain, kIndexer}, 16}});
+  ASSERT_TRUE(s);
+  Request r{"cmpl-x-0-abcdefgh", 64, from_decode(0), {}};
+  ASSERT_TRUE((*s)->update_state_after_alloc(r, {{10, 11}}, 0).is_ok());
+  auto first = (*s)->build_connector_meta({{r.request_id, {}, 32}});
+  ASSERT_TRUE(first);
+  ASSERT_EQ(first->save.size(), 1u);
+  EXPECT_EQ(first->save[0].main_block_ids, (std::vector<int64_t>{10, 11}));
+  auto resumed = (*s)->build_connector_meta({{r.request_id, {{20, 21, 22, 23}}, 64, true}});
+  ASSERT_TRUE(resumed) << resumed.status().to_string();
+  ASSERT_EQ(resumed->save.size(), 1u);
+  EXPECT_EQ(resumed->save[0].main_block_ids, (std::vector<int64_t>{22, 23}));
+  EXPECT_EQ(resumed->save[0].main_start, 2);
+  EXPECT_TRUE(resumed->save[0].final_chunk);
+}
+
 TEST(PrefillScheduler, SeparateIndexerGroupsSliceByTheirOwnBlockSize) {
   auto s = Scheduler::create(config(KvRole::kProducer), {}, {{{kIndexer}, 32}, {{kMain}, 16}});
   ASSERT_TRUE(s);

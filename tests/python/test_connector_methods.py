@@ -276,3 +276,31 @@ def test_a_blocking_call_releases_the_gil():
     finally:
         c.shutdown()
         s.shutdown()
+
+
+def test_a_resumed_request_replaces_its_blocks():
+    """vLLM gives a request resumed after a preemption its whole new block list."""
+    from rd2h.vllm import KVConnectorRole
+
+    def publish(resumed: bool) -> bytes:
+        c = load(kv_config("kv_producer", free_ports(1)), KVConnectorRole.SCHEDULER)
+        try:
+            params = {"do_remote_decode": True, "request_id": "cmpl-r-0", "remote_host": "127.0.0.1",
+                      "remote_port": 30000, "remote_tp_size": 1}
+            req = V.Request("cmpl-r-0-abcdefgh", list(range(64)),
+                            V.SamplingParams(max_tokens=1, extra_args={"kv_transfer_params": params}))
+            c.update_state_after_alloc(req, V.KVCacheBlocks(((V.KVCacheBlock(0), V.KVCacheBlock(1)),)), 0)
+            c.build_connector_meta(V.SchedulerOutput(
+                [V.NewRequestData(req.request_id, req.prompt_token_ids, req.sampling_params, ([0, 1],), 0)],
+                V.CachedRequestData(), {req.request_id: 32}, 32))
+            cached = V.CachedRequestData(
+                req_ids=[req.request_id], resumed_req_ids={req.request_id} if resumed else set(),
+                new_block_ids=[([5, 6, 7, 3],)], num_computed_tokens=[0], new_token_ids=[[]],
+                num_output_tokens=[0])
+            return c.build_connector_meta(V.SchedulerOutput([], cached, {req.request_id: 64}, 64)).data
+        finally:
+            c.shutdown()
+
+    # Resumed: blocks 2 and 3 of the new list (7, 3); appended they would be 7 and 3 too only
+    # by accident, here they are 5 and 6 (indices 2, 3 of [0, 1, 5, 6, 7, 3]).
+    assert publish(resumed=True) != publish(resumed=False)

@@ -35,11 +35,13 @@ struct Request {
 };
 
 // A request scheduled in this step (Prefill): its KV-cache blocks allocated since the last
-// call, per group, and how many of its tokens are computed once this step ran.
+// call, per group, and how many of its tokens are computed once this step ran. A request
+// resumed after a preemption lost its blocks: new_block_ids is then its whole block list.
 struct ScheduledRequest {
   std::string request_id;
   std::vector<std::vector<int64_t>> new_block_ids;  // per group; empty: none
   uint64_t num_computed_tokens = 0;
+  bool resumed = false;  // new_block_ids replaces the request's blocks
 };
 
 struct MatchedTokens {
