@@ -301,6 +301,6 @@ def test_a_resumed_request_replaces_its_blocks():
         finally:
             c.shutdown()
 
-    # Resumed: blocks 2 and 3 of the new list (7, 3); appended they would be 7 and 3 too only
-    # by accident, here they are 5 and 6 (indices 2, 3 of [0, 1, 5, 6, 7, 3]).
+    # Past the 32 tokens Decode holds, a resumed request publishes blocks 7 and 3 of its new
+    # list; appended to the old list ([0, 1, 5, 6, 7, 3]) they would be 5 and 6.
     assert publish(resumed=True) != publish(resumed=False)
