@@ -251,16 +251,15 @@ class Rd2hConnector(KVConnectorBase_V1, SupportsHMA):
                         f"({num_blocks} blocks), the tensor's shape is {tuple(t.shape)}"
                     )
             wrapped = [rd2h.CacheTensor(t, num_blocks=num_blocks, group_idx=g) for t in tensors]
-            target = indexer if is_indexer_layer(name) else None
-            if target is not None:
+            if is_indexer_layer(name):
                 if n in indexer:
                     raise rd2h.InvalidArgument(f"layer {n} has two indexer caches ({name!r})")
                 indexer[n] = wrapped
+            elif n in main:
+                raise rd2h.InvalidArgument(
+                    f"layer {n} has two attention caches: {main[n][0]!r} and {name!r}"
+                )
             else:
-                if n in main:
-                    raise rd2h.InvalidArgument(
-                        f"layer {n} has two attention caches: {main[n][0]!r} and {name!r}"
-                    )
                 main[n] = (name, wrapped)
         orphans = sorted(set(indexer) - set(main))
         if orphans:
