@@ -2,18 +2,23 @@
 
 #include <atomic>
 #include <cstring>
+#include <mutex>
 #include <zmq.hpp>
 
+#include "control/zap.h"
 #include "rd2h/common/deadline.h"
 
 namespace rd2h::control {
 
 struct Context::Impl {
   zmq::context_t ctx{1};
+  std::mutex zap_mu;
+  std::unique_ptr<ZapHandler> zap;  // started by the first secured ROUTER; stops before ctx
 };
 
 struct RouterChannel::Impl {
   zmq::socket_t socket;
+  std::string zap_domain;  // of a secured ROUTER
 };
 
 struct DealerChannel::Impl {
@@ -87,10 +92,43 @@ std::shared_ptr<Context> Context::create() {
 RouterChannel::RouterChannel(std::shared_ptr<Context> context, std::unique_ptr<Impl> impl,
                              std::string url)
     : context_(std::move(context)), impl_(std::move(impl)), url_(std::move(url)) {}
-RouterChannel::~RouterChannel() = default;
 
-Expected<std::unique_ptr<RouterChannel>> RouterChannel::bind(std::shared_ptr<Context> context,
-                                                             const std::string& host, int port) {
+RouterChannel::~RouterChannel() {
+  if (impl_ && !impl_->zap_domain.empty()) {
+    std::lock_guard lock(context_->impl().zap_mu);
+    if (context_->impl().zap) context_->impl().zap->remove_domain(impl_->zap_domain);
+  }
+}
+
+namespace {
+
+// Makes `socket` a CURVE server that accepts only the trusted clients of `security`.
+Status secure_server(Context::Impl& context, zmq::socket_t& socket,
+                     const ServerSecurity& security, std::string& domain) {
+  if (!is_curve_key(security.self.public_key) || !is_curve_key(security.self.secret_key)) {
+    return invalid_argument("the control ROUTER's CURVE key pair is not two Z85 keys");
+  }
+  if (security.trusted_clients.empty()) {
+    return invalid_argument("a CURVE control ROUTER needs at least one trusted client key");
+  }
+  std::lock_guard lock(context.zap_mu);
+  if (!context.zap) {
+    auto zap = ZapHandler::start(context.ctx);
+    if (!zap) return zap.status();
+    context.zap = std::move(*zap);
+  }
+  domain = context.zap->add_domain(security.trusted_clients);
+  socket.set(zmq::sockopt::zap_domain, domain);
+  socket.set(zmq::sockopt::curve_server, 1);
+  socket.set(zmq::sockopt::curve_secretkey, security.self.secret_key);
+  return Status::ok();
+}
+
+}  // namespace
+
+Expected<std::unique_ptr<RouterChannel>> RouterChannel::bind(
+    std::shared_ptr<Context> context, const std::string& host, int port,
+    const std::optional<ServerSecurity>& security) {
   if (port < 0 || port > 65535) {
     return invalid_argument("port " + std::to_string(port) + " is outside 0..65535");
   }
@@ -99,8 +137,11 @@ Expected<std::unique_ptr<RouterChannel>> RouterChannel::bind(std::shared_ptr<Con
                 : endpoint_url(host, port);
   try {
     auto impl =
-        std::make_unique<Impl>(Impl{zmq::socket_t(context->impl().ctx, zmq::socket_type::router)});
+        std::make_unique<Impl>(Impl{zmq::socket_t(context->impl().ctx, zmq::socket_type::router), {}});
     set_common_options(impl->socket);
+    if (security) {
+      RD2H_RETURN_IF_ERROR(secure_server(context->impl(), impl->socket, *security, impl->zap_domain));
+    }
     impl->socket.set(zmq::sockopt::router_mandatory, 1);
     if (host.find(':') != std::string::npos) impl->socket.set(zmq::sockopt::ipv6, 1);
     impl->socket.bind(url);
@@ -159,6 +200,13 @@ bool DealerChannel::connection_lost() {
         uint16_t id = 0;
         std::memcpy(&id, event.data(), sizeof(id));
         lost = lost || id == ZMQ_EVENT_DISCONNECTED;
+        if (id == ZMQ_EVENT_HANDSHAKE_FAILED_AUTH) {
+          refusal_ = "Decode at " + url_ + " refused this Prefill's CURVE key";
+        } else if (id == ZMQ_EVENT_HANDSHAKE_FAILED_PROTOCOL ||
+                   id == ZMQ_EVENT_HANDSHAKE_FAILED_NO_DETAIL) {
+          refusal_ = "the CURVE handshake with " + url_ +
+                     " failed (the peer does not hold the trusted key, or does not use CURVE)";
+        }
       }
       while (event.more()) {  // the event's second frame: the endpoint
         if (!impl_->monitor.recv(event, zmq::recv_flags::dontwait)) break;
@@ -167,22 +215,37 @@ bool DealerChannel::connection_lost() {
   } catch (const zmq::error_t&) {
     lost = true;
   }
-  return lost;
+  return lost || !refusal_.empty();
 }
 
-Expected<std::unique_ptr<DealerChannel>> DealerChannel::connect(std::shared_ptr<Context> context,
-                                                                const std::string& url) {
+Expected<std::unique_ptr<DealerChannel>> DealerChannel::connect(
+    std::shared_ptr<Context> context, const std::string& url,
+    const std::optional<ClientSecurity>& security) {
+  if (security && (!is_curve_key(security->self.public_key) ||
+                   !is_curve_key(security->self.secret_key) ||
+                   !is_curve_key(security->server_key))) {
+    return invalid_argument("the CURVE keys for the control DEALER to " + url +
+                            " are not Z85 keys");
+  }
   try {
     auto impl =
         std::make_unique<Impl>(Impl{zmq::socket_t(context->impl().ctx, zmq::socket_type::dealer),
                                     zmq::socket_t(context->impl().ctx, zmq::socket_type::pair)});
     set_common_options(impl->socket);
+    if (security) {
+      impl->socket.set(zmq::sockopt::curve_serverkey, security->server_key);
+      impl->socket.set(zmq::sockopt::curve_publickey, security->self.public_key);
+      impl->socket.set(zmq::sockopt::curve_secretkey, security->self.secret_key);
+    }
     if (url.find('[') != std::string::npos) impl->socket.set(zmq::sockopt::ipv6, 1);
     // A peer that goes away and comes back is reconnected by ZeroMQ behind our back, as a
     // new connection the peer knows nothing of: watch for the disconnect.
     static std::atomic<uint64_t> monitors{0};
     const std::string monitor = "inproc://rd2h-dealer-monitor-" + std::to_string(monitors++);
-    if (zmq_socket_monitor(impl->socket.handle(), monitor.c_str(), ZMQ_EVENT_DISCONNECTED) != 0) {
+    if (zmq_socket_monitor(impl->socket.handle(), monitor.c_str(),
+                           ZMQ_EVENT_DISCONNECTED | ZMQ_EVENT_HANDSHAKE_FAILED_AUTH |
+                               ZMQ_EVENT_HANDSHAKE_FAILED_PROTOCOL |
+                               ZMQ_EVENT_HANDSHAKE_FAILED_NO_DETAIL) != 0) {
       return unreachable("cannot monitor the control DEALER to " + url + ": " +
                          zmq_strerror(zmq_errno()));
     }

@@ -12,6 +12,7 @@
 #include <string>
 #include <vector>
 
+#include "control/curve.h"
 #include "rd2h/common/status.h"
 
 namespace rd2h::control {
@@ -40,9 +41,11 @@ struct Inbound {
 // Decode's end: a ROUTER bound at one rank port.
 class RouterChannel {
  public:
-  // Port 0 binds any free port (see url()).
-  static Expected<std::unique_ptr<RouterChannel>> bind(std::shared_ptr<Context> context,
-                                                       const std::string& host, int port);
+  // Port 0 binds any free port (see url()). With `security`, only CURVE clients whose key
+  // is trusted get through; others are refused during the handshake.
+  static Expected<std::unique_ptr<RouterChannel>> bind(
+      std::shared_ptr<Context> context, const std::string& host, int port,
+      const std::optional<ServerSecurity>& security = std::nullopt);
   ~RouterChannel();
   RouterChannel(const RouterChannel&) = delete;
   RouterChannel& operator=(const RouterChannel&) = delete;
@@ -74,8 +77,11 @@ class RouterChannel {
 // Prefill's end: a DEALER connected to one Decode rank port.
 class DealerChannel {
  public:
-  static Expected<std::unique_ptr<DealerChannel>> connect(std::shared_ptr<Context> context,
-                                                          const std::string& url);
+  // With `security`, the connection is encrypted and reaches only the server holding
+  // security->server_key.
+  static Expected<std::unique_ptr<DealerChannel>> connect(
+      std::shared_ptr<Context> context, const std::string& url,
+      const std::optional<ClientSecurity>& security = std::nullopt);
   ~DealerChannel();
   DealerChannel(const DealerChannel&) = delete;
   DealerChannel& operator=(const DealerChannel&) = delete;
@@ -88,7 +94,9 @@ class DealerChannel {
   // Whether the connection to the peer closed since the last call. ZeroMQ reconnects on
   // its own, but the peer then sees a new connection: whatever was said on the old one
   // (MF_META) must be said again, and answers owed on it will not come.
+  // A failed CURVE handshake counts as lost, and refusal() then says why.
   bool connection_lost();
+  const std::string& refusal() const { return refusal_; }
 
   const std::string& url() const { return url_; }
   size_t dropped() const { return dropped_; }
@@ -102,6 +110,7 @@ class DealerChannel {
   std::unique_ptr<Impl> impl_;
   std::string url_;
   size_t dropped_ = 0;
+  std::string refusal_;
 };
 
 // Waits until one of `dealers` has something to receive or `fd` (a plain file descriptor,
