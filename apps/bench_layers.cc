@@ -35,6 +35,7 @@ std::shared_ptr<transfer::TransferEngine> make_engine(transfer::Role role, uint3
   cfg.role = role;
   cfg.transport = transfer::Transport::kShm;
   cfg.read_timeout = std::chrono::milliseconds(timeout_ms);
+  cfg.listen_host = "127.0.0.1";
   auto e = transfer::create_ucx_engine(cfg);
   if (!e) {
     std::fprintf(stderr, "rd2h bench layers: %s\n", e.status().to_string().c_str());

@@ -84,6 +84,14 @@ int fail(const Status& st, const char* role) {
   return 1;
 }
 
+// The host of "host:port" when it names one interface ("" for a wildcard address).
+std::string interface_host(const std::string& host_port) {
+  std::string host = host_port.substr(0, host_port.rfind(':'));
+  if (host.size() >= 2 && host.front() == '[') host = host.substr(1, host.size() - 2);
+  if (host == "0.0.0.0" || host == "::" || host == "*") return "";
+  return host;
+}
+
 int run_source(const PdReadOptions& o) {
   auto transport = transfer::parse_transport(o.transport);
   if (!transport) return fail(transport.status(), "source");
@@ -98,6 +106,7 @@ int run_source(const PdReadOptions& o) {
   cfg.transport = *transport;
   cfg.read_timeout = std::chrono::milliseconds(o.timeout_ms);
   cfg.connect_timeout = std::chrono::milliseconds(o.timeout_ms);
+  cfg.listen_host = interface_host(o.listen);
   auto engine = transfer::create_ucx_engine(cfg);
   if (!engine) return fail(engine.status(), "source");
   Pool pool;
@@ -295,6 +304,9 @@ Expected<SourceConnection> connect_to_source(const std::string& address,
   RD2H_RETURN_IF_ERROR(h->layout.validate(kMaxPoolBytes).with_context("source layout"));
 
   cfg.role = transfer::Role::kDecode;
+  // A reader of a loopback source stays on loopback too.
+  const std::string source_host = interface_host(address);
+  if (source_host.rfind("127.", 0) == 0 || source_host == "::1") cfg.listen_host = source_host;
   auto engine = transfer::create_ucx_engine(cfg);
   if (!engine) return engine.status();
   auto session = (*engine)->connect(h->engine_metadata);

@@ -2,6 +2,8 @@
 
 #include <nlohmann/json.hpp>
 
+#include "control/curve.h"
+
 namespace rd2h::connector {
 
 using nlohmann::json;
@@ -93,6 +95,13 @@ Status read_extra(const json& extra, ConnectorConfig& c) {
       RD2H_RETURN_IF_ERROR(read_ms(value, where, c.metaserver_timeout));
     } else if (key == "metaserver_resubmit_ms") {
       RD2H_RETURN_IF_ERROR(read_ms(value, where, c.metaserver_resubmit));
+    } else if (key == "curve_secret_key_file") {
+      RD2H_RETURN_IF_ERROR(read_string(value, where, c.curve.secret_key_file));
+    } else if (key == "curve_trusted_keys_file") {
+      RD2H_RETURN_IF_ERROR(read_string(value, where, c.curve.trusted_keys_file));
+    } else if (key == "insecure") {
+      if (!value.is_boolean()) return bad(where, "must be true or false");
+      c.insecure = value.get<bool>();
     } else {
       return bad(where, "is not a setting of this connector");
     }
@@ -137,7 +146,36 @@ Expected<ConnectorConfig> ConnectorConfig::from_json(std::string_view text) {
   if (j.contains("kv_connector_extra_config") && !j["kv_connector_extra_config"].is_null()) {
     RD2H_RETURN_IF_ERROR(read_extra(j["kv_connector_extra_config"], c));
   }
+  if (!c.curve.secret_key_file.empty() || !c.curve.trusted_keys_file.empty()) {
+    RD2H_RETURN_IF_ERROR(c.load_curve_keys(c.curve.secret_key_file, c.curve.trusted_keys_file));
+  }
+  if (!c.curve.enabled() && !c.insecure && !control::is_loopback_host(c.host)) {
+    return bad("kv_ip", "is " + c.host +
+                            ", not a loopback address: without CURVE keys "
+                            "(kv_connector_extra_config.curve_secret_key_file and "
+                            "curve_trusted_keys_file) the connector runs on loopback only; "
+                            "\"insecure\": true runs it without them");
+  }
   return c;
+}
+
+Status ConnectorConfig::load_curve_keys(std::string secret_key_file,
+                                        std::string trusted_keys_file) {
+  const std::string where = "kv_connector_extra_config.";
+  if (secret_key_file.empty() || trusted_keys_file.empty()) {
+    return bad(where + (secret_key_file.empty() ? "curve_secret_key_file" : "curve_trusted_keys_file"),
+               "is missing: CURVE needs this engine's secret key file and its peers' public keys");
+  }
+  auto pair = control::read_secret_key_file(secret_key_file);
+  if (!pair) return bad(where + "curve_secret_key_file", pair.status().message());
+  auto trusted = control::read_public_keys_file(trusted_keys_file);
+  if (!trusted) return bad(where + "curve_trusted_keys_file", trusted.status().message());
+  curve.secret_key_file = std::move(secret_key_file);
+  curve.trusted_keys_file = std::move(trusted_keys_file);
+  curve.public_key = pair->public_key;
+  curve.secret_key = pair->secret_key;
+  curve.trusted = std::move(*trusted);
+  return Status::ok();
 }
 
 std::string ConnectorConfig::to_json() const {
@@ -155,6 +193,9 @@ std::string ConnectorConfig::to_json() const {
                 {"metaserver_timeout_ms", metaserver_timeout.count()},
                 {"metaserver_resubmit_ms", metaserver_resubmit.count()}};
   if (prefill_tp_size > 0) extra["prefill_tp_size"] = prefill_tp_size;
+  if (!curve.secret_key_file.empty()) extra["curve_secret_key_file"] = curve.secret_key_file;
+  if (!curve.trusted_keys_file.empty()) extra["curve_trusted_keys_file"] = curve.trusted_keys_file;
+  if (insecure) extra["insecure"] = true;
   json j = {{"kv_connector", "rd2h"},
             {"kv_role", role == KvRole::kProducer ? "kv_producer" : "kv_consumer"},
             {"kv_port", kv_port},

@@ -36,6 +36,7 @@ Expected<KvTransferParams> from_object(const ordered_json& j, int depth) {
   RD2H_RETURN_IF_ERROR(field(j, "remote_pcp_size", p.remote_pcp_size));
   RD2H_RETURN_IF_ERROR(field(j, "remote_dcp_size", p.remote_dcp_size));
   RD2H_RETURN_IF_ERROR(field(j, "remote_cached_tokens", p.remote_cached_tokens));
+  RD2H_RETURN_IF_ERROR(field(j, "remote_public_key", p.remote_public_key));
   if (p.remote_port < 0 || p.remote_port > 65535) {
     return invalid_argument("kv_transfer_params: 'remote_port' " + std::to_string(p.remote_port) +
                             " is outside 0..65535");
@@ -79,6 +80,7 @@ std::string KvTransferParams::rendezvous_json() const {
   j["remote_pcp_size"] = remote_pcp_size;
   j["remote_dcp_size"] = remote_dcp_size;
   j["remote_cached_tokens"] = remote_cached_tokens;
+  if (!remote_public_key.empty()) j["remote_public_key"] = remote_public_key;
   return j.dump();
 }
 
@@ -101,7 +103,8 @@ std::vector<std::byte> encode(const ConnectorMetadata& m) {
   j["save"] = ordered_json::array();
   for (const auto& s : m.save) {
     j["save"].push_back({s.ext_id, s.d_host, s.d_base_port, s.d_tp, s.main_block_ids,
-                         s.indexer_block_ids, s.main_start, s.indexer_start, s.final_chunk});
+                         s.indexer_block_ids, s.main_start, s.indexer_start, s.final_chunk,
+                         s.d_public_key});
   }
   const auto bytes = ordered_json::to_msgpack(j);
   std::vector<std::byte> out(bytes.size());
@@ -126,12 +129,12 @@ Expected<ConnectorMetadata> decode_metadata(std::span<const std::byte> bytes) {
     }
     m.abort = j.at("abort").get<std::vector<std::string>>();
     for (const auto& s : j.at("save")) {
-      if (s.size() != 9)
-        return invalid_argument("connector metadata: a save entry is not 9 fields");
+      if (s.size() != 10)
+        return invalid_argument("connector metadata: a save entry is not 10 fields");
       m.save.push_back({s[0].get<std::string>(), s[1].get<std::string>(), s[2].get<int>(),
                         s[3].get<int>(), s[4].get<std::vector<int64_t>>(),
                         s[5].get<std::vector<int64_t>>(), s[6].get<int64_t>(), s[7].get<int64_t>(),
-                        s[8].get<bool>()});
+                        s[8].get<bool>(), s[9].get<std::string>()});
     }
   } catch (const std::exception& e) {
     return invalid_argument(std::string("connector metadata: ") + e.what());

@@ -94,6 +94,7 @@ Status Scheduler::update_decode(Request& request,
   rendezvous.remote_tp_size = parallel_.tp_size;
   rendezvous.remote_pcp_size = parallel_.pcp_size;
   rendezvous.remote_dcp_size = parallel_.dcp_size;
+  rendezvous.remote_public_key = config_.curve.public_key;
   auto computed = computed_.find(request.request_id);
   rendezvous.remote_cached_tokens = computed == computed_.end() ? 0 : computed->second;
   RD2H_RETURN_IF_ERROR(
@@ -168,6 +169,7 @@ Expected<ConnectorMetadata> Scheduler::build_connector_meta(
     out.ext_id = s.ext_id;
     out.d_host = s.decode.remote_host;
     out.d_base_port = s.decode.remote_port;
+    out.d_public_key = s.decode.remote_public_key;
     out.d_tp = s.decode.remote_tp_size;
     auto slice = [](const std::vector<int64_t>& ids, layout::Range r) {
       return std::vector<int64_t>(ids.begin() + static_cast<long>(r.begin),

@@ -1,5 +1,7 @@
 #include "rd2h/connector/worker.h"
 
+#include <cstdio>
+
 #include "control/channel.h"
 #include "decode/worker.h"
 #include "layout/cache.h"
@@ -20,6 +22,7 @@ Expected<std::unique_ptr<ConnectorWorker>> ConnectorWorker::create(
     ec.device_id = tp_rank;
     ec.transport = config.transport;
     ec.read_timeout = config.read_timeout;
+    ec.listen_host = config.host;
     auto bound = transfer::bind_process_engine(ec);
     if (!bound) return bound.status();
     engine = std::move(*bound);
@@ -53,6 +56,12 @@ Status ConnectorWorker::need(const void* worker, const char* call) const {
 Status ConnectorWorker::register_kv_caches(std::vector<layout::CacheLayer> layers,
                                            bool engine_allocated) {
   if (prefill_ || decode_) return failed_precondition("register_kv_caches called twice");
+  if (config_.insecure) {
+    std::fprintf(stderr,
+                 "rd2h connector: WARNING: \"insecure\": true: control channels are neither "
+                 "authenticated nor encrypted; any host that reaches %s may take part\n",
+                 config_.host.c_str());
+  }
   if (config_.role == KvRole::kProducer) {
     prefill::WorkerConfig pc;
     pc.p_rank = tp_rank_;
@@ -61,6 +70,11 @@ Status ConnectorWorker::register_kv_caches(std::vector<layout::CacheLayer> layer
     pc.sender.reply_timeout = config_.reply_timeout;
     pc.send_timeout = config_.send_timeout;
     pc.register_memory = !engine_allocated;
+    if (config_.curve.enabled()) {
+      pc.sender.curve = control::CurveKeyPair{config_.curve.public_key, config_.curve.secret_key};
+      pc.trusted_decode_keys = config_.curve.trusted;
+    }
+    pc.insecure = config_.insecure;
     auto w = prefill::Worker::create(pc, engine_, context_, std::move(layers));
     if (!w) return w.status();
     const auto& slots = (*w)->slots();
@@ -85,6 +99,14 @@ Status ConnectorWorker::register_kv_caches(std::vector<layout::CacheLayer> layer
   dc.kv_port = config_.kv_port;
   dc.global_dp_rank = parallel_.global_dp_rank;
   dc.register_memory = !engine_allocated;
+  if (config_.curve.enabled()) {
+    dc.reader.security = control::ServerSecurity{
+        {config_.curve.public_key, config_.curve.secret_key}, config_.curve.trusted};
+  } else if (!config_.insecure && !control::is_loopback_host(config_.host)) {
+    return failed_precondition("Decode would listen on " + config_.host +
+                               ", not a loopback address, without CURVE keys "
+                               "(\"insecure\": true listens without them)");
+  }
   auto w = decode::Worker::create(dc, engine_, context_, layers);
   if (!w) return w.status();
   decode_ = std::move(*w);

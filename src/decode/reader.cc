@@ -18,7 +18,8 @@ Expected<std::unique_ptr<Reader>> Reader::start(ReaderConfig config,
   if (config.tp_ratio < 1) {
     return invalid_argument("tp_ratio must be at least 1, got " + std::to_string(config.tp_ratio));
   }
-  auto router = control::RouterChannel::bind(std::move(context), config.host, config.port);
+  auto router =
+      control::RouterChannel::bind(std::move(context), config.host, config.port, config.security);
   if (!router) return router.status();
   auto reader = std::unique_ptr<Reader>(
       new Reader(std::move(config), std::move(engine), std::move(layout), std::move(*router)));

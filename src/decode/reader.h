@@ -11,6 +11,7 @@
 #include <map>
 #include <memory>
 #include <mutex>
+#include <optional>
 #include <set>
 #include <string>
 #include <thread>
@@ -40,6 +41,8 @@ struct ReaderConfig {
   // at most hold_timeout, and at most max_held messages in all.
   std::chrono::milliseconds hold_timeout{5000};
   size_t max_held = 1024;
+  // With keys, only Prefill clients whose CURVE key is trusted get through.
+  std::optional<control::ServerSecurity> security;
 };
 
 struct ReaderStats {

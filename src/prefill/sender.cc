@@ -39,10 +39,12 @@ Sender::~Sender() {
 }
 
 void Sender::send(const std::string& url, protocol::ReadReadyBatch ready,
-                  std::vector<GateTicket> tickets, std::shared_ptr<WriteEvent> event) {
+                  std::vector<GateTicket> tickets, std::shared_ptr<WriteEvent> event,
+                  std::string server_key) {
   {
     std::lock_guard lock(mu_);
-    tasks_.push_back({url, std::move(ready), std::move(tickets), std::move(event)});
+    tasks_.push_back({url, std::move(ready), std::move(tickets), std::move(event),
+                      std::move(server_key)});
   }
   uint64_t one = 1;
   [[maybe_unused]] auto n = ::write(wake_fd_, &one, sizeof(one));
@@ -121,7 +123,9 @@ void Sender::dispatch(Task task) {
   if (!ep.dealer) {
     // A new connection, or one rebuilt after a failure: it starts with MF_META, since the
     // Decode side keys its metadata by connection.
-    auto dealer = control::DealerChannel::connect(context_, task.url);
+    std::optional<control::ClientSecurity> security;
+    if (config_.curve) security = control::ClientSecurity{*config_.curve, task.server_key};
+    auto dealer = control::DealerChannel::connect(context_, task.url, security);
     if (!dealer) return settle(task.tickets, false, dealer.status().message());
     ep.dealer = std::move(*dealer);
     ep.acked = false;
@@ -208,7 +212,10 @@ bool Sender::drop_if_lost(const std::string& url, Endpoint& ep) {
     std::lock_guard lock(mu_);
     ++stats_.connections_lost;
   }
-  fail_endpoint(url, ep, "the connection to " + url + " closed (Decode restarted or died)");
+  fail_endpoint(url, ep,
+                ep.dealer->refusal().empty()
+                    ? "the connection to " + url + " closed (Decode restarted or died)"
+                    : ep.dealer->refusal());
   return true;
 }
 

@@ -12,6 +12,7 @@
 #include <map>
 #include <memory>
 #include <mutex>
+#include <optional>
 #include <string>
 #include <thread>
 
@@ -28,6 +29,9 @@ struct SenderConfig {
   std::chrono::milliseconds reply_timeout{30000};
   // Bound on waiting for a layer's write event before publishing it.
   std::chrono::milliseconds event_timeout{30000};
+  // This Prefill's CURVE keys: with them every connection is encrypted and reaches only the
+  // Decode holding the server key its task names.
+  std::optional<control::CurveKeyPair> curve;
 };
 
 struct SenderStats {
@@ -51,8 +55,9 @@ class Sender {
   // Queues `ready` for the Decode endpoint at `url`, to be sent once `event` (if any)
   // completed; its answer goes to every ticket's gate generation (SlotGate::open counted
   // this endpoint there). Tasks are sent in the order they were queued.
+  // With CURVE keys, `server_key` is the Decode's public key (Z85).
   void send(const std::string& url, protocol::ReadReadyBatch ready, std::vector<GateTicket> tickets,
-            std::shared_ptr<WriteEvent> event = nullptr);
+            std::shared_ptr<WriteEvent> event = nullptr, std::string server_key = {});
 
   SenderStats stats() const;
 
@@ -62,6 +67,7 @@ class Sender {
     protocol::ReadReadyBatch ready;
     std::vector<GateTicket> tickets;
     std::shared_ptr<WriteEvent> event;
+    std::string server_key;
   };
   struct Pending {
     int64_t layer_idx;

@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <set>
 
+#include "control/curve.h"
 #include "topology/topology.h"
 
 namespace rd2h::prefill {
@@ -105,6 +106,27 @@ std::vector<SlotGate*> Worker::gates_of(size_t layer) {
   return gates;
 }
 
+Expected<std::string> Worker::decode_key(const SendRequest& r) const {
+  const auto& trusted = config_.trusted_decode_keys;
+  if (!config_.sender.curve) {
+    if (config_.insecure || control::is_loopback_host(r.d_host)) return std::string();
+    return failed_precondition("request " + r.ext_id + ": Decode host " + r.d_host +
+                               " is not a loopback address, and this Prefill has no CURVE "
+                               "keys (\"insecure\": true sends without them)");
+  }
+  if (!r.d_public_key.empty()) {
+    if (std::find(trusted.begin(), trusted.end(), r.d_public_key) == trusted.end()) {
+      return failed_precondition("request " + r.ext_id + ": Decode " + r.d_host + " gave key " +
+                                 r.d_public_key + ", which this Prefill does not trust");
+    }
+    return r.d_public_key;
+  }
+  if (trusted.size() == 1) return trusted.front();
+  return failed_precondition("request " + r.ext_id + ": Decode " + r.d_host +
+                             " gave no public key (remote_public_key) and this Prefill trusts " +
+                             std::to_string(trusted.size()) + " Decode keys");
+}
+
 Status Worker::bind_step(std::vector<SendRequest> requests) {
   std::vector<Target> targets;
   std::set<std::string> seen;
@@ -135,11 +157,14 @@ Status Worker::bind_step(std::vector<SendRequest> requests) {
     auto port = topology::remote_rank_port(r.d_base_port, *tp, config_.p_rank);
     if (!port) return port.status().with_context("request " + r.ext_id);
     const std::string url = control::endpoint_url(r.d_host, *port);
+    auto server_key = decode_key(r);
+    if (!server_key) return server_key.status();
     auto target =
         std::find_if(targets.begin(), targets.end(), [&](const Target& t) { return t.url == url; });
     if (target == targets.end()) {
       Target t;
       t.url = url;
+      t.server_key = *server_key;
       t.ready.group_member_idx = position->group_member_idx;
       t.ready.tp_ratio = tp->ratio;
       targets.push_back(std::move(t));
@@ -189,7 +214,7 @@ Status Worker::save_kv_layer(std::string_view layer_name, std::shared_ptr<WriteE
     ready.layer_idx = layer.index;
     ready.layer_name = layer.name;
     if (last) ready.done_ext_ids = t->final_ids;
-    sender_->send(t->url, std::move(ready), tickets, event);
+    sender_->send(t->url, std::move(ready), tickets, event, t->server_key);
   }
   ++stats_.layers_saved;
   stats_.readiness_queued += sending.size();

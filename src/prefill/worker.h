@@ -39,6 +39,11 @@ struct WorkerConfig {
   // Register the caches with the engine. False when they live in memory the engine
   // allocated (allocate_memory), which is registered already.
   bool register_memory = true;
+  // With CURVE keys (sender.curve): the Decode public keys this Prefill trusts. A request
+  // whose Decode gave its key must name a trusted one; one that gave none is sent to the
+  // only trusted key. Without keys, only loopback Decode hosts unless `insecure`.
+  std::vector<std::string> trusted_decode_keys;
+  bool insecure = false;
 };
 
 struct WorkerStats {
@@ -93,12 +98,15 @@ class Worker {
   // The step's messages to one Decode endpoint, before the layer is filled in.
   struct Target {
     std::string url;
+    std::string server_key;          // Decode's CURVE key when this Prefill has keys
     protocol::ReadReadyBatch ready;  // read_reqs, group_member_idx, tp_ratio
     std::vector<std::string> final_ids;
   };
 
   Worker(WorkerConfig config, std::shared_ptr<transfer::TransferEngine> engine);
   Expected<size_t> find_layer(std::string_view name) const;
+  // The CURVE key to reach `r`'s Decode with (empty without keys), or why it may not be.
+  Expected<std::string> decode_key(const SendRequest& r) const;
   // The gates of a layer's slots: main, then indexer when it has one.
   std::vector<SlotGate*> gates_of(size_t layer);
   // Settles `gate` (see SlotGate::settle); a failure of a step that already raised is

@@ -146,6 +146,7 @@ Status Rank::init(const json& j) {
   ec.device_id = rank_;
   ec.transport = connector->transport;
   ec.read_timeout = connector->read_timeout;
+  ec.listen_host = connector->host;
   auto engine = transfer::create_ucx_engine(ec);
   if (!engine) return engine.status();
   std::shared_ptr<transfer::TransferEngine> shared(std::move(*engine));

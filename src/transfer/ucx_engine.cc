@@ -20,6 +20,9 @@
 //    emulation aborts the serving process when a reader vanishes with reads in flight.
 //    So the reader asks with an active message and the server answers each range with one,
 //    whose failures UCX reports through callbacks like any send.
+#include <ifaddrs.h>
+#include <netdb.h>
+#include <netinet/in.h>
 #include <sys/epoll.h>
 #include <sys/eventfd.h>
 #include <sys/mman.h>
@@ -31,6 +34,7 @@
 #include <condition_variable>
 #include <cstdio>
 #include <cstdlib>
+#include <cerrno>
 #include <cstring>
 #include <filesystem>
 #include <map>
@@ -72,6 +76,45 @@ bool host_has_rdma() {
   std::error_code ec;
   std::filesystem::directory_iterator it("/sys/class/infiniband", ec);
   return !ec && it != std::filesystem::directory_iterator();
+}
+
+// The network interface that holds `host` (an address, or "localhost").
+Expected<std::string> interface_of(const std::string& host) {
+  addrinfo hints{};
+  hints.ai_flags = AI_NUMERICSERV;
+  addrinfo* found = nullptr;
+  if (getaddrinfo(host.c_str(), nullptr, &hints, &found) != 0 || found == nullptr) {
+    return invalid_argument("cannot resolve the listen address " + host);
+  }
+  ifaddrs* ifs = nullptr;
+  if (getifaddrs(&ifs) != 0) {
+    freeaddrinfo(found);
+    return internal_error(std::string("getifaddrs: ") + std::strerror(errno));
+  }
+  std::string device;
+  for (addrinfo* a = found; a != nullptr && device.empty(); a = a->ai_next) {
+    for (ifaddrs* i = ifs; i != nullptr; i = i->ifa_next) {
+      if (i->ifa_addr == nullptr || i->ifa_addr->sa_family != a->ai_family) continue;
+      const bool same =
+          a->ai_family == AF_INET
+              ? reinterpret_cast<sockaddr_in*>(i->ifa_addr)->sin_addr.s_addr ==
+                    reinterpret_cast<sockaddr_in*>(a->ai_addr)->sin_addr.s_addr
+              : a->ai_family == AF_INET6 &&
+                    std::memcmp(&reinterpret_cast<sockaddr_in6*>(i->ifa_addr)->sin6_addr,
+                                &reinterpret_cast<sockaddr_in6*>(a->ai_addr)->sin6_addr,
+                                sizeof(in6_addr)) == 0;
+      if (same) {
+        device = i->ifa_name;
+        break;
+      }
+    }
+  }
+  freeifaddrs(ifs);
+  freeaddrinfo(found);
+  if (device.empty()) {
+    return invalid_argument("no network interface of this host has the address " + host);
+  }
+  return device;
 }
 
 Status ucs_error(std::string_view what, ucs_status_t st) {
@@ -151,6 +194,18 @@ class UcxEngine final : public TransferEngine {
       if (st != UCS_OK) {
         ucp_config_release(cfg);
         return ucs_error("setting UCX transports", st);
+      }
+    }
+    if (!config_.listen_host.empty() && std::getenv("UCX_NET_DEVICES") == nullptr) {
+      auto device = interface_of(config_.listen_host);
+      if (!device) {
+        ucp_config_release(cfg);
+        return device.status();
+      }
+      st = ucp_config_modify(cfg, "NET_DEVICES", device->c_str());
+      if (st != UCS_OK) {
+        ucp_config_release(cfg);
+        return ucs_error("setting UCX's network device to " + *device, st);
       }
     }
     // Reads over TCP are active messages of at most one TX segment each (8 KiB by default);

@@ -2,6 +2,11 @@
 
 #include <gtest/gtest.h>
 
+#include <cstdlib>
+#include <filesystem>
+#include <fstream>
+
+#include "control/curve.h"
 #include "rd2h/connector/metadata.h"
 
 namespace rd2h::connector {
@@ -13,7 +18,7 @@ TEST(ConnectorConfig, ReadsVllmKvTransferConfig) {
     "engine_id": "decode-0", "kv_ip": "10.1.2.3", "kv_buffer_device": "cpu", "kv_rank": 1,
     "kv_connector_extra_config": {"transfer_backend": "ucx", "transport": "tcp",
       "use_layerwise": false, "reply_timeout_ms": 1500, "request_id_suffix_chars": 0,
-      "prefill_tp_size": 4, "metaserver_attempts": 5}})");
+      "prefill_tp_size": 4, "metaserver_attempts": 5, "insecure": true}})");
   ASSERT_TRUE(c) << c.status().to_string();
   EXPECT_EQ(c->role, KvRole::kConsumer);
   EXPECT_EQ(c->kv_port, 30000);
@@ -25,6 +30,7 @@ TEST(ConnectorConfig, ReadsVllmKvTransferConfig) {
   EXPECT_EQ(c->request_ids.suffix_chars, 0u);
   EXPECT_EQ(c->prefill_tp_size, 4);
   EXPECT_EQ(c->metaserver_attempts, 5);
+  EXPECT_TRUE(c->insecure);
   auto p = ConnectorConfig::from_json(
       R"({"kv_connector": "rd2h", "kv_role": "kv_producer", "kv_port": 1})");
   ASSERT_TRUE(p);
@@ -51,6 +57,7 @@ TEST(ConnectorConfig, ToJsonReadsBackAsTheSameConfiguration) {
   c.kv_arrival_timeout = std::chrono::milliseconds(16);
   c.metaserver_timeout = std::chrono::milliseconds(17);
   c.metaserver_resubmit = std::chrono::milliseconds(18);
+  c.insecure = true;
   auto back = ConnectorConfig::from_json(c.to_json());
   ASSERT_TRUE(back) << back.status().to_string() << "\n" << c.to_json();
   EXPECT_EQ(back->role, c.role);
@@ -70,6 +77,7 @@ TEST(ConnectorConfig, ToJsonReadsBackAsTheSameConfiguration) {
   EXPECT_EQ(back->kv_arrival_timeout.count(), 16);
   EXPECT_EQ(back->metaserver_timeout.count(), 17);
   EXPECT_EQ(back->metaserver_resubmit.count(), 18);
+  EXPECT_TRUE(back->insecure);
 }
 
 TEST(ConnectorConfig, BadConfigsAreRefusedNamingTheKey) {
@@ -102,6 +110,63 @@ TEST(ConnectorConfig, BadConfigsAreRefusedNamingTheKey) {
     EXPECT_NE(c.status().message().find(reason), std::string::npos)
         << "expected \"" << reason << "\" in: " << c.status().message();
   }
+}
+
+TEST(ConnectorConfig, WithoutKeysOnlyLoopbackRunsUnlessInsecure) {
+  const auto config = [](const std::string& ip, const std::string& extra) {
+    return ConnectorConfig::from_json(R"({"kv_connector": "rd2h", "kv_role": "kv_consumer",
+        "kv_port": 30000, "kv_ip": ")" + ip + R"(", "kv_connector_extra_config": {)" + extra + "}}");
+  };
+  for (const char* ip : {"127.0.0.1", "127.3.2.1", "localhost", "::1"}) {
+    EXPECT_TRUE(config(ip, "")) << ip;
+  }
+  auto open = config("10.1.2.3", "");
+  ASSERT_FALSE(open);
+  EXPECT_NE(open.status().message().find("'kv_ip'"), std::string::npos) << open.status().message();
+  EXPECT_NE(open.status().message().find("insecure"), std::string::npos);
+  EXPECT_NE(open.status().message().find("curve_secret_key_file"), std::string::npos);
+  auto insecure = config("10.1.2.3", R"("insecure": true)");
+  ASSERT_TRUE(insecure) << insecure.status().to_string();
+  EXPECT_FALSE(insecure->curve.enabled());
+  auto wrong = config("127.0.0.1", R"("insecure": "yes")");
+  ASSERT_FALSE(wrong);
+  EXPECT_NE(wrong.status().message().find("insecure"), std::string::npos);
+}
+
+TEST(ConnectorConfig, CurveKeysComeFromTheFilesNamedInTheExtraConfig) {
+  char pattern[] = "/tmp/rd2h-config-keys-XXXXXX";
+  ASSERT_NE(::mkdtemp(pattern), nullptr);
+  const std::filesystem::path dir = pattern;
+  auto self = control::generate_key_pair();
+  auto peer = control::generate_key_pair();
+  ASSERT_TRUE(self && peer);
+  ASSERT_TRUE(control::write_key_pair((dir / "decode").string(), *self).is_ok());
+  ASSERT_TRUE(control::write_key_pair((dir / "prefill").string(), *peer).is_ok());
+  const auto config = [&](const std::string& secret, const std::string& trusted) {
+    return ConnectorConfig::from_json(
+        R"({"kv_connector": "rd2h", "kv_role": "kv_consumer", "kv_port": 30000,
+            "kv_ip": "10.1.2.3", "kv_connector_extra_config": {"curve_secret_key_file": ")" +
+        secret + R"(", "curve_trusted_keys_file": ")" + trusted + R"("}})");
+  };
+  auto c = config((dir / "decode.key_secret").string(), (dir / "prefill.key").string());
+  ASSERT_TRUE(c) << c.status().to_string();
+  EXPECT_TRUE(c->curve.enabled());
+  EXPECT_EQ(c->curve.public_key, self->public_key);
+  EXPECT_EQ(c->curve.secret_key, self->secret_key);
+  EXPECT_EQ(c->curve.trusted, std::vector<std::string>{peer->public_key});
+  auto back = ConnectorConfig::from_json(c->to_json());
+  ASSERT_TRUE(back) << back.status().to_string();
+  EXPECT_EQ(back->curve.trusted, c->curve.trusted);
+  // A public certificate is not a secret key, and a missing file is named.
+  auto not_secret = config((dir / "decode.key").string(), (dir / "prefill.key").string());
+  ASSERT_FALSE(not_secret);
+  EXPECT_NE(not_secret.status().message().find("curve_secret_key_file"), std::string::npos)
+      << not_secret.status().message();
+  auto missing = config((dir / "decode.key_secret").string(), (dir / "nobody.key").string());
+  ASSERT_FALSE(missing);
+  EXPECT_NE(missing.status().message().find("curve_trusted_keys_file"), std::string::npos)
+      << missing.status().message();
+  std::filesystem::remove_all(dir);
 }
 
 TEST(RequestIdRule, StripsVllmSuffixAndRefusesIdsWithoutOne) {
@@ -160,7 +225,7 @@ TEST(ConnectorMetadata, RoundTripsAndRefusesBrokenBytes) {
   ConnectorMetadata m;
   m.load.push_back({"e1", "e1-abcdefgh", {1, 2, 3}, {4}});
   m.abort = {"e0"};
-  m.save.push_back({"e2", "10.0.0.2", 30000, 2, {7, 8}, {9}, 3, 1, true});
+  m.save.push_back({"e2", "10.0.0.2", 30000, 2, {7, 8}, {9}, 3, 1, true, "rq+key"});
   const auto bytes = encode(m);
   auto back = decode_metadata(bytes);
   ASSERT_TRUE(back) << back.status().to_string();
@@ -171,6 +236,7 @@ TEST(ConnectorMetadata, RoundTripsAndRefusesBrokenBytes) {
   EXPECT_EQ(back->save[0].d_base_port, 30000);
   EXPECT_EQ(back->save[0].main_start, 3);
   EXPECT_TRUE(back->save[0].final_chunk);
+  EXPECT_EQ(back->save[0].d_public_key, "rq+key");
   for (size_t n = 0; n < bytes.size(); ++n) {
     EXPECT_FALSE(decode_metadata(std::span(bytes.data(), n))) << "truncated at " << n;
   }

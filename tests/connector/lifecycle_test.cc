@@ -276,7 +276,8 @@ TEST_F(Lifecycle, WithoutLayerwiseEveryLayerIsPublishedInWaitForSave) {
                     {3, 4},
                     0,
                     0,
-                    true});
+                    true,
+                    {}});
   auto& w0 = *prefill_[0];
   ASSERT_TRUE(w0.bind_connector_metadata(p).is_ok());
   for (int l = 0; l < kLayers; ++l) ASSERT_TRUE(w0.save_kv_layer(layer_name(l)).is_ok());

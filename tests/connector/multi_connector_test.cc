@@ -100,7 +100,7 @@ class OffloadWithRd2h : public ::testing::Test {
   void forward(const std::string& id, const std::vector<int64_t>& blocks,
                const std::vector<int64_t>& computed, const OffloadMetadata& offload) {
     ConnectorMetadata rd2h;
-    rd2h.save.push_back({id, "127.0.0.1", kv_port_, 1, blocks, blocks, 0, 0, true});
+    rd2h.save.push_back({id, "127.0.0.1", kv_port_, 1, blocks, blocks, 0, 0, true, {}});
     const auto meta = encode_multi({encode(offload), encode(rd2h)});
     ASSERT_TRUE(prefill_->bind_connector_metadata(meta).is_ok());
     for (int l = 0; l < kLayers; ++l) {

@@ -127,7 +127,7 @@ TEST(PdTransfer, ADuplicateFinalSignalDoesNotCompleteARequestEarly) {
     auto& p = c.prefill(0);
     ASSERT_TRUE(p.worker
                     ->bind_step({{r.id, "127.0.0.1", c.decode().kv_port, 1, r.p_main, r.p_indexer,
-                                  0, 0, true}})
+                                  0, 0, true, {}}})
                     .is_ok());
     for (int l = 0; l < shape.layers; ++l) {
       ASSERT_TRUE(p.worker->save_kv_layer(layer_name(l)).is_ok());

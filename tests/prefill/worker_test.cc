@@ -77,14 +77,14 @@ TEST(PrefillWorker, AStepThatCannotBePublishedIsRefusedNamingTheRequest) {
   };
   const std::vector<Case> cases = {
       {"block past the cache",
-       {"r1", "127.0.0.1", 9000, 1, {0, 16}, {0}, 0, 0, false},
+       {"r1", "127.0.0.1", 9000, 1, {0, 16}, {0}, 0, 0, false, {}},
        "main block 16 is outside the 16 blocks"},
       {"negative indexer block",
-       {"r2", "127.0.0.1", 9000, 1, {0}, {-1}, 0, 0, false},
+       {"r2", "127.0.0.1", 9000, 1, {0}, {-1}, 0, 0, false, {}},
        "indexer block -1"},
-      {"Decode TP above Prefill TP", {"r3", "127.0.0.1", 9000, 4, {0}, {0}, 0, 0, false}, "4"},
-      {"port past 65535", {"r4", "127.0.0.1", 65535, 2, {0}, {0}, 0, 0, false}, "65536"},
-      {"negative offset", {"r5", "127.0.0.1", 9000, 1, {0}, {0}, -1, 0, false}, "offset"},
+      {"Decode TP above Prefill TP", {"r3", "127.0.0.1", 9000, 4, {0}, {0}, 0, 0, false, {}}, "4"},
+      {"port past 65535", {"r4", "127.0.0.1", 65535, 2, {0}, {0}, 0, 0, false, {}}, "65536"},
+      {"negative offset", {"r5", "127.0.0.1", 9000, 1, {0}, {0}, -1, 0, false, {}}, "offset"},
   };
   for (const auto& c : cases) {
     Status st = (*w)->bind_step({c.request});
@@ -93,7 +93,7 @@ TEST(PrefillWorker, AStepThatCannotBePublishedIsRefusedNamingTheRequest) {
         << c.what << ": " << st.message();
     EXPECT_NE(st.message().find(c.reason), std::string::npos) << c.what << ": " << st.message();
   }
-  SendRequest r{"dup", "127.0.0.1", 9000, 1, {0}, {0}, 0, 0, false};
+  SendRequest r{"dup", "127.0.0.1", 9000, 1, {0}, {0}, 0, 0, false, {}};
   EXPECT_FALSE((*w)->bind_step({r, r}).is_ok()) << "one request twice in a step";
   EXPECT_EQ((*w)->save_kv_layer("model.layers.9.self_attn").code(), StatusCode::kNotFound);
 }
@@ -106,7 +106,7 @@ TEST(PrefillWorker, ALayerIsPublishedOnlyAfterItsWriteEventCompletes) {
   c.expect_request(r);
   auto& w = *c.prefill(0).worker;
   ASSERT_TRUE(
-      w.bind_step({{"r", "127.0.0.1", c.decode().kv_port, 1, r.p_main, r.p_indexer, 0, 0, true}})
+      w.bind_step({{"r", "127.0.0.1", c.decode().kv_port, 1, r.p_main, r.p_indexer, 0, 0, true, {}}})
           .is_ok());
   auto event = std::make_shared<HostWriteEvent>();
   ASSERT_TRUE(w.save_kv_layer(layer_name(0), event).is_ok());

@@ -12,6 +12,7 @@
 #include <cstdint>
 #include <string>
 #include <string_view>
+#include <vector>
 
 #include "rd2h/common/status.h"
 #include "rd2h/transfer/transfer_engine.h"
@@ -55,6 +56,23 @@ struct ConnectorConfig {
   std::chrono::milliseconds metaserver_timeout{5000};    // one metaserver POST
   int metaserver_attempts = 3;                           // before resubmitting
   std::chrono::milliseconds metaserver_resubmit{1000};
+
+  // Control-plane trust. With keys, Decode accepts only Prefill clients whose public key is
+  // trusted, and Prefill talks only to Decode servers whose key is trusted (ZeroMQ CURVE).
+  // Without keys the connector runs on loopback addresses only, unless `insecure`.
+  struct Curve {
+    std::string secret_key_file;    // "curve_secret_key_file", written by `rd2h keygen`
+    std::string trusted_keys_file;  // "curve_trusted_keys_file": the peers' public keys
+    // Read from the files by from_json (Z85).
+    std::string public_key;
+    std::string secret_key;
+    std::vector<std::string> trusted;
+    bool enabled() const { return !secret_key.empty(); }
+  };
+  Curve curve;
+  bool insecure = false;  // "insecure": run without keys beyond loopback (warned at start)
+  // Fills `curve` from the two files.
+  Status load_curve_keys(std::string secret_key_file, std::string trusted_keys_file);
 
   static Expected<ConnectorConfig> from_json(std::string_view text);
   // The kv_transfer_config that from_json reads back as this configuration.

@@ -30,6 +30,9 @@ struct KvTransferParams {
   int remote_pcp_size = 1;
   int remote_dcp_size = 1;
   uint64_t remote_cached_tokens = 0;
+  // Decode's CURVE public key (Z85), posted when Decode has keys: the Prefill connects only
+  // if it trusts this key.
+  std::string remote_public_key;
   // A prompt list's children, by child external id (Prefill).
   std::vector<std::pair<std::string, KvTransferParams>> batch;
 

@@ -20,6 +20,8 @@ struct SendRequest {
   int64_t main_start = 0;
   int64_t indexer_start = 0;
   bool final_chunk = false;  // the last cache-bearing layer also names it in done_ext_ids
+  // Decode's CURVE public key (Z85) as its rendezvous gave it; empty when it gave none.
+  std::string d_public_key;
 };
 
 }  // namespace rd2h::prefill

@@ -45,6 +45,9 @@ struct EngineConfig {
   // Bound on connect(), including the first exchange with the peer.
   std::chrono::milliseconds connect_timeout{5000};
   ReadPath read_path = ReadPath::kAuto;
+  // Network transports listen only on the interface that holds this address (UCX's
+  // NET_DEVICES, unless UCX_NET_DEVICES is set). Empty: every interface.
+  std::string listen_host;
 };
 
 struct MemoryRegion {
