@@ -178,6 +178,9 @@ int main(int argc, char** argv) {
   demo->add_option("--seed", dm.seed, "workload seed");
   demo->add_option("--timeout", dm.timeout_s, "seconds a request may take");
   demo->add_option("--trace", dm.trace_file, "write a Chrome trace-event timeline here");
+  demo->add_flag("--timeline,!--no-timeline", dm.timeline,
+                 "the engines record their timeline (the transfer figures, --trace); off for "
+                 "long runs");
   demo->add_flag("--quiet", dm.quiet, "print only failures");
 
   std::string core_url;

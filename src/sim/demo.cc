@@ -105,6 +105,11 @@ struct Request {
   bool list = false;
 };
 
+// Blocks a prompt of `tokens` holds on Decode.
+uint64_t demo_blocks(uint64_t tokens, const DemoOptions& o) {
+  return (tokens + o.output_tokens + o.block_size - 1) / o.block_size;
+}
+
 std::vector<Request> workload(const DemoOptions& o) {
   std::mt19937_64 rng(o.seed);
   std::uniform_real_distribution<double> unit(0, 1);
@@ -123,8 +128,17 @@ std::vector<Request> workload(const DemoOptions& o) {
     r.id = "demo-" + std::to_string(o.seed) + "-" + std::to_string(i);
     r.list = i > 1 && unit(rng) < o.prompt_list_share;
     const uint32_t n = r.list ? std::max(2u, o.prompt_list_size) : 1;
+    // Decode holds a list's prompts at once: together they fit its pool (it refuses a list
+    // that never could), so a later prompt is cut short where the earlier ones took room.
+    uint64_t room = o.num_blocks;
     for (uint32_t k = 0; k < n; ++k) {
-      std::vector<int64_t> p(std::max<uint64_t>(1, length(i, k)));
+      uint64_t tokens = std::max<uint64_t>(1, length(i, k));
+      if (r.list) {
+        const uint64_t kept = (n - 1 - k) * demo_blocks(o.min_tokens, o);  // for the rest
+        tokens = std::min(tokens, (room - kept) * o.block_size - o.output_tokens);
+        room -= demo_blocks(tokens, o);
+      }
+      std::vector<int64_t> p(tokens);
       for (auto& t : p) t = token(rng);
       r.prompts.push_back(std::move(p));
     }
@@ -265,8 +279,8 @@ std::vector<std::string> engine_args(const char* command, int tp, const std::str
                                 "--compute-min-layer-us",
                                 s(o.compute_min_layer_us),
                                 "--kv-transfer-config",
-                                kv,
-                                "--trace"};
+                                kv};
+  if (o.timeline) a.push_back("--trace");
   if (o.test_corrupt_layer >= 0) {
     a.insert(a.end(), {"--test-corrupt-layer", s(o.test_corrupt_layer)});
   }
@@ -282,11 +296,21 @@ Status check_options(const DemoOptions& o) {
     return invalid_argument("workload: need 1 <= --min-tokens (" + std::to_string(o.min_tokens) +
                             ") <= --max-tokens (" + std::to_string(o.max_tokens) + ")");
   }
-  const uint64_t need = (o.max_tokens + o.output_tokens + o.block_size - 1) / o.block_size;
+  const uint64_t need = demo_blocks(o.max_tokens, o);
   if (need > o.num_blocks) {
     return invalid_argument("a " + std::to_string(o.max_tokens) + "-token prompt needs " +
                             std::to_string(need) + " blocks, and --num-blocks is " +
                             std::to_string(o.num_blocks));
+  }
+  const uint64_t list = std::max(2u, o.prompt_list_size);
+  if (o.prompt_list_share > 0 && list * demo_blocks(o.min_tokens, o) > o.num_blocks) {
+    return invalid_argument(
+        "a list of " + std::to_string(list) + " prompts of " + std::to_string(o.min_tokens) +
+        " tokens needs " + std::to_string(list * demo_blocks(o.min_tokens, o)) +
+        " blocks at once on Decode, and --num-blocks is " + std::to_string(o.num_blocks));
+  }
+  if (!o.timeline && !o.trace_file.empty()) {
+    return invalid_argument("--trace needs the timeline: drop --no-timeline or --trace");
   }
   if (o.requests == 0 || o.concurrency == 0) {
     return invalid_argument("workload: --requests and --concurrency must be at least 1");
@@ -339,6 +363,7 @@ Status apply_demo_config(const std::string& path, DemoOptions& o,
       {"seed", [&](const json& v) { o.seed = v.get<uint64_t>(); }},
       {"timeout", [&](const json& v) { o.timeout_s = v.get<uint32_t>(); }},
       {"trace", [&](const json& v) { o.trace_file = v.get<std::string>(); }},
+      {"timeline", [&](const json& v) { o.timeline = v.get<bool>(); }},
   };
   for (const auto& [raw, value] : j.items()) {
     std::string key = raw;

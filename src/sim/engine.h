@@ -61,7 +61,9 @@ struct EngineStats {
   uint64_t prefill_chunks = 0;
   uint64_t verified_blocks = 0;  // Decode: blocks whose every byte matched
   uint64_t failed_requests = 0;
-  bool main_pool_locked = false;  // Decode: the shared pool is locked in memory
+  uint64_t free_blocks = 0;         // after the last step
+  uint64_t waiting_for_blocks = 0;  // requests queued until their blocks are free
+  bool main_pool_locked = false;    // Decode: the shared pool is locked in memory
 };
 
 class Engine {
