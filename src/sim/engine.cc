@@ -233,6 +233,7 @@ Status Engine::Impl::init() {
                {"compute_ns_per_token", config.compute_ns_per_token},
                {"compute_min_layer_us", config.compute_min_layer_us},
                {"corrupt_layer", config.test_corrupt_layer},
+               {"fault_rank", config.test_fault_rank},
                {"host", config.connector.host}};
   if (pool) init["pool"] = pool->name();
   // Decode rank 0 binds the group's all-gather before the others connect to it.
