@@ -6,6 +6,7 @@
 #include <algorithm>
 #include <atomic>
 #include <cmath>
+#include <condition_variable>
 #include <csignal>
 #include <cstdio>
 #include <fstream>
@@ -13,6 +14,7 @@
 #include <mutex>
 #include <nlohmann/json.hpp>
 #include <random>
+#include <set>
 #include <sstream>
 #include <thread>
 #include <tuple>
@@ -81,6 +83,74 @@ Expected<Server> launch(const std::string& name, const std::string& wrapper,
   }
 }
 
+// How a process ended, from its wait status.
+std::string ended(int status) {
+  return WIFSIGNALED(status) ? "signal " + std::to_string(WTERMSIG(status))
+                             : "status " + std::to_string(WEXITSTATUS(status));
+}
+
+// Watches the demo's children while it runs: the first that ends fails the run at once,
+// named, and the requests in flight are cut instead of waiting out their timeouts.
+class Watch {
+ public:
+  // `servers` are touched by nothing else until stop().
+  explicit Watch(std::vector<Server*> servers)
+      : servers_(std::move(servers)), thread_([this] { run(); }) {}
+  ~Watch() { stop(); }
+  Watch(const Watch&) = delete;
+  Watch& operator=(const Watch&) = delete;
+
+  // A request's client, cut if a child dies; false once one has (the request must not
+  // leave).
+  bool add(httplib::Client* c) {
+    std::lock_guard lock(mu_);
+    if (!death_.empty()) return false;
+    clients_.insert(c);
+    return true;
+  }
+  void remove(httplib::Client* c) {
+    std::lock_guard lock(mu_);
+    clients_.erase(c);
+  }
+  // Which child died and how; empty while all live.
+  std::string death() const {
+    std::lock_guard lock(mu_);
+    return death_;
+  }
+  void stop() {
+    {
+      std::lock_guard lock(mu_);
+      stopping_ = true;
+    }
+    cv_.notify_all();
+    if (thread_.joinable()) thread_.join();
+  }
+
+ private:
+  void run() {
+    std::unique_lock lock(mu_);
+    while (!cv_.wait_for(lock, 100ms, [&] { return stopping_; })) {
+      for (Server* s : servers_) {
+        auto status = s->process.wait(0ms);
+        if (!status) continue;
+        death_ = s->name + " (pid " + std::to_string(s->process.pid()) + ") ended with " +
+                 ended(*status) + " while the demo ran";
+        std::fprintf(stderr, "rd2h demo: %s\n", death_.c_str());
+        for (auto* c : clients_) c->stop();
+        return;
+      }
+    }
+  }
+
+  std::vector<Server*> servers_;
+  mutable std::mutex mu_;
+  std::condition_variable cv_;
+  bool stopping_ = false;
+  std::string death_;
+  std::set<httplib::Client*> clients_;
+  std::thread thread_;  // last: it starts once the rest is set up
+};
+
 Status stop(Server& s) {
   s.process.kill(SIGTERM);
   auto status = s.process.wait(kStopTimeout);
@@ -91,10 +161,7 @@ Status stop(Server& s) {
                          " s of SIGTERM");
   }
   if (!WIFEXITED(*status) || WEXITSTATUS(*status) != 0) {
-    return internal_error(s.name + " stopped with " +
-                          (WIFSIGNALED(*status)
-                               ? "signal " + std::to_string(WTERMSIG(*status))
-                               : "status " + std::to_string(WEXITSTATUS(*status))));
+    return internal_error(s.name + " stopped with " + ended(*status));
   }
   return Status::ok();
 }
@@ -149,7 +216,7 @@ std::vector<Request> workload(const DemoOptions& o) {
 
 // Sends one request through the proxy, streaming, and checks that Decode verified every
 // block of every layer of every prompt.
-ClientRecord send(const std::string& proxy, const Request& r, const DemoOptions& o) {
+ClientRecord send(const std::string& proxy, const Request& r, const DemoOptions& o, Watch& watch) {
   ClientRecord rec;
   rec.id = r.id;
   rec.prompts = r.prompts.size();
@@ -164,6 +231,10 @@ ClientRecord send(const std::string& proxy, const Request& r, const DemoOptions&
   httplib::Client client(proxy);
   client.set_connection_timeout(10);
   client.set_read_timeout(static_cast<time_t>(o.timeout_s));
+  if (!watch.add(&client)) {
+    rec.error = watch.death();
+    return rec;
+  }
   std::string received;
   rec.start_us = trace::now_us();
   httplib::Request req;
@@ -179,6 +250,11 @@ ClientRecord send(const std::string& proxy, const Request& r, const DemoOptions&
   };
   auto res = client.send(req);
   rec.end_us = trace::now_us();
+  watch.remove(&client);
+  if (const std::string death = watch.death(); !death.empty() && (!res || res->status != 200)) {
+    rec.error = death;
+    return rec;
+  }
   if (!res) {
     rec.error = "no answer from the proxy: " + httplib::to_string(res.error());
     return rec;
@@ -467,6 +543,11 @@ Expected<DemoSummary> run_demo_once(const DemoOptions& options) {
   auto proxy = launch("the proxy", "", proxy_args);
   if (!proxy) return fail(proxy.status().message());
   say("rd2h demo: proxy at " + proxy->origin + " " + proxy->extra);
+  std::vector<Server*> children = {&*proxy};
+  for (auto* servers : {&prefill, &decode}) {
+    for (auto& s : *servers) children.push_back(&s);
+  }
+  Watch watch(children);
 
   // Warm-up: the first request between a Prefill and a Decode instance connects their
   // engines (and maps Prefill's KV into Decode); that one-time cost is kept out of the
@@ -487,7 +568,7 @@ Expected<DemoSummary> run_demo_once(const DemoOptions& options) {
       const int n = static_cast<int>(i * decode.size() + j);
       Request warm{
           "warmup-" + std::to_string(n), {std::vector<int64_t>(o.block_size, 7 + n)}, false};
-      const ClientRecord r = send(pair ? pair->url() : proxy->origin, warm, o);
+      const ClientRecord r = send(pair ? pair->url() : proxy->origin, warm, o, watch);
       if (!r.ok) return fail("warm-up request failed: " + r.error);
     }
   }
@@ -507,7 +588,7 @@ Expected<DemoSummary> run_demo_once(const DemoOptions& options) {
     clients.emplace_back([&] {
       // After the first failure no new request leaves: the run has failed already.
       for (size_t i; failed == 0 && (i = next++) < requests.size();) {
-        records[i] = send(proxy->origin, requests[i], o);
+        records[i] = send(proxy->origin, requests[i], o, watch);
         if (!records[i].ok) {
           ++failed;
           std::fprintf(stderr, "rd2h demo: request %s failed: %s\n", records[i].id.c_str(),
@@ -540,9 +621,11 @@ Expected<DemoSummary> run_demo_once(const DemoOptions& options) {
   }
   progress_cv.notify_all();
   progress.join();
+  watch.stop();  // from here on the processes are this thread's
 
   std::vector<EngineTrace> traces;
   std::vector<std::string> errors;
+  if (const std::string death = watch.death(); !death.empty()) errors.push_back(death);
   // A failed run has no figures worth waiting for: an engine stuck on a dead peer answers
   // its report only once its own deadlines fire.
   for (const auto& [servers, role, tp] : {std::tuple{&prefill, "prefill", o.prefill_tp},
