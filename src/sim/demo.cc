@@ -123,23 +123,32 @@ class Watch {
       stopping_ = true;
     }
     cv_.notify_all();
-    if (thread_.joinable()) thread_.join();
+    if (!thread_.joinable()) return;
+    thread_.join();
+    // A death the requests saw first (they fail at once through the proxy) is still named.
+    std::lock_guard lock(mu_);
+    if (death_.empty()) (void)sweep();
   }
 
  private:
   void run() {
     std::unique_lock lock(mu_);
     while (!cv_.wait_for(lock, 100ms, [&] { return stopping_; })) {
-      for (Server* s : servers_) {
-        auto status = s->process.wait(0ms);
-        if (!status) continue;
-        death_ = s->name + " (pid " + std::to_string(s->process.pid()) + ") ended with " +
-                 ended(*status) + " while the demo ran";
-        std::fprintf(stderr, "rd2h demo: %s\n", death_.c_str());
-        for (auto* c : clients_) c->stop();
-        return;
-      }
+      if (sweep()) return;
     }
+  }
+  // Whether a child ended; if so it is named and the requests in flight are cut. Holds mu_.
+  bool sweep() {
+    for (Server* s : servers_) {
+      auto status = s->process.wait(0ms);
+      if (!status) continue;
+      death_ = s->name + " (pid " + std::to_string(s->process.pid()) + ") ended with " +
+               ended(*status) + " while the demo ran";
+      std::fprintf(stderr, "rd2h demo: %s\n", death_.c_str());
+      for (auto* c : clients_) c->stop();
+      return true;
+    }
+    return false;
   }
 
   std::vector<Server*> servers_;
