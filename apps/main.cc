@@ -1,5 +1,8 @@
 // rd2h: one binary, one subcommand per job.
+#include <unistd.h>
+
 #include <CLI/CLI.hpp>
+#include <cstdlib>
 #include <string>
 
 #include "bench_engine.h"
@@ -12,6 +15,13 @@
 #include "sim/engine.h"
 
 int main(int argc, char** argv) {
+  // A fault must end the process, not leave it hung in UCX's handler of error signals, which
+  // UCX installs when its library loads (before main): unless the environment says
+  // otherwise, start again with them off. The processes this one starts inherit it.
+  if (std::getenv("UCX_ERROR_SIGNALS") == nullptr) {
+    ::setenv("UCX_ERROR_SIGNALS", "", 1);
+    ::execv("/proc/self/exe", argv);  // returns only if it failed: go on with them on
+  }
   CLI::App app{"rd2h: layerwise KV-cache transfer for prefill/decode disaggregated serving"};
   app.set_version_flag("--version", std::string("rd2h ") + rd2h::version());
   app.require_subcommand(1);
@@ -178,6 +188,9 @@ int main(int argc, char** argv) {
   demo->add_option("--seed", dm.seed, "workload seed");
   demo->add_option("--timeout", dm.timeout_s, "seconds a request may take");
   demo->add_option("--trace", dm.trace_file, "write a Chrome trace-event timeline here");
+  demo->add_flag("--timeline,!--no-timeline", dm.timeline,
+                 "the engines record their timeline (the transfer figures, --trace); off for "
+                 "long runs");
   demo->add_flag("--quiet", dm.quiet, "print only failures");
 
   std::string core_url;

@@ -62,6 +62,11 @@ class Subprocess {
   std::optional<int> exit_status_;
 };
 
+// In a child's environment: UCX installs no handler of error signals (SIGSEGV, SIGBUS, ...),
+// so a fault ends the process instead of leaving it hung in UCX's handler. UCX reads it
+// when its library loads, before main().
+inline constexpr const char* kUcxErrorSignalsOff = "UCX_ERROR_SIGNALS=";
+
 // The path of the running executable.
 std::string self_executable();
 

@@ -6,6 +6,7 @@
 #include <algorithm>
 #include <atomic>
 #include <cmath>
+#include <condition_variable>
 #include <csignal>
 #include <cstdio>
 #include <fstream>
@@ -13,6 +14,7 @@
 #include <mutex>
 #include <nlohmann/json.hpp>
 #include <random>
+#include <set>
 #include <sstream>
 #include <thread>
 #include <tuple>
@@ -81,6 +83,83 @@ Expected<Server> launch(const std::string& name, const std::string& wrapper,
   }
 }
 
+// How a process ended, from its wait status.
+std::string ended(int status) {
+  return WIFSIGNALED(status) ? "signal " + std::to_string(WTERMSIG(status))
+                             : "status " + std::to_string(WEXITSTATUS(status));
+}
+
+// Watches the demo's children while it runs: the first that ends fails the run at once,
+// named, and the requests in flight are cut instead of waiting out their timeouts.
+class Watch {
+ public:
+  // `servers` are touched by nothing else until stop().
+  explicit Watch(std::vector<Server*> servers)
+      : servers_(std::move(servers)), thread_([this] { run(); }) {}
+  ~Watch() { stop(); }
+  Watch(const Watch&) = delete;
+  Watch& operator=(const Watch&) = delete;
+
+  // A request's client, cut if a child dies; false once one has (the request must not
+  // leave).
+  bool add(httplib::Client* c) {
+    std::lock_guard lock(mu_);
+    if (!death_.empty()) return false;
+    clients_.insert(c);
+    return true;
+  }
+  void remove(httplib::Client* c) {
+    std::lock_guard lock(mu_);
+    clients_.erase(c);
+  }
+  // Which child died and how; empty while all live.
+  std::string death() const {
+    std::lock_guard lock(mu_);
+    return death_;
+  }
+  void stop() {
+    {
+      std::lock_guard lock(mu_);
+      stopping_ = true;
+    }
+    cv_.notify_all();
+    if (!thread_.joinable()) return;
+    thread_.join();
+    // A death the requests saw first (they fail at once through the proxy) is still named.
+    std::lock_guard lock(mu_);
+    if (death_.empty()) (void)sweep();
+  }
+
+ private:
+  void run() {
+    std::unique_lock lock(mu_);
+    while (!cv_.wait_for(lock, 100ms, [&] { return stopping_; })) {
+      if (sweep()) return;
+    }
+  }
+  // Whether a child ended; if so it is named and the requests in flight are cut. Holds mu_.
+  bool sweep() {
+    for (Server* s : servers_) {
+      auto status = s->process.wait(0ms);
+      if (!status) continue;
+      death_ = s->name + " (pid " + std::to_string(s->process.pid()) + ") ended with " +
+               ended(*status) + " while the demo ran";
+      std::fprintf(stderr, "rd2h demo: %s\n", death_.c_str());
+      for (auto* c : clients_) c->stop();
+      return true;
+    }
+    return false;
+  }
+
+  std::vector<Server*> servers_;
+  mutable std::mutex mu_;
+  std::condition_variable cv_;
+  bool stopping_ = false;
+  std::string death_;
+  std::set<httplib::Client*> clients_;
+  std::thread thread_;  // last: it starts once the rest is set up
+};
+
 Status stop(Server& s) {
   s.process.kill(SIGTERM);
   auto status = s.process.wait(kStopTimeout);
@@ -91,10 +170,7 @@ Status stop(Server& s) {
                          " s of SIGTERM");
   }
   if (!WIFEXITED(*status) || WEXITSTATUS(*status) != 0) {
-    return internal_error(s.name + " stopped with " +
-                          (WIFSIGNALED(*status)
-                               ? "signal " + std::to_string(WTERMSIG(*status))
-                               : "status " + std::to_string(WEXITSTATUS(*status))));
+    return internal_error(s.name + " stopped with " + ended(*status));
   }
   return Status::ok();
 }
@@ -104,6 +180,11 @@ struct Request {
   std::vector<std::vector<int64_t>> prompts;
   bool list = false;
 };
+
+// Blocks a prompt of `tokens` holds on Decode.
+uint64_t demo_blocks(uint64_t tokens, const DemoOptions& o) {
+  return (tokens + o.output_tokens + o.block_size - 1) / o.block_size;
+}
 
 std::vector<Request> workload(const DemoOptions& o) {
   std::mt19937_64 rng(o.seed);
@@ -123,8 +204,17 @@ std::vector<Request> workload(const DemoOptions& o) {
     r.id = "demo-" + std::to_string(o.seed) + "-" + std::to_string(i);
     r.list = i > 1 && unit(rng) < o.prompt_list_share;
     const uint32_t n = r.list ? std::max(2u, o.prompt_list_size) : 1;
+    // Decode holds a list's prompts at once: together they fit its pool (it refuses a list
+    // that never could), so a later prompt is cut short where the earlier ones took room.
+    uint64_t room = o.num_blocks;
     for (uint32_t k = 0; k < n; ++k) {
-      std::vector<int64_t> p(std::max<uint64_t>(1, length(i, k)));
+      uint64_t tokens = std::max<uint64_t>(1, length(i, k));
+      if (r.list) {
+        const uint64_t kept = (n - 1 - k) * demo_blocks(o.min_tokens, o);  // for the rest
+        tokens = std::min(tokens, (room - kept) * o.block_size - o.output_tokens);
+        room -= demo_blocks(tokens, o);
+      }
+      std::vector<int64_t> p(tokens);
       for (auto& t : p) t = token(rng);
       r.prompts.push_back(std::move(p));
     }
@@ -135,7 +225,7 @@ std::vector<Request> workload(const DemoOptions& o) {
 
 // Sends one request through the proxy, streaming, and checks that Decode verified every
 // block of every layer of every prompt.
-ClientRecord send(const std::string& proxy, const Request& r, const DemoOptions& o) {
+ClientRecord send(const std::string& proxy, const Request& r, const DemoOptions& o, Watch& watch) {
   ClientRecord rec;
   rec.id = r.id;
   rec.prompts = r.prompts.size();
@@ -150,6 +240,10 @@ ClientRecord send(const std::string& proxy, const Request& r, const DemoOptions&
   httplib::Client client(proxy);
   client.set_connection_timeout(10);
   client.set_read_timeout(static_cast<time_t>(o.timeout_s));
+  if (!watch.add(&client)) {
+    rec.error = watch.death();
+    return rec;
+  }
   std::string received;
   rec.start_us = trace::now_us();
   httplib::Request req;
@@ -165,6 +259,11 @@ ClientRecord send(const std::string& proxy, const Request& r, const DemoOptions&
   };
   auto res = client.send(req);
   rec.end_us = trace::now_us();
+  watch.remove(&client);
+  if (const std::string death = watch.death(); !death.empty() && (!res || res->status != 200)) {
+    rec.error = death;
+    return rec;
+  }
   if (!res) {
     rec.error = "no answer from the proxy: " + httplib::to_string(res.error());
     return rec;
@@ -265,8 +364,8 @@ std::vector<std::string> engine_args(const char* command, int tp, const std::str
                                 "--compute-min-layer-us",
                                 s(o.compute_min_layer_us),
                                 "--kv-transfer-config",
-                                kv,
-                                "--trace"};
+                                kv};
+  if (o.timeline) a.push_back("--trace");
   if (o.test_corrupt_layer >= 0) {
     a.insert(a.end(), {"--test-corrupt-layer", s(o.test_corrupt_layer)});
   }
@@ -282,11 +381,21 @@ Status check_options(const DemoOptions& o) {
     return invalid_argument("workload: need 1 <= --min-tokens (" + std::to_string(o.min_tokens) +
                             ") <= --max-tokens (" + std::to_string(o.max_tokens) + ")");
   }
-  const uint64_t need = (o.max_tokens + o.output_tokens + o.block_size - 1) / o.block_size;
+  const uint64_t need = demo_blocks(o.max_tokens, o);
   if (need > o.num_blocks) {
     return invalid_argument("a " + std::to_string(o.max_tokens) + "-token prompt needs " +
                             std::to_string(need) + " blocks, and --num-blocks is " +
                             std::to_string(o.num_blocks));
+  }
+  const uint64_t list = std::max(2u, o.prompt_list_size);
+  if (o.prompt_list_share > 0 && list * demo_blocks(o.min_tokens, o) > o.num_blocks) {
+    return invalid_argument(
+        "a list of " + std::to_string(list) + " prompts of " + std::to_string(o.min_tokens) +
+        " tokens needs " + std::to_string(list * demo_blocks(o.min_tokens, o)) +
+        " blocks at once on Decode, and --num-blocks is " + std::to_string(o.num_blocks));
+  }
+  if (!o.timeline && !o.trace_file.empty()) {
+    return invalid_argument("--trace needs the timeline: drop --no-timeline or --trace");
   }
   if (o.requests == 0 || o.concurrency == 0) {
     return invalid_argument("workload: --requests and --concurrency must be at least 1");
@@ -339,6 +448,7 @@ Status apply_demo_config(const std::string& path, DemoOptions& o,
       {"seed", [&](const json& v) { o.seed = v.get<uint64_t>(); }},
       {"timeout", [&](const json& v) { o.timeout_s = v.get<uint32_t>(); }},
       {"trace", [&](const json& v) { o.trace_file = v.get<std::string>(); }},
+      {"timeline", [&](const json& v) { o.timeline = v.get<bool>(); }},
   };
   for (const auto& [raw, value] : j.items()) {
     std::string key = raw;
@@ -442,6 +552,11 @@ Expected<DemoSummary> run_demo_once(const DemoOptions& options) {
   auto proxy = launch("the proxy", "", proxy_args);
   if (!proxy) return fail(proxy.status().message());
   say("rd2h demo: proxy at " + proxy->origin + " " + proxy->extra);
+  std::vector<Server*> children = {&*proxy};
+  for (auto* servers : {&prefill, &decode}) {
+    for (auto& s : *servers) children.push_back(&s);
+  }
+  Watch watch(children);
 
   // Warm-up: the first request between a Prefill and a Decode instance connects their
   // engines (and maps Prefill's KV into Decode); that one-time cost is kept out of the
@@ -462,7 +577,7 @@ Expected<DemoSummary> run_demo_once(const DemoOptions& options) {
       const int n = static_cast<int>(i * decode.size() + j);
       Request warm{
           "warmup-" + std::to_string(n), {std::vector<int64_t>(o.block_size, 7 + n)}, false};
-      const ClientRecord r = send(pair ? pair->url() : proxy->origin, warm, o);
+      const ClientRecord r = send(pair ? pair->url() : proxy->origin, warm, o, watch);
       if (!r.ok) return fail("warm-up request failed: " + r.error);
     }
   }
@@ -482,7 +597,7 @@ Expected<DemoSummary> run_demo_once(const DemoOptions& options) {
     clients.emplace_back([&] {
       // After the first failure no new request leaves: the run has failed already.
       for (size_t i; failed == 0 && (i = next++) < requests.size();) {
-        records[i] = send(proxy->origin, requests[i], o);
+        records[i] = send(proxy->origin, requests[i], o, watch);
         if (!records[i].ok) {
           ++failed;
           std::fprintf(stderr, "rd2h demo: request %s failed: %s\n", records[i].id.c_str(),
@@ -515,9 +630,11 @@ Expected<DemoSummary> run_demo_once(const DemoOptions& options) {
   }
   progress_cv.notify_all();
   progress.join();
+  watch.stop();  // from here on the processes are this thread's
 
   std::vector<EngineTrace> traces;
   std::vector<std::string> errors;
+  if (const std::string death = watch.death(); !death.empty()) errors.push_back(death);
   // A failed run has no figures worth waiting for: an engine stuck on a dead peer answers
   // its report only once its own deadlines fire.
   for (const auto& [servers, role, tp] : {std::tuple{&prefill, "prefill", o.prefill_tp},

@@ -52,6 +52,9 @@ struct DemoOptions {
   uint32_t timeout_s = 600;
   // Output
   std::string trace_file;
+  // The engines record their timeline, which the summary's transfer figures come from; off,
+  // the summary has the client's figures only.
+  bool timeline = true;
   bool quiet = false;
   int test_corrupt_layer = -1;  // test only: see sim::EngineConfig
 };

@@ -52,6 +52,8 @@ struct EngineRequest {
   std::string ext_id;          // the id both sides share (the client's, per prompt)
   uint64_t max_tokens = 16;
   std::vector<int64_t> blocks;
+  // Decode: a later prompt of a list, admitted only together with the prompts before it.
+  bool admit_with_previous = false;
   uint64_t computed = 0;   // prompt tokens with KV
   uint64_t generated = 0;  // Decode
   enum class State { kWaitingRemote, kVerifying, kRunning } state = State::kRunning;
@@ -98,7 +100,11 @@ struct Engine::Impl {
   std::thread core;
 
   std::vector<int64_t> free_blocks;
-  std::deque<std::shared_ptr<EngineRequest>> waiting_blocks;  // admitted once blocks free up
+  // Admitted once blocks free up, first come first served. On Decode a prompt list is one
+  // entry: it gets blocks for all its prompts at once or none, since Prefill starts only once
+  // every prompt has its blocks, and a list holding some while waiting for the rest could
+  // wait on blocks that only requests behind it would free.
+  std::deque<std::vector<std::shared_ptr<EngineRequest>>> waiting_blocks;
   std::vector<std::shared_ptr<EngineRequest>> active;
   std::map<std::string, std::shared_ptr<EngineRequest>> verifying;  // by ext id
 
@@ -111,10 +117,17 @@ struct Engine::Impl {
     return (r.request.num_prompt_tokens + config.model.block_size - 1) / config.model.block_size;
   }
   size_t blocks_needed(const EngineRequest& r) const {
-    return (r.request.num_prompt_tokens + (prefill ? 0 : r.max_tokens) + config.model.block_size -
-            1) /
+    return blocks_needed(r.request.num_prompt_tokens, r.max_tokens);
+  }
+  size_t blocks_needed(uint64_t prompt_tokens, uint64_t max_tokens) const {
+    return (prompt_tokens + (prefill ? 0 : max_tokens) + config.model.block_size - 1) /
            config.model.block_size;
   }
+  // Why prompts that must hold blocks at once can never get them here (more than the
+  // engine has at all), if so.
+  std::optional<std::string> never_fits(
+      const std::vector<std::pair<std::string, std::vector<int64_t>>>& prompts,
+      uint64_t max_tokens) const;
   // Runs `job` on every rank, then takes what their verifiers finished.
   Expected<std::vector<json>> call_ranks(const json& job) {
     auto replies = ranks->call_all(job, job_timeout());
@@ -136,6 +149,29 @@ struct Engine::Impl {
   Status verify(const std::shared_ptr<EngineRequest>& r);
   void decode_token(EngineRequest& r);
 };
+
+std::optional<std::string> Engine::Impl::never_fits(
+    const std::vector<std::pair<std::string, std::vector<int64_t>>>& prompts,
+    uint64_t max_tokens) const {
+  const std::string capacity =
+      ", and the engine has " + std::to_string(config.model.num_blocks) + " blocks in all";
+  // Prefill computes the prompts of a list one after another; Decode holds them all at once.
+  if (prefill || prompts.size() == 1) {
+    for (const auto& [id, tokens] : prompts) {
+      const size_t need = blocks_needed(tokens.size(), max_tokens);
+      if (need > config.model.num_blocks) {
+        return "request " + id + " needs " + std::to_string(need) + " blocks of KV cache" +
+               capacity;
+      }
+    }
+    return std::nullopt;
+  }
+  size_t need = 0;
+  for (const auto& [id, tokens] : prompts) need += blocks_needed(tokens.size(), max_tokens);
+  if (need <= config.model.num_blocks) return std::nullopt;
+  return "the list of " + std::to_string(prompts.size()) + " prompts needs " +
+         std::to_string(need) + " blocks of KV cache at once" + capacity;
+}
 
 json Engine::Impl::blocks_json(const EngineRequest& r, size_t first, size_t last) const {
   const uint64_t bs = config.model.block_size;
@@ -197,6 +233,7 @@ Status Engine::Impl::init() {
                {"compute_ns_per_token", config.compute_ns_per_token},
                {"compute_min_layer_us", config.compute_min_layer_us},
                {"corrupt_layer", config.test_corrupt_layer},
+               {"fault_rank", config.test_fault_rank},
                {"host", config.connector.host}};
   if (pool) init["pool"] = pool->name();
   // Decode rank 0 binds the group's all-gather before the others connect to it.
@@ -224,6 +261,7 @@ Status Engine::Impl::init() {
   }
   if (pool) pool->unlink();  // every rank mapped it: nothing is left behind after a crash
   for (int64_t b = static_cast<int64_t>(m.num_blocks) - 1; b >= 0; --b) free_blocks.push_back(b);
+  stats.free_blocks = m.num_blocks;
   return Status::ok();
 }
 
@@ -453,34 +491,45 @@ void Engine::Impl::run_core() {
       for (auto& d : drains) d.set_value();
       drains.clear();
     }
+    // A list's prompts were queued together, so they are together in `fresh`.
     for (auto& r : fresh) {
-      const size_t need = blocks_needed(*r);
-      if (need > config.model.num_blocks) {
-        complete(r, {false, "",
-                     "the request needs " + std::to_string(need) + " blocks, the engine has " +
-                         std::to_string(config.model.num_blocks)});
-        continue;
-      }
-      waiting_blocks.push_back(r);
+      if (!r->admit_with_previous || waiting_blocks.empty()) waiting_blocks.emplace_back();
+      waiting_blocks.back().push_back(r);
     }
     // First come, first served: a large request is not starved by smaller ones behind it.
     while (!waiting_blocks.empty()) {
-      auto& r = waiting_blocks.front();
-      if (blocks_needed(*r) > free_blocks.size()) break;
-      auto next = r;
+      size_t need = 0;
+      for (const auto& r : waiting_blocks.front()) need += blocks_needed(*r);
+      if (need > free_blocks.size() && need <= config.model.num_blocks) break;
+      auto next = std::move(waiting_blocks.front());
       waiting_blocks.pop_front();
-      admit(next);
+      for (auto& r : next) {
+        if (need > config.model.num_blocks) {  // serve() refuses these; nothing may wait on them
+          complete(r, {false, "",
+                       "needs " + std::to_string(need) + " blocks, the engine has " +
+                           std::to_string(config.model.num_blocks)});
+        } else {
+          admit(r);
+        }
+      }
     }
     if (Status st = step(); !st) {
       for (auto r : std::vector<std::shared_ptr<EngineRequest>>(active)) {
         complete(r, {false, "", st.message()});
       }
     }
+    size_t waiting = 0;
+    for (const auto& group : waiting_blocks) waiting += group.size();
+    std::lock_guard lock(mu);
+    stats.free_blocks = free_blocks.size();
+    stats.waiting_for_blocks = waiting;
   }
   for (auto r : std::vector<std::shared_ptr<EngineRequest>>(active)) {
     complete(r, {false, "", "the engine is stopping"});
   }
-  for (auto& r : waiting_blocks) complete(r, {false, "", "the engine is stopping"});
+  for (auto& group : waiting_blocks) {
+    for (auto& r : group) complete(r, {false, "", "the engine is stopping"});
+  }
   waiting_blocks.clear();
   std::lock_guard lock(mu);
   for (auto& d : event_drains) d.set_value();
@@ -536,6 +585,7 @@ void Engine::Impl::serve(const httplib::Request& req, httplib::Response& res, bo
     }
   }
   const uint64_t max_tokens = std::max<int64_t>(1, body.value("max_tokens", 16));
+  if (auto why = never_fits(children, max_tokens)) return fail(400, *why);
   std::vector<std::shared_ptr<EngineRequest>> requests;
   std::vector<std::shared_future<Result>> results;
   {
@@ -555,6 +605,7 @@ void Engine::Impl::serve(const httplib::Request& req, httplib::Response& res, bo
       r->request.prompt_token_ids = std::move(tokens);
       r->request.params = params;
       r->max_tokens = max_tokens;
+      r->admit_with_previous = !prefill && !requests.empty();
       results.push_back(r->done.get_future().share());
       requests.push_back(r);
       incoming.push_back(std::move(r));

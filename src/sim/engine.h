@@ -53,6 +53,9 @@ struct EngineConfig {
   // Test only: Prefill flips one byte of the first request's KV in this layer (-1: never),
   // so that a verifying Decode must fail it.
   int test_corrupt_layer = -1;
+  // Test only: this TP rank overflows its stack at its first step (-1: none), as a rank
+  // faulting on bad input would.
+  int test_fault_rank = -1;
 };
 
 struct EngineStats {
@@ -61,7 +64,9 @@ struct EngineStats {
   uint64_t prefill_chunks = 0;
   uint64_t verified_blocks = 0;  // Decode: blocks whose every byte matched
   uint64_t failed_requests = 0;
-  bool main_pool_locked = false;  // Decode: the shared pool is locked in memory
+  uint64_t free_blocks = 0;         // after the last step
+  uint64_t waiting_for_blocks = 0;  // requests queued until their blocks are free
+  bool main_pool_locked = false;    // Decode: the shared pool is locked in memory
 };
 
 class Engine {

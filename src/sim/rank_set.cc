@@ -27,6 +27,9 @@ Expected<std::unique_ptr<RankSet>> RankSet::start(const std::string& executable,
   set->router_ = std::move(*router);
   Subprocess::Options options;
   options.inherit_stdout = true;
+  // A rank that faults must die, so that this core sees it gone: UCX's own handlers of
+  // SIGSEGV and the like (installed when its library loads) can leave the process hung.
+  options.extra_env = {std::string(kUcxErrorSignalsOff)};
   for (int k = 0; k < size; ++k) {
     auto p = Subprocess::spawn({executable, "worker", "--core", set->router_->url(), "--rank",
                                 std::to_string(k), "--core-pid", std::to_string(getpid())},

@@ -9,6 +9,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <deque>
+#include <limits>
 #include <mutex>
 #include <optional>
 #include <thread>
@@ -55,6 +56,14 @@ struct Blocks {
   }
 };
 
+// Recurses until the stack runs out (the frames cannot be optimised away).
+size_t overflow_stack(size_t depth) {
+  volatile char frame[4096];
+  frame[0] = static_cast<char>(depth);
+  if (depth == 0) return static_cast<size_t>(frame[0]);
+  return overflow_stack(depth - 1) + static_cast<size_t>(frame[depth % sizeof(frame)]);
+}
+
 class Rank {
  public:
   Status init(const json& j);
@@ -91,6 +100,7 @@ class Rank {
   uint64_t min_layer_us_ = 0;
   int corrupt_layer_ = -1;
   bool corrupted_ = false;
+  bool fault_ = false;              // test only: overflow the stack at the first step
   std::byte* kv_ = nullptr;         // Prefill: engine-allocated layer buffers
   std::optional<SharedPool> pool_;  // Decode: the main pool the ranks share
   Aligned indexer_;
@@ -140,6 +150,7 @@ Status Rank::init(const json& j) {
   ns_per_token_ = j.value("compute_ns_per_token", uint64_t{0});
   min_layer_us_ = j.value("compute_min_layer_us", uint64_t{0});
   corrupt_layer_ = j.value("corrupt_layer", -1);
+  fault_ = j.value("fault_rank", -1) == rank_;
 
   transfer::EngineConfig ec;
   ec.role = prefill_ ? transfer::Role::kPrefill : transfer::Role::kDecode;
@@ -216,6 +227,7 @@ Status Rank::compute_layers(const json& j, const std::vector<Blocks>& writes,
 }
 
 json Rank::step(const json& j) {
+  if (fault_) overflow_stack(std::numeric_limits<size_t>::max());
   const auto& bin = j.at("meta").get_binary();
   std::vector<std::byte> meta(bin.size());
   std::memcpy(meta.data(), bin.data(), bin.size());

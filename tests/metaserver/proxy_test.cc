@@ -216,6 +216,20 @@ TEST_F(ProxyTest, AFailedPrefillDispatchFailsTheClientRequestWith502) {
   EXPECT_EQ(proxy_->stats().prefill_failures, 1u);
 }
 
+TEST_F(ProxyTest, APrefillThatIsGoneFailsTheClientRequestWithinASecond) {
+  start();
+  prefill_.clear();  // its port refuses connections now, as a killed engine's does
+  const auto begin = std::chrono::steady_clock::now();
+  auto r = client_post("/v1/completions", {{"model", "m"}, {"prompt", "hello"}});
+  const auto took = std::chrono::steady_clock::now() - begin;
+  ASSERT_TRUE(r) << httplib::to_string(r.error());
+  EXPECT_EQ(r->status, 502);
+  EXPECT_NE(r->body.find("did not answer: Connection"), std::string::npos) << r->body;
+  // Decode here would wait 30 s for KV that never comes: the proxy cuts its request. The
+  // bound is the second, with slack for sanitizers.
+  EXPECT_LT(took, 5s);
+}
+
 TEST_F(ProxyTest, AnUnknownRendezvousIs404AndOversizedOrBrokenBodiesAreRefused) {
   start();
   httplib::Client meta(proxy_->metaserver_url().substr(0, proxy_->metaserver_url().find("/v1")));

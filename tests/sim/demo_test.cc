@@ -163,6 +163,45 @@ TEST(Demo, ADecodeRankKilledMidRunFailsTheRunInsteadOfHanging) {
   EXPECT_NE(output.find("rd2h demo: FAILED: "), std::string::npos) << output;
 }
 
+TEST(Demo, APrefillEngineKilledMidRunIsNamedWithinASecondAndFailsTheRun) {
+  Subprocess::Options options;
+  options.merge_stderr = true;
+  auto demo = Subprocess::spawn(
+      {RD2H_BINARY, "demo", "--config", kSmall, "--requests", "2000", "--timeout", "60"}, options);
+  ASSERT_TRUE(demo) << demo.status().to_string();
+  std::string output;
+  for (;;) {
+    auto line = demo->read_line(std::chrono::seconds(60));
+    ASSERT_TRUE(line) << output;
+    output += *line + "\n";
+    if (line->find("requests") != std::string::npos && line->find(" s ") != std::string::npos)
+      break;
+  }
+  pid_t victim = 0;
+  for (pid_t engine : children_of(demo->pid())) {
+    if (command_of(engine).find(" prefill ") != std::string::npos) victim = engine;
+  }
+  ASSERT_NE(victim, 0) << "no Prefill engine among the demo's processes";
+  ASSERT_EQ(::kill(victim, SIGKILL), 0);
+  const auto killed = std::chrono::steady_clock::now();
+  // The bound is a second; the slack is for sanitizers on a loaded machine.
+  const std::string notice = "Prefill 0 (pid " + std::to_string(victim) + ") ended with signal 9";
+  for (;;) {
+    auto line = demo->read_line(std::chrono::seconds(5));
+    ASSERT_TRUE(line) << "the demo did not name the dead Prefill in time:\n" << output;
+    output += *line + "\n";
+    if (line->find(notice) != std::string::npos) break;
+  }
+  EXPECT_LT(std::chrono::steady_clock::now() - killed, std::chrono::seconds(5)) << output;
+  auto rest = demo->read_all(std::chrono::seconds(60));
+  ASSERT_TRUE(rest) << "the demo did not end: " << rest.status().to_string();
+  output += *rest;
+  auto status = demo->wait(std::chrono::seconds(30));
+  ASSERT_TRUE(status);
+  EXPECT_TRUE(WIFEXITED(*status) && WEXITSTATUS(*status) != 0) << output;
+  EXPECT_NE(output.find("rd2h demo: FAILED: " + notice), std::string::npos) << output;
+}
+
 TEST(Demo, BadSettingsAreRefusedBeforeAnythingStarts) {
   ToolRun run = run_rd2h({"demo", "--max-tokens", "20000", "--num-blocks", "64"});
   EXPECT_NE(run.exit_code, 0);
