@@ -3,6 +3,8 @@
 #include <cstring>
 #include <nlohmann/json.hpp>
 
+#include "protocol/messages.h"
+
 namespace rd2h::connector {
 
 using nlohmann::ordered_json;
@@ -113,6 +115,9 @@ std::vector<std::byte> encode(const ConnectorMetadata& m) {
 }
 
 Expected<ConnectorMetadata> decode_metadata(std::span<const std::byte> bytes) {
+  // nlohmann's msgpack reader recurses once per level: the nesting is checked first.
+  RD2H_RETURN_IF_ERROR(
+      protocol::check_msgpack_bounds(bytes, protocol::kMaxNestingDepth, "connector metadata"));
   auto j = ordered_json::from_msgpack(reinterpret_cast<const uint8_t*>(bytes.data()),
                                       reinterpret_cast<const uint8_t*>(bytes.data()) + bytes.size(),
                                       /*strict=*/true, /*allow_exceptions=*/false);

@@ -2,13 +2,18 @@
 
 #include <atomic>
 #include <cstring>
+#include <map>
 #include <mutex>
 #include <zmq.hpp>
 
 #include "control/zap.h"
+#include "protocol/messages.h"
 #include "rd2h/common/deadline.h"
 
 namespace rd2h::control {
+
+static_assert(kMaxFrameBytes == protocol::kMaxMessageBytes,
+              "a control frame carries exactly one protocol message");
 
 struct Context::Impl {
   zmq::context_t ctx{1};
@@ -17,8 +22,12 @@ struct Context::Impl {
 };
 
 struct RouterChannel::Impl {
+  explicit Impl(zmq::socket_t s) : socket(std::move(s)) {}
   zmq::socket_t socket;
-  std::string zap_domain;  // of a secured ROUTER
+  std::string zap_domain;                     // of a secured ROUTER
+  zmq::socket_t monitor;                      // PAIR receiving the ROUTER's disconnect events
+  std::map<int, std::string> identity_of_fd;  // the connection each identity spoke on
+  std::vector<std::string> gone;              // identities whose connection closed
 };
 
 struct DealerChannel::Impl {
@@ -71,8 +80,45 @@ std::chrono::milliseconds remaining(const Deadline& d) {
 
 void set_common_options(zmq::socket_t& s) {
   s.set(zmq::sockopt::linger, 0);
+  // A frame larger than any legal message closes its connection as soon as its header is
+  // read, before anything is allocated for it.
+  s.set(zmq::sockopt::maxmsgsize, static_cast<int64_t>(kMaxFrameBytes));
   s.set(zmq::sockopt::sndhwm, 0);
   s.set(zmq::sockopt::rcvhwm, 0);
+}
+
+// Watches a socket's disconnects through a PAIR connected to its monitor.
+Status watch_disconnects(zmq::context_t& ctx, zmq::socket_t& socket, zmq::socket_t& monitor,
+                         const std::string& what) {
+  static std::atomic<uint64_t> monitors{0};
+  const std::string name = "inproc://rd2h-monitor-" + std::to_string(monitors++);
+  if (zmq_socket_monitor(socket.handle(), name.c_str(), ZMQ_EVENT_DISCONNECTED) != 0) {
+    return unreachable("cannot monitor the control " + what + ": " + zmq_strerror(zmq_errno()));
+  }
+  monitor = zmq::socket_t(ctx, zmq::socket_type::pair);
+  monitor.set(zmq::sockopt::linger, 0);
+  monitor.connect(name);
+  return Status::ok();
+}
+
+// The file descriptors of connections that closed, as the monitor reported them.
+std::vector<int> disconnected_fds(zmq::socket_t& monitor) {
+  std::vector<int> fds;
+  for (;;) {
+    zmq::message_t event;
+    if (!monitor.recv(event, zmq::recv_flags::dontwait)) break;
+    if (event.size() >= 6) {
+      uint16_t id = 0;
+      uint32_t value = 0;
+      std::memcpy(&id, event.data(), sizeof(id));
+      std::memcpy(&value, static_cast<const char*>(event.data()) + 2, sizeof(value));
+      if (id == ZMQ_EVENT_DISCONNECTED) fds.push_back(static_cast<int>(value));
+    }
+    while (event.more()) {  // the event's second frame: the endpoint
+      if (!monitor.recv(event, zmq::recv_flags::dontwait)) break;
+    }
+  }
+  return fds;
 }
 
 }  // namespace
@@ -94,6 +140,7 @@ RouterChannel::RouterChannel(std::shared_ptr<Context> context, std::unique_ptr<I
     : context_(std::move(context)), impl_(std::move(impl)), url_(std::move(url)) {}
 
 RouterChannel::~RouterChannel() {
+  if (impl_) zmq_socket_monitor(impl_->socket.handle(), nullptr, 0);
   if (impl_ && !impl_->zap_domain.empty()) {
     std::lock_guard lock(context_->impl().zap_mu);
     if (context_->impl().zap) context_->impl().zap->remove_domain(impl_->zap_domain);
@@ -137,11 +184,13 @@ Expected<std::unique_ptr<RouterChannel>> RouterChannel::bind(
                 : endpoint_url(host, port);
   try {
     auto impl =
-        std::make_unique<Impl>(Impl{zmq::socket_t(context->impl().ctx, zmq::socket_type::router), {}});
+        std::make_unique<Impl>(zmq::socket_t(context->impl().ctx, zmq::socket_type::router));
     set_common_options(impl->socket);
     if (security) {
       RD2H_RETURN_IF_ERROR(secure_server(context->impl(), impl->socket, *security, impl->zap_domain));
     }
+    RD2H_RETURN_IF_ERROR(
+        watch_disconnects(context->impl().ctx, impl->socket, impl->monitor, "ROUTER at " + url));
     impl->socket.set(zmq::sockopt::router_mandatory, 1);
     if (host.find(':') != std::string::npos) impl->socket.set(zmq::sockopt::ipv6, 1);
     impl->socket.bind(url);
@@ -160,12 +209,37 @@ Expected<std::optional<Inbound>> RouterChannel::receive(std::chrono::millisecond
     if (!frames) return frames.status();
     if (!frames->has_value()) return std::optional<Inbound>{};
     auto& f = **frames;
+    // Disconnects reported so far are settled first: a closed connection's descriptor may
+    // be reused by the connection this message came on.
+    note_disconnects();
+    if (const int fd = f.back().get(ZMQ_SRCFD); fd >= 0) {
+      impl_->identity_of_fd[fd] = f[0].to_string();
+    }
     const zmq::message_t* payload = f.size() >= 2 ? single_payload(f, 1) : nullptr;
     if (payload != nullptr) {
       return std::optional<Inbound>(Inbound{f[0].to_string(), to_bytes(*payload)});
     }
     ++dropped_;
   }
+}
+
+void RouterChannel::note_disconnects() {
+  try {
+    for (int fd : disconnected_fds(impl_->monitor)) {
+      auto it = impl_->identity_of_fd.find(fd);
+      if (it == impl_->identity_of_fd.end()) continue;
+      impl_->gone.push_back(std::move(it->second));
+      impl_->identity_of_fd.erase(it);
+    }
+  } catch (const zmq::error_t&) {
+  }
+}
+
+std::vector<std::string> RouterChannel::take_disconnected() {
+  note_disconnects();
+  std::vector<std::string> gone;
+  gone.swap(impl_->gone);
+  return gone;
 }
 
 Status RouterChannel::send(const std::string& identity, std::span<const std::byte> payload) {
@@ -302,6 +376,24 @@ Expected<std::vector<bool>> wait_readable(const std::vector<DealerChannel*>& dea
     ready[slot] = (items[i].revents & ZMQ_POLLIN) != 0;
   }
   return ready;
+}
+
+Expected<std::unique_ptr<RouterChannel>> RouterChannel::bind_ipc(std::shared_ptr<Context> context,
+                                                                 const std::string& path) {
+  const std::string url = "ipc://" + path;
+  try {
+    auto impl =
+        std::make_unique<Impl>(zmq::socket_t(context->impl().ctx, zmq::socket_type::router));
+    set_common_options(impl->socket);
+    RD2H_RETURN_IF_ERROR(
+        watch_disconnects(context->impl().ctx, impl->socket, impl->monitor, "ROUTER at " + url));
+    impl->socket.set(zmq::sockopt::router_mandatory, 1);
+    impl->socket.bind(url);
+    return std::unique_ptr<RouterChannel>(
+        new RouterChannel(std::move(context), std::move(impl), url));
+  } catch (const zmq::error_t& e) {
+    return unreachable("cannot bind the control ROUTER at " + url + ": " + e.what());
+  }
 }
 
 }  // namespace rd2h::control

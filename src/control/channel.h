@@ -17,6 +17,10 @@
 
 namespace rd2h::control {
 
+// The largest frame any control socket accepts (ZMQ_MAXMSGSIZE): the largest protocol
+// message. A peer sending more loses its connection; nothing is allocated for the frame.
+inline constexpr size_t kMaxFrameBytes = 64u << 20;
+
 // "tcp://host:port", with an IPv6 host in brackets.
 std::string endpoint_url(const std::string& host, int port);
 
@@ -46,6 +50,10 @@ class RouterChannel {
   static Expected<std::unique_ptr<RouterChannel>> bind(
       std::shared_ptr<Context> context, const std::string& host, int port,
       const std::optional<ServerSecurity>& security = std::nullopt);
+  // Binds a Unix socket at `path` ("ipc://path"): for a process's own children, in a
+  // directory only its user can enter.
+  static Expected<std::unique_ptr<RouterChannel>> bind_ipc(std::shared_ptr<Context> context,
+                                                           const std::string& path);
   ~RouterChannel();
   RouterChannel(const RouterChannel&) = delete;
   RouterChannel& operator=(const RouterChannel&) = delete;
@@ -61,12 +69,17 @@ class RouterChannel {
   // (MF_META) must be said again, and answers owed on it will not come.
   bool connection_lost();
 
+  // Identities whose connection closed since the last call (each once): what was kept
+  // for them can go. Only identities that sent something are known.
+  std::vector<std::string> take_disconnected();
+
   const std::string& url() const { return url_; }
   size_t dropped() const { return dropped_; }
 
   struct Impl;
 
  private:
+  void note_disconnects();
   RouterChannel(std::shared_ptr<Context> context, std::unique_ptr<Impl> impl, std::string url);
   std::shared_ptr<Context> context_;
   std::unique_ptr<Impl> impl_;

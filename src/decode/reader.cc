@@ -121,6 +121,12 @@ void Reader::run() {
     } else if (in->has_value()) {
       handle(**in);
     }
+    // A connection that closed takes its state along: MF_META, held readiness.
+    for (const auto& gone : router_->take_disconnected()) {
+      if (peers_.count(gone) || held_.count(gone)) {
+        drop_peer(gone, "the connection closed");
+      }
+    }
     if (held_count_ > 0) drain_held();
   }
 }
@@ -137,8 +143,8 @@ void Reader::drain_held() {
   for (auto it = held_.begin(); it != held_.end();) {
     auto& queue = it->second;
     while (!queue.empty()) {
-      bool ready;
-      {
+      bool ready = !queue.front().refusal.empty();
+      if (!ready) {
         std::lock_guard lock(mu_);
         ready = destinations_known(queue.front().ready);
       }
@@ -149,8 +155,13 @@ void Reader::drain_held() {
       {
         std::lock_guard lock(mu_);
         stats_.held_now = held_count_;
+        if (!h.refusal.empty()) ++stats_.layers_failed;
       }
-      handle_ready(it->first, h.ready);
+      if (!h.refusal.empty()) {
+        reply(it->first, protocol::encode(protocol::ReadFailed{h.ready.layer_idx, h.refusal}));
+      } else {
+        handle_ready(it->first, h.ready);
+      }
     }
     it = queue.empty() ? held_.erase(it) : std::next(it);
   }
@@ -164,14 +175,38 @@ void Reader::reply(const std::string& identity, const std::vector<std::byte>& pa
 void Reader::handle(const control::Inbound& in) {
   auto message = protocol::decode_message(in.payload);
   if (!message) {
-    std::lock_guard lock(mu_);
-    ++stats_.messages_rejected;
+    {
+      std::lock_guard lock(mu_);
+      ++stats_.messages_rejected;
+    }
+    const std::string why = message.status().message();
     // Answer whatever can be answered: Prefill waits for a reply to every readiness.
     if (auto layer = protocol::salvage_layer_index(in.payload)) {
-      ++stats_.layers_failed;
-      reply(in.identity,
-            protocol::encode(protocol::ReadFailed{*layer, message.status().message()}));
+      // In its turn: behind what this connection has held, so replies keep their order.
+      auto queue = held_.find(in.identity);
+      if (queue != held_.end() && !queue->second.empty() && held_count_ < config_.max_held) {
+        protocol::ReadReadyBatch failed;
+        failed.layer_idx = *layer;
+        queue->second.push_back({std::move(failed), std::chrono::steady_clock::now(), why});
+        ++held_count_;
+        std::lock_guard lock(mu_);
+        stats_.held_now = held_count_;
+        return;
+      }
+      {
+        std::lock_guard lock(mu_);
+        ++stats_.layers_failed;
+      }
+      reply(in.identity, protocol::encode(protocol::ReadFailed{*layer, why}));
+      return;
     }
+    if (protocol::peek_tag(in.payload) == std::optional<std::string>("mf_meta")) {
+      return refuse_mf_meta(in.identity, why);
+    }
+    // Nothing to answer for: the connection cannot be trusted to stay in step. What it owes
+    // is failed, its MF_META forgotten, and it is told, so Prefill fails at once.
+    drop_peer(in.identity, "message refused: " + why +
+                               "; this connection's MF_META and held readiness are dropped");
     return;
   }
   if (auto* meta = std::get_if<protocol::MfMeta>(&*message)) {
@@ -179,18 +214,30 @@ void Reader::handle(const control::Inbound& in) {
   } else if (auto* ready = std::get_if<protocol::ReadReadyBatch>(&*message)) {
     // Behind a held message, or naming a request Decode does not know yet: hold it.
     auto queue = held_.find(in.identity);
-    bool hold = queue != held_.end() && !queue->second.empty();
-    if (!hold && held_count_ < config_.max_held) {
+    const size_t mine = queue != held_.end() ? queue->second.size() : 0;
+    const bool room = held_count_ < config_.max_held && mine < config_.max_held_per_peer;
+    bool hold = mine > 0;
+    if (!hold && room) {
       std::lock_guard lock(mu_);
       hold = !destinations_known(*ready);
     }
-    if (hold && held_count_ < config_.max_held) {
-      held_[in.identity].push_back({std::move(*ready), std::chrono::steady_clock::now()});
+    if (hold && room) {
+      held_[in.identity].push_back({std::move(*ready), std::chrono::steady_clock::now(), {}});
       ++held_count_;
       std::lock_guard lock(mu_);
       ++stats_.readiness_held;
       stats_.held_now = held_count_;
       return;
+    }
+    if (mine > 0) {
+      // Its turn is behind held messages there is no room to join: answering now would
+      // break the order of replies, so the connection is dropped.
+      return drop_peer(in.identity,
+                       "Decode rank " + std::to_string(config_.d_rank) + " holds " +
+                           std::to_string(mine) + " readiness of this connection (limit " +
+                           std::to_string(config_.max_held_per_peer) + " per connection, " +
+                           std::to_string(config_.max_held) + " in all)",
+                       ready);
     }
     handle_ready(in.identity, *ready);
   } else {
@@ -199,16 +246,52 @@ void Reader::handle(const control::Inbound& in) {
   }
 }
 
-void Reader::handle_mf_meta(const std::string& identity, const protocol::MfMeta& meta) {
-  auto refuse = [&](const Status& why) {
-    {
-      std::lock_guard lock(mu_);
-      ++stats_.messages_rejected;
+void Reader::refuse_mf_meta(const std::string& identity, const std::string& why) {
+  {
+    std::lock_guard lock(mu_);
+    ++stats_.messages_rejected;
+  }
+  // MF_META has no negative answer: a READ_FAILED for layer 0 tells an rd2h Prefill why
+  // no ACK comes; the existing Python Prefill times out waiting for the ACK.
+  reply(identity, protocol::encode(protocol::ReadFailed{0, "MF_META refused: " + why}));
+}
+
+void Reader::drop_peer(const std::string& identity, const std::string& why,
+                       const protocol::ReadReadyBatch* last) {
+  if (auto queue = held_.find(identity); queue != held_.end()) {
+    for (auto& h : queue->second) {
+      {
+        std::lock_guard lock(mu_);
+        ++stats_.layers_failed;
+        for (const auto& req : h.ready.read_reqs) tracker_.on_failed(req.ext_id);
+        for (const auto& ext_id : h.ready.done_ext_ids) tracker_.on_failed(ext_id);
+      }
+      reply(identity, protocol::encode(protocol::ReadFailed{h.ready.layer_idx, why}));
     }
-    // MF_META has no negative answer: a READ_FAILED for layer 0 tells an rd2h Prefill why
-    // no ACK comes; the existing Python Prefill times out waiting for the ACK.
-    reply(identity, protocol::encode(protocol::ReadFailed{0, "MF_META refused: " + why.message()}));
-  };
+    held_count_ -= queue->second.size();
+    held_.erase(queue);
+    std::lock_guard lock(mu_);
+    stats_.held_now = held_count_;
+  }
+  peers_.erase(identity);
+  {
+    std::lock_guard lock(mu_);
+    stats_.connections = peers_.size();
+  }
+  if (last != nullptr) {
+    std::lock_guard lock(mu_);
+    ++stats_.layers_failed;
+    for (const auto& req : last->read_reqs) tracker_.on_failed(req.ext_id);
+    for (const auto& ext_id : last->done_ext_ids) tracker_.on_failed(ext_id);
+  }
+  // Without a readiness to answer, layer 0: not a layer this connection waits on first
+  // unless it is owed anyway; an rd2h Prefill fails the whole connection on an answer out
+  // of turn and reconnects with MF_META.
+  reply(identity, protocol::encode(protocol::ReadFailed{last ? last->layer_idx : 0, why}));
+}
+
+void Reader::handle_mf_meta(const std::string& identity, const protocol::MfMeta& meta) {
+  auto refuse = [&](const Status& why) { refuse_mf_meta(identity, why.message()); };
   if (Status st = protocol::check_compatible(meta); !st) return refuse(st);
   if (meta.backend_name != engine_->backend_name()) {
     return refuse(failed_precondition("Prefill's transfer backend is '" + meta.backend_name +
@@ -225,6 +308,10 @@ void Reader::handle_mf_meta(const std::string& identity, const protocol::MfMeta&
   if (!session) return refuse(session.status().with_context("connecting to " + meta.p_session));
   peer.session = std::move(*session);
   peers_[identity] = std::move(peer);
+  {
+    std::lock_guard lock(mu_);
+    stats_.connections = peers_.size();
+  }
   reply(identity,
         std::vector<std::byte>(reinterpret_cast<const std::byte*>(protocol::kAckPayload.data()),
                                reinterpret_cast<const std::byte*>(protocol::kAckPayload.data()) +

@@ -38,11 +38,13 @@ struct ReaderConfig {
   std::chrono::milliseconds poll_interval{20};
   // A readiness naming a request whose destinations Decode has not registered yet is held
   // (with the connection's later messages, to keep replies in order) until they are, for
-  // at most hold_timeout, and at most max_held messages in all.
+  // at most hold_timeout, and at most max_held messages in all, max_held_per_peer of one
+  // connection (so that one Prefill cannot take every place).
   std::chrono::milliseconds hold_timeout{5000};
   size_t max_held = 1024;
   // With keys, only Prefill clients whose CURVE key is trusted get through.
   std::optional<control::ServerSecurity> security;
+  size_t max_held_per_peer = 256;
 };
 
 struct ReaderStats {
@@ -51,6 +53,7 @@ struct ReaderStats {
   uint64_t messages_rejected = 0;
   uint64_t readiness_held = 0;  // ever held for destinations
   size_t held_now = 0;
+  size_t connections = 0;   // Prefill connections whose MF_META this rank keeps
   uint64_t reads = 0;       // batched engine reads done
   uint64_t bytes_read = 0;  // by reads that succeeded
   uint64_t read_ns = 0;     // time spent inside the engine's batched reads
@@ -103,6 +106,12 @@ class Reader {
   void drain_held();
   bool destinations_known(const protocol::ReadReadyBatch& ready) const;  // caller holds mu_
   void handle_mf_meta(const std::string& identity, const protocol::MfMeta& meta);
+  void refuse_mf_meta(const std::string& identity, const std::string& why);
+  // Forgets a connection that sent what cannot be answered: fails what it has held, drops
+  // its MF_META and tells it (answering `last`, if given, as the final READ_FAILED), so that
+  // its Prefill fails at once rather than at a deadline.
+  void drop_peer(const std::string& identity, const std::string& why,
+                 const protocol::ReadReadyBatch* last = nullptr);
   void handle_ready(const std::string& identity, const protocol::ReadReadyBatch& ready);
   // Reads the layer; the error explains why it was not read.
   Status read_layer(const std::string& identity, const protocol::ReadReadyBatch& ready);
@@ -116,6 +125,7 @@ class Reader {
   struct Held {
     protocol::ReadReadyBatch ready;
     std::chrono::steady_clock::time_point since;
+    std::string refusal;  // set: a readiness that could not be decoded, answered READ_FAILED
   };
   std::map<std::string, std::deque<Held>> held_;  // by ZMQ identity; reader thread only
   size_t held_count_ = 0;

@@ -225,19 +225,8 @@ Expected<msgpack::object_handle> parse(std::span<const std::byte> bytes, const s
   }
 }
 
-Expected<std::vector<int64_t>> block_ids(const Field& f) {
-  RD2H_TRY(items, f.array(0, kMaxArrayItems));
-  std::vector<int64_t> ids;
-  ids.reserve(items.size());
-  for (const auto& item : items) {
-    RD2H_TRY(id, item.integer(0, kMaxBlockId));
-    ids.push_back(id);
-  }
-  return ids;
-}
-
 Expected<std::vector<uint64_t>> uints(const Field& f) {
-  RD2H_TRY(items, f.array(0, kMaxArrayItems));
+  RD2H_TRY(items, f.array(0, kMaxTensorsPerLayer));
   std::vector<uint64_t> out;
   out.reserve(items.size());
   for (const auto& item : items) {
@@ -322,6 +311,10 @@ Expected<MfMeta> decode_mf_meta(const std::vector<Field>& t) {
   Field map(oh.get(), "MF_META layer map");
   if (!map.is_map()) return map.error("expected a map, got " + map.type_name());
   const auto& mv = map.raw().via.map;
+  if (mv.size > kMaxLayers) {
+    return map.error(std::to_string(mv.size) + " layers exceed the limit of " +
+                     std::to_string(kMaxLayers));
+  }
   for (uint32_t i = 0; i < mv.size; ++i) {
     Field key(mv.ptr[i].key, "MF_META layer map key");
     RD2H_TRY(name, key.str(1024));
@@ -348,67 +341,383 @@ Expected<MfMeta> decode_mf_meta(const std::vector<Field>& t) {
   return m;
 }
 
-Expected<ReadReq> decode_read_req(const Field& f) {
-  RD2H_TRY(t, f.array(2, 5));
+// ---- streaming decoding ----
+
+// One msgpack header as read in place. For str, bin, ext and float, `n` is the size of the
+// body that follows (ext: with its type byte); for arrays the item count and for maps the
+// pair count. Integers carry their value.
+struct Header {
+  enum Kind { kNil, kBool, kInt, kFloat, kStr, kBin, kArray, kMap, kExt, kInvalid };
+  Kind kind = kInvalid;
+  uint64_t n = 0;
+  bool negative = false;  // an int below zero: value in i, else in u
+  uint64_t u = 0;
+  int64_t i = 0;
+  uint8_t format = 0;
+};
+
+const char* kind_name(const Header& h) {
+  switch (h.kind) {
+    case Header::kNil:
+      return "nil";
+    case Header::kBool:
+      return "bool";
+    case Header::kInt:
+      return "int";
+    case Header::kFloat:
+      return "float";
+    case Header::kStr:
+      return "str";
+    case Header::kBin:
+      return "bin";
+    case Header::kArray:
+      return "array";
+    case Header::kMap:
+      return "map";
+    case Header::kExt:
+      return "ext";
+    case Header::kInvalid:
+      break;
+  }
+  return "invalid byte";
+}
+
+// A forward-only reader of msgpack over borrowed bytes: decodes without building an object
+// tree, so a message costs its decoded form and nothing else. Errors name a path, built only
+// when there is an error.
+class Cursor {
+ public:
+  explicit Cursor(std::span<const std::byte> bytes)
+      : begin_(reinterpret_cast<const uint8_t*>(bytes.data())),
+        p_(begin_),
+        end_(begin_ + bytes.size()) {}
+
+  size_t left() const { return static_cast<size_t>(end_ - p_); }
+  size_t offset() const { return static_cast<size_t>(p_ - begin_); }
+
+  // Reads the next header; false when the input ends inside it.
+  bool header(Header& h) {
+    if (p_ == end_) return false;
+    const uint8_t b = *p_++;
+    h = Header{};
+    h.format = b;
+    auto big = [&](size_t bytes, uint64_t& out) {
+      if (left() < bytes) return false;
+      out = 0;
+      for (size_t k = 0; k < bytes; ++k) out = (out << 8) | *p_++;
+      return true;
+    };
+    auto set_signed = [&](int64_t v) {
+      h.kind = Header::kInt;
+      h.negative = v < 0;
+      h.i = v;
+      h.u = static_cast<uint64_t>(v);
+    };
+    uint64_t v = 0;
+    if (b <= 0x7f) {
+      h.kind = Header::kInt;
+      h.u = b;
+    } else if (b <= 0x8f) {
+      h.kind = Header::kMap;
+      h.n = b & 0x0f;
+    } else if (b <= 0x9f) {
+      h.kind = Header::kArray;
+      h.n = b & 0x0f;
+    } else if (b <= 0xbf) {
+      h.kind = Header::kStr;
+      h.n = b & 0x1f;
+    } else if (b >= 0xe0) {
+      set_signed(static_cast<int8_t>(b));
+    } else {
+      switch (b) {
+        case 0xc0:
+          h.kind = Header::kNil;
+          break;
+        case 0xc2:
+        case 0xc3:
+          h.kind = Header::kBool;
+          h.u = b & 1;
+          break;
+        case 0xc4:
+        case 0xc5:
+        case 0xc6:
+          h.kind = Header::kBin;
+          if (!big(size_t{1} << (b - 0xc4), h.n)) return false;
+          break;
+        case 0xc7:
+        case 0xc8:
+        case 0xc9:
+          h.kind = Header::kExt;
+          if (!big(size_t{1} << (b - 0xc7), h.n)) return false;
+          h.n += 1;
+          break;
+        case 0xca:
+        case 0xcb:
+          h.kind = Header::kFloat;
+          h.n = b == 0xca ? 4 : 8;
+          break;
+        case 0xcc:
+        case 0xcd:
+        case 0xce:
+        case 0xcf:
+          h.kind = Header::kInt;
+          if (!big(size_t{1} << (b - 0xcc), h.u)) return false;
+          break;
+        case 0xd0:
+        case 0xd1:
+        case 0xd2:
+        case 0xd3: {
+          const size_t bytes = size_t{1} << (b - 0xd0);
+          if (!big(bytes, v)) return false;
+          const int shift = static_cast<int>(64 - 8 * bytes);
+          set_signed(static_cast<int64_t>(v << shift) >> shift);
+          break;
+        }
+        case 0xd4:
+        case 0xd5:
+        case 0xd6:
+        case 0xd7:
+        case 0xd8:
+          h.kind = Header::kExt;
+          h.n = (size_t{1} << (b - 0xd4)) + 1;
+          break;
+        case 0xd9:
+        case 0xda:
+        case 0xdb:
+          h.kind = Header::kStr;
+          if (!big(size_t{1} << (b - 0xd9), h.n)) return false;
+          break;
+        case 0xdc:
+        case 0xdd:
+          h.kind = Header::kArray;
+          if (!big(b == 0xdc ? 2 : 4, h.n)) return false;
+          break;
+        case 0xde:
+        case 0xdf:
+          h.kind = Header::kMap;
+          if (!big(b == 0xde ? 2 : 4, h.n)) return false;
+          break;
+        default:
+          h.kind = Header::kInvalid;  // 0xc1, never used
+      }
+    }
+    return true;
+  }
+
+  // Skips a body of `n` bytes after a header; false when the input is shorter.
+  bool skip(uint64_t n) {
+    if (n > left()) return false;
+    p_ += n;
+    return true;
+  }
+  const char* here() const { return reinterpret_cast<const char*>(p_); }
+
+  Status truncated() const { return invalid_argument(what_ + ": truncated"); }
+
+  // The next value as an array header with `min` to `max` items.
+  template <typename Where>
+  Expected<size_t> array(Where&& where, size_t min_items, size_t max_items) {
+    Header h;
+    if (!header(h)) return truncated();
+    if (h.kind != Header::kArray) return error(where, "expected an array, got ", h);
+    if (h.n > left()) {
+      return invalid_argument(what_ + ": not valid msgpack (an array of " + std::to_string(h.n) +
+                              " items in the " + std::to_string(left()) + " bytes left)");
+    }
+    if (h.n < min_items || h.n > max_items) {
+      return invalid_argument(where() + ": " + std::to_string(h.n) + " elements, expected " +
+                              (min_items == max_items ? std::to_string(min_items)
+                                                      : std::to_string(min_items) + " to " +
+                                                            std::to_string(max_items)));
+    }
+    return static_cast<size_t>(h.n);
+  }
+
+  template <typename Where>
+  Expected<std::string_view> str(Where&& where, size_t max_bytes) {
+    Header h;
+    if (!header(h)) return truncated();
+    if (h.kind != Header::kStr) return error(where, "expected a str, got ", h);
+    if (h.n > max_bytes) {
+      return invalid_argument(where() + ": string of " + std::to_string(h.n) + " bytes exceeds " +
+                              std::to_string(max_bytes));
+    }
+    const char* body = here();
+    if (!skip(h.n)) return truncated();
+    return std::string_view(body, h.n);
+  }
+
+  template <typename Where>
+  Expected<std::string_view> bin(Where&& where) {
+    Header h;
+    if (!header(h)) return truncated();
+    if (h.kind != Header::kBin) return error(where, "expected bin, got ", h);
+    const char* body = here();
+    if (!skip(h.n)) return truncated();
+    return std::string_view(body, h.n);
+  }
+
+  // An integer in [min, max], with Field::integer's messages.
+  template <typename Where>
+  Expected<int64_t> integer(Where&& where, int64_t min, int64_t max) {
+    Header h;
+    if (!header(h)) return truncated();
+    if (h.kind != Header::kInt) {
+      if (h.kind == Header::kFloat && !skip(h.n)) return truncated();
+      return error(where, "expected an integer, got ", h);
+    }
+    if (!h.negative && h.u > static_cast<uint64_t>(max)) {
+      return invalid_argument(where() + ": " + std::to_string(h.u) + " exceeds the limit of " +
+                              std::to_string(max));
+    }
+    const int64_t v = h.negative ? h.i : static_cast<int64_t>(h.u);
+    if (v < min) {
+      return invalid_argument(where() + ": " + std::to_string(v) +
+                              (min == 0 ? " is negative" : " is below " + std::to_string(min)));
+    }
+    return v;
+  }
+
+  void set_what(std::string what) { what_ = std::move(what); }
+
+ private:
+  template <typename Where>
+  Status error(Where&& where, const char* expected, const Header& h) const {
+    return invalid_argument(where() + ": " + expected + kind_name(h));
+  }
+
+  const uint8_t* begin_;
+  const uint8_t* p_;
+  const uint8_t* end_;
+  std::string what_ = "message";
+};
+
+std::string at(size_t i) {
+  return "message[" + std::to_string(i) + "]";
+}
+
+// Block ids of one list, counted against the readiness' total.
+Expected<std::vector<int64_t>> cursor_block_ids(Cursor& c, size_t req, size_t field,
+                                                size_t& total) {
+  auto where = [&] {
+    return at(3) + "[" + std::to_string(req) + "][" + std::to_string(field) + "]";
+  };
+  RD2H_TRY(n, c.array(where, 0, SIZE_MAX));
+  if (n > kMaxBlockIdsPerRequest) {
+    return invalid_argument(where() + ": " + std::to_string(n) + " block ids exceed the limit of " +
+                            std::to_string(kMaxBlockIdsPerRequest) + " per request");
+  }
+  total += n;
+  if (total > kMaxBlockIdsPerReadiness) {
+    return invalid_argument(where() + ": more than " + std::to_string(kMaxBlockIdsPerReadiness) +
+                            " block ids in one readiness (the limit)");
+  }
+  std::vector<int64_t> ids(n);
+  for (size_t k = 0; k < n; ++k) {
+    auto item = [&] { return where() + "[" + std::to_string(k) + "]"; };
+    RD2H_TRY(id, c.integer(item, 0, kMaxBlockId));
+    ids[k] = id;
+  }
+  return ids;
+}
+
+Expected<ReadReq> cursor_read_req(Cursor& c, size_t i, size_t& total) {
+  auto where = [&] { return at(3) + "[" + std::to_string(i) + "]"; };
+  RD2H_TRY(n, c.array(where, 2, 5));
   ReadReq r;
-  RD2H_TRY(ext_id, t[0].str(1024));
-  r.ext_id = std::move(ext_id);
-  RD2H_TRY(main, block_ids(t[1]));
+  RD2H_TRY(ext_id, c.str([&] { return where() + "[0]"; }, kMaxExtIdBytes));
+  r.ext_id = std::string(ext_id);
+  RD2H_TRY(main, cursor_block_ids(c, i, 1, total));
   r.main_block_ids = std::move(main);
-  if (t.size() == 2) {
-    r.indexer_block_ids = r.main_block_ids;  // legacy: one list for main and indexer
+  if (n == 2) {
+    total += r.main_block_ids.size();  // legacy: one list for main and indexer
+    if (total > kMaxBlockIdsPerReadiness) {
+      return invalid_argument(where() + ": more than " + std::to_string(kMaxBlockIdsPerReadiness) +
+                              " block ids in one readiness (the limit)");
+    }
+    r.indexer_block_ids = r.main_block_ids;
     return r;
   }
-  RD2H_TRY(indexer, block_ids(t[2]));
+  RD2H_TRY(indexer, cursor_block_ids(c, i, 2, total));
   r.indexer_block_ids = std::move(indexer);
-  if (t.size() > 3) {
-    RD2H_TRY(start, t[3].integer(0, kMaxBlockId));
+  if (n > 3) {
+    RD2H_TRY(start, c.integer([&] { return where() + "[3]"; }, 0, kMaxBlockId));
     r.main_start = r.indexer_start = start;  // a 4-field entry has one offset for both
   }
-  if (t.size() > 4) {
-    RD2H_TRY(start, t[4].integer(0, kMaxBlockId));
+  if (n > 4) {
+    RD2H_TRY(start, c.integer([&] { return where() + "[4]"; }, 0, kMaxBlockId));
     r.indexer_start = start;
   }
   return r;
 }
 
-Expected<ReadReadyBatch> decode_read_ready_batch(const std::vector<Field>& t) {
-  if (t.size() < 4 || t.size() > 7) {
-    return invalid_argument("READ_READY_BATCH: " + std::to_string(t.size()) +
+// READ_READY_BATCH after its tag, straight from the bytes: the one message that can be large
+// (kMaxReadReqs requests, kMaxBlockIdsPerReadiness block ids), so it is decoded in one pass
+// into its final form without an intermediate object per element.
+Expected<ReadReadyBatch> cursor_read_ready_batch(Cursor& c, size_t fields) {
+  if (fields < 4 || fields > 7) {
+    return invalid_argument("READ_READY_BATCH: " + std::to_string(fields) +
                             " elements, expected 4 to 7");
   }
   ReadReadyBatch m;
-  RD2H_TRY(layer, t[1].integer(0, kMaxLayerIndex));
+  RD2H_TRY(layer, c.integer([] { return at(1); }, 0, kMaxLayerIndex));
   m.layer_idx = layer;
-  RD2H_TRY(name, t[2].str(1024));
-  m.layer_name = std::move(name);
-  RD2H_TRY(reqs, t[3].array(0, kMaxArrayItems));
-  m.read_reqs.reserve(reqs.size());
-  for (const auto& r : reqs) {
-    RD2H_TRY(req, decode_read_req(r));
+  RD2H_TRY(name, c.str([] { return at(2); }, 1024));
+  m.layer_name = std::string(name);
+  RD2H_TRY(reqs, c.array([] { return at(3); }, 0, SIZE_MAX));
+  if (reqs > kMaxReadReqs) {
+    return invalid_argument(at(3) + ": " + std::to_string(reqs) +
+                            " read requests exceed the limit of " + std::to_string(kMaxReadReqs) +
+                            " per readiness");
+  }
+  m.read_reqs.reserve(reqs);
+  size_t total = 0;
+  for (size_t i = 0; i < reqs; ++i) {
+    RD2H_TRY(req, cursor_read_req(c, i, total));
     m.read_reqs.push_back(std::move(req));
   }
-  if (t.size() > 4) {
-    RD2H_TRY(done, t[4].array(0, kMaxArrayItems));
-    m.done_ext_ids.reserve(done.size());
-    for (const auto& d : done) {
-      RD2H_TRY(id, d.str(1024));
-      m.done_ext_ids.push_back(std::move(id));
+  if (fields > 4) {
+    RD2H_TRY(done, c.array([] { return at(4); }, 0, SIZE_MAX));
+    if (done > kMaxDoneExtIds) {
+      return invalid_argument(at(4) + ": " + std::to_string(done) +
+                              " done ext ids exceed the limit of " +
+                              std::to_string(kMaxDoneExtIds) + " per readiness");
+    }
+    m.done_ext_ids.reserve(done);
+    for (size_t k = 0; k < done; ++k) {
+      RD2H_TRY(id, c.str([&] { return at(4) + "[" + std::to_string(k) + "]"; }, kMaxExtIdBytes));
+      m.done_ext_ids.emplace_back(id);
     }
   }
-  if (t.size() > 6) {
-    RD2H_TRY(ratio, t[6].integer(1, kMaxTpRatio));
-    m.tp_ratio = ratio;
-  }
-  if (t.size() > 5) {
-    RD2H_TRY(member, t[5].integer(0, kMaxTpRatio - 1));
-    if (member >= m.tp_ratio) {
-      return t[5].error("group_member_idx " + std::to_string(member) + " is not below tp_ratio " +
-                        std::to_string(m.tp_ratio));
-    }
+  if (fields > 5) {
+    RD2H_TRY(member, c.integer([] { return at(5); }, 0, kMaxTpRatio - 1));
     m.group_member_idx = member;
   }
+  if (fields > 6) {
+    RD2H_TRY(ratio, c.integer([] { return at(6); }, 1, kMaxTpRatio));
+    m.tp_ratio = ratio;
+  }
+  if (m.group_member_idx >= m.tp_ratio) {
+    return invalid_argument(at(5) + ": group_member_idx " + std::to_string(m.group_member_idx) +
+                            " is not below tp_ratio " + std::to_string(m.tp_ratio));
+  }
+  if (c.left() != 0) {
+    return invalid_argument("message: " + std::to_string(c.left()) +
+                            " trailing bytes after the message");
+  }
   return m;
+}
+
+// Reads a message's array header and tag; nullopt when the payload does not start like a
+// protocol message.
+std::optional<std::pair<size_t, std::string_view>> cursor_tag(Cursor& c) {
+  Header h;
+  if (!c.header(h) || h.kind != Header::kArray || h.n < 1 || h.n > 64) return std::nullopt;
+  const size_t fields = h.n;
+  if (!c.header(h) || h.kind != Header::kBin || h.n > 64) return std::nullopt;
+  const char* body = c.here();
+  if (!c.skip(h.n)) return std::nullopt;
+  return std::make_pair(fields, std::string_view(body, h.n));
 }
 
 }  // namespace
@@ -471,6 +780,19 @@ bool is_ack(std::span<const std::byte> payload) {
 }
 
 Expected<Message> decode_message(std::span<const std::byte> payload) {
+  if (payload.size() > kMaxMessageBytes) {
+    return invalid_argument("message: " + std::to_string(payload.size()) +
+                            " bytes exceed the limit of " + std::to_string(kMaxMessageBytes));
+  }
+  {
+    Cursor c(payload);
+    if (auto head = cursor_tag(c); head && head->second == kTagReadReadyBatch) {
+      RD2H_TRY(m, cursor_read_ready_batch(c, head->first));
+      return Message(std::move(m));
+    }
+  }
+  // The other messages are small (MF_META's layer map is bounded by kMaxLayers and
+  // kMaxTensorsPerLayer): decoded through msgpack's object tree.
   RD2H_TRY(oh, parse(payload, "message"));
   Field top(oh.get(), "message");
   if (top.raw().type != msgpack::type::ARRAY) {
@@ -478,10 +800,6 @@ Expected<Message> decode_message(std::span<const std::byte> payload) {
   }
   RD2H_TRY(t, top.array(1, 64));
   RD2H_TRY(tag, t[0].bin());
-  if (tag == kTagReadReadyBatch) {
-    RD2H_TRY(m, decode_read_ready_batch(t));
-    return Message(std::move(m));
-  }
   if (tag == kTagReadDone) {
     if (t.size() != 2)
       return invalid_argument("READ_DONE: " + std::to_string(t.size()) + " elements, expected 2");
@@ -510,16 +828,77 @@ Expected<Message> decode_message(std::span<const std::byte> payload) {
 }
 
 std::optional<int64_t> salvage_layer_index(std::span<const std::byte> payload) {
-  auto oh = parse(payload, "message");
-  if (!oh) return std::nullopt;
-  Field top(oh->get(), "message");
-  auto t = top.array(2, 64);
-  if (!t) return std::nullopt;
-  auto tag = (*t)[0].bin();
-  if (!tag || *tag != kTagReadReadyBatch) return std::nullopt;
-  auto layer = (*t)[1].integer(0, kMaxLayerIndex);
+  Cursor c(payload);
+  auto head = cursor_tag(c);
+  if (!head || head->first < 2 || head->second != kTagReadReadyBatch) return std::nullopt;
+  auto layer = c.integer([] { return at(1); }, 0, kMaxLayerIndex);
   if (!layer) return std::nullopt;
   return *layer;
+}
+
+std::optional<std::string> peek_tag(std::span<const std::byte> payload) {
+  Cursor c(payload);
+  auto head = cursor_tag(c);
+  if (!head) return std::nullopt;
+  return std::string(head->second);
+}
+
+Status check_msgpack_bounds(std::span<const std::byte> bytes, size_t max_depth,
+                            std::string_view what) {
+  const std::string name(what);
+  if (bytes.empty()) return invalid_argument(name + ": empty");
+  Cursor c(bytes);
+  std::vector<uint64_t> open;  // items left in each open container, innermost last
+  bool top_read = false;
+  for (;;) {
+    while (!open.empty() && open.back() == 0) open.pop_back();
+    if (open.empty() && top_read) break;
+    const size_t at_offset = c.offset();
+    Header h;
+    if (!c.header(h))
+      return invalid_argument(name + ": truncated at byte " + std::to_string(at_offset));
+    if (open.empty()) {
+      top_read = true;
+    } else {
+      --open.back();
+    }
+    switch (h.kind) {
+      case Header::kInvalid:
+        return invalid_argument(name + ": not valid msgpack (byte 0xc1 at " +
+                                std::to_string(at_offset) + ")");
+      case Header::kStr:
+      case Header::kBin:
+      case Header::kExt:
+      case Header::kFloat:
+        if (!c.skip(h.n)) {
+          return invalid_argument(name + ": truncated at byte " + std::to_string(at_offset));
+        }
+        break;
+      case Header::kArray:
+      case Header::kMap: {
+        if (open.size() + 1 > max_depth) {
+          return invalid_argument(name + ": nested deeper than " + std::to_string(max_depth) +
+                                  " levels (at byte " + std::to_string(at_offset) + ")");
+        }
+        const uint64_t items = h.kind == Header::kMap ? 2 * h.n : h.n;
+        if (items > c.left()) {
+          return invalid_argument(name + ": not valid msgpack (a container of " +
+                                  std::to_string(items) + " items in the " +
+                                  std::to_string(c.left()) + " bytes left, at byte " +
+                                  std::to_string(at_offset) + ")");
+        }
+        open.push_back(items);
+        break;
+      }
+      default:
+        break;
+    }
+  }
+  if (c.left() != 0) {
+    return invalid_argument(name + ": " + std::to_string(c.left()) +
+                            " trailing bytes after the value");
+  }
+  return Status::ok();
 }
 
 Status check_compatible(const MfMeta& peer) {

@@ -24,10 +24,26 @@ inline constexpr uint64_t kCacheLayoutVersion = 1;
 
 inline constexpr std::string_view kAckPayload = "ACK";  // raw bytes, not msgpack
 
-// Limits every decoder enforces.
+// Limits every decoder enforces, sized to what one layer of one step can carry: a step
+// schedules at most kMaxReadReqs requests, each of at most kMaxBlockIdsPerRequest blocks
+// (a 1M-token context at block size 1), and one readiness names at most
+// kMaxBlockIdsPerReadiness block ids in all (main and indexer lists together; 32 MiB
+// decoded). The largest legal readiness (every id a 5-byte uint32, every ext id 1 KiB) is
+// about 37 MiB; kMaxMessageBytes, with room for a large MF_META, is also every control
+// socket's ZMQ_MAXMSGSIZE, so a larger frame closes its connection before it is read.
 inline constexpr size_t kMaxMessageBytes = 64u << 20;
 inline constexpr size_t kMaxStringBytes = 64u << 10;
 inline constexpr size_t kMaxArrayItems = 1u << 22;
+inline constexpr size_t kMaxReadReqs = 1u << 14;
+inline constexpr size_t kMaxDoneExtIds = 1u << 14;
+inline constexpr size_t kMaxBlockIdsPerRequest = 1u << 20;
+inline constexpr size_t kMaxBlockIdsPerReadiness = 1u << 22;
+inline constexpr size_t kMaxExtIdBytes = 1024;
+// MF_META's layer map: layers per model and tensors per layer.
+inline constexpr size_t kMaxLayers = 1u << 12;
+inline constexpr size_t kMaxTensorsPerLayer = 64;
+// Nesting depth any decoder of untrusted msgpack accepts.
+inline constexpr size_t kMaxNestingDepth = 32;
 inline constexpr int64_t kMaxBlockId = (int64_t{1} << 31) - 1;
 inline constexpr int64_t kMaxLayerIndex = 1 << 20;
 inline constexpr int64_t kMaxTpRatio = 1 << 12;
@@ -96,6 +112,17 @@ bool is_ack(std::span<const std::byte> payload);
 // The layer index of a message too broken to decode, when it can still be read: lets
 // Decode answer READ_FAILED for it rather than stay silent.
 std::optional<int64_t> salvage_layer_index(std::span<const std::byte> payload);
+
+// The tag of a protocol message ("mf_meta", "read_ready_batch", ...) when `payload` starts
+// like one, read without decoding the rest: lets Decode answer a broken MF_META.
+std::optional<std::string> peek_tag(std::span<const std::byte> payload);
+
+// Checks, without recursion and without allocating, that `bytes` is exactly one msgpack
+// value nested at most `max_depth` containers deep whose container headers fit the bytes
+// left. Run it before handing untrusted msgpack to a recursive parser (nlohmann's
+// from_msgpack). The error names `what` and the offending offset.
+Status check_msgpack_bounds(std::span<const std::byte> bytes, size_t max_depth,
+                            std::string_view what);
 
 // Refuses a peer whose stated protocol or cache-layout version differs from ours, naming
 // both. A legacy peer states none and is accepted.

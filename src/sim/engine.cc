@@ -236,6 +236,7 @@ Status Engine::Impl::init() {
                {"fault_rank", config.test_fault_rank},
                {"host", config.connector.host}};
   if (pool) init["pool"] = pool->name();
+  init["ipc_dir"] = ranks->ipc_dir();
   // Decode rank 0 binds the group's all-gather before the others connect to it.
   std::vector<json> first(ranks->size());
   first[0] = init;

@@ -38,6 +38,16 @@ Expected<std::unique_ptr<RankGather>> RankGather::bind(int size, const std::stri
   return g;
 }
 
+Expected<std::unique_ptr<RankGather>> RankGather::bind_ipc(int size, const std::string& path,
+                                                           std::chrono::milliseconds timeout) {
+  std::unique_ptr<RankGather> g(new RankGather(0, size, timeout));
+  auto router = control::RouterChannel::bind_ipc(control::Context::create(), path);
+  if (!router) return router.status().with_context("Decode rank 0 all-gather");
+  g->router_ = std::move(*router);
+  g->url_ = g->router_->url();
+  return g;
+}
+
 Expected<std::unique_ptr<RankGather>> RankGather::connect(int rank, int size,
                                                           const std::string& url,
                                                           std::chrono::milliseconds timeout) {

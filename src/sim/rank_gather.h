@@ -18,6 +18,9 @@ class RankGather {
   // Rank 0: binds on `host`, any free port (see url()).
   static Expected<std::unique_ptr<RankGather>> bind(int size, const std::string& host,
                                                     std::chrono::milliseconds timeout);
+  // Rank 0: binds a Unix socket at `path` (in a private directory).
+  static Expected<std::unique_ptr<RankGather>> bind_ipc(int size, const std::string& path,
+                                                        std::chrono::milliseconds timeout);
   // Ranks 1..size-1: connect to rank 0's url.
   static Expected<std::unique_ptr<RankGather>> connect(int rank, int size, const std::string& url,
                                                        std::chrono::milliseconds timeout);

@@ -3,6 +3,11 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <cerrno>
+#include <cstdlib>
+#include <cstring>
+#include <filesystem>
+
 #include "common/trace.h"
 #include "rd2h/common/deadline.h"
 #include "sim/sim_message.h"
@@ -22,7 +27,15 @@ std::chrono::milliseconds slice(const Deadline& d) {
 Expected<std::unique_ptr<RankSet>> RankSet::start(const std::string& executable, int size,
                                                   std::chrono::milliseconds timeout) {
   std::unique_ptr<RankSet> set(new RankSet());
-  auto router = control::RouterChannel::bind(control::Context::create(), "127.0.0.1", 0);
+  // The core and its ranks talk over Unix sockets in a directory only this user can enter
+  // (mkdtemp makes it 0700), not over TCP where any local process could connect.
+  std::string dir = "/tmp/rd2h-sim-XXXXXX";
+  if (::mkdtemp(dir.data()) == nullptr) {
+    return internal_error("engine core: cannot create a private directory under /tmp: " +
+                          std::string(std::strerror(errno)));
+  }
+  set->ipc_dir_ = dir;
+  auto router = control::RouterChannel::bind_ipc(control::Context::create(), dir + "/core");
   if (!router) return router.status().with_context("engine core");
   set->router_ = std::move(*router);
   Subprocess::Options options;
@@ -61,6 +74,11 @@ Expected<std::unique_ptr<RankSet>> RankSet::start(const std::string& executable,
 
 RankSet::~RankSet() {
   stop(std::chrono::seconds(10));
+  router_.reset();
+  if (!ipc_dir_.empty()) {
+    std::error_code ignored;
+    std::filesystem::remove_all(ipc_dir_, ignored);
+  }
 }
 
 std::optional<std::string> RankSet::exited(size_t k, std::chrono::milliseconds wait) {

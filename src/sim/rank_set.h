@@ -34,6 +34,8 @@ class RankSet {
   void stop(std::chrono::milliseconds timeout);
 
   size_t size() const { return ranks_.size(); }
+  // The private directory (mode 0700) holding the set's Unix sockets; removed with the set.
+  const std::string& ipc_dir() const { return ipc_dir_; }
   // Answers that came after their job's deadline, since the last call (their verification
   // results still count).
   std::vector<nlohmann::json> take_late() { return std::exchange(late_, {}); }
@@ -48,6 +50,7 @@ class RankSet {
   std::optional<std::string> exited(size_t k,
                                     std::chrono::milliseconds wait = std::chrono::milliseconds(0));
 
+  std::string ipc_dir_;
   std::unique_ptr<control::RouterChannel> router_;
   std::vector<RankProcess> ranks_;
   bool stopped_ = false;

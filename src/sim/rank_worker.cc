@@ -171,9 +171,12 @@ Status Rank::init(const json& j) {
     pool_ = std::move(*pool);
     indexer_ = Aligned(model_->indexer_bytes());
     const auto timeout = std::chrono::milliseconds(j.value("gather_timeout_ms", 30000));
-    auto gather = rank_ == 0
-                      ? RankGather::bind(tp_, j.value("host", "127.0.0.1"), timeout)
-                      : RankGather::connect(rank_, tp_, j.at("gather").get<std::string>(), timeout);
+    // The all-gather listens beside the core's socket, in the engine's private directory.
+    const std::string ipc_dir = j.value("ipc_dir", std::string());
+    auto gather = rank_ != 0
+                      ? RankGather::connect(rank_, tp_, j.at("gather").get<std::string>(), timeout)
+                  : ipc_dir.empty() ? RankGather::bind(tp_, j.value("host", "127.0.0.1"), timeout)
+                                    : RankGather::bind_ipc(tp_, ipc_dir + "/gather", timeout);
     if (!gather) return gather.status();
     gather_ = std::move(*gather);
   }

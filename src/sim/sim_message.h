@@ -2,11 +2,13 @@
 // gather): JSON documents carried as msgpack. Timeline events travel as compact arrays.
 #pragma once
 
+#include <cstdio>
 #include <cstring>
 #include <nlohmann/json.hpp>
 #include <vector>
 
 #include "common/trace.h"
+#include "protocol/messages.h"
 
 namespace rd2h::sim {
 
@@ -17,8 +19,16 @@ inline std::vector<std::byte> pack(const nlohmann::json& j) {
   return out;
 }
 
-// A discarded value when `bytes` is not msgpack.
+// A discarded value when `bytes` is not msgpack, or nests deeper than
+// protocol::kMaxNestingDepth (nlohmann's reader recurses once per level: checked first, and
+// the refusal is logged).
 inline nlohmann::json unpack(const std::vector<std::byte>& bytes) {
+  if (Status st =
+          protocol::check_msgpack_bounds(bytes, protocol::kMaxNestingDepth, "simulator message");
+      !st) {
+    std::fprintf(stderr, "rd2h sim: %s\n", st.message().c_str());
+    return nlohmann::json(nlohmann::json::value_t::discarded);
+  }
   const auto* p = reinterpret_cast<const uint8_t*>(bytes.data());
   return nlohmann::json::from_msgpack(p, p + bytes.size(), /*strict=*/true,
                                       /*allow_exceptions=*/false);

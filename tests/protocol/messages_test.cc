@@ -4,6 +4,8 @@
 
 #include <random>
 
+#include "rd2h/connector/metadata.h"
+
 namespace rd2h::protocol {
 namespace {
 
@@ -277,6 +279,140 @@ TEST(Protocol, AckIsTheThreeRawBytes) {
   EXPECT_TRUE(is_ack(bytes({'A', 'C', 'K'})));
   EXPECT_FALSE(is_ack(bytes({'A', 'C'})));
   EXPECT_FALSE(is_ack(bytes({0xa3, 'A', 'C', 'K'})));
+}
+
+namespace limits {
+
+ReadReadyBatch readiness_with(size_t reqs, size_t ids_per_list) {
+  ReadReadyBatch m;
+  m.layer_idx = 3;
+  m.layer_name = "model.layers.3.self_attn";
+  m.read_reqs.resize(reqs);
+  for (size_t i = 0; i < reqs; ++i) {
+    auto& r = m.read_reqs[i];
+    r.ext_id = "req-" + std::to_string(i);
+    r.main_block_ids.resize(ids_per_list);
+    r.indexer_block_ids.resize(ids_per_list);
+    for (size_t k = 0; k < ids_per_list; ++k) {
+      // Large ids (5 bytes each on the wire), as a big KV pool has.
+      r.main_block_ids[k] = (int64_t{1} << 30) + static_cast<int64_t>(i * ids_per_list + k);
+      r.indexer_block_ids[k] = static_cast<int64_t>(k);
+    }
+  }
+  return m;
+}
+
+}  // namespace limits
+
+TEST(Protocol, AReadinessOverAnItemLimitIsRefusedNamingTheLimit) {
+  auto too_many_reqs = decode_message(encode(limits::readiness_with(kMaxReadReqs + 1, 0)));
+  ASSERT_FALSE(too_many_reqs);
+  EXPECT_NE(too_many_reqs.status().message().find("16385 read requests exceed the limit of 16384"),
+            std::string::npos)
+      << too_many_reqs.status().message();
+
+  auto long_request = limits::readiness_with(1, 0);
+  long_request.read_reqs[0].main_block_ids.assign(kMaxBlockIdsPerRequest + 1, 1);
+  auto too_long = decode_message(encode(long_request));
+  ASSERT_FALSE(too_long);
+  EXPECT_NE(too_long.status().message().find("block ids exceed the limit of 1048576 per request"),
+            std::string::npos)
+      << too_long.status().message();
+
+  // Each list within its limit, the readiness over its total.
+  const size_t reqs = kMaxBlockIdsPerReadiness / kMaxBlockIdsPerRequest + 1;
+  auto wide = limits::readiness_with(reqs, 0);
+  for (auto& r : wide.read_reqs) r.main_block_ids.assign(kMaxBlockIdsPerRequest, 1);
+  auto too_wide = decode_message(encode(wide));
+  ASSERT_FALSE(too_wide);
+  EXPECT_NE(too_wide.status().message().find("more than 4194304 block ids in one readiness"),
+            std::string::npos)
+      << too_wide.status().message();
+  // The layer of a refused readiness is still readable, so Decode can answer it.
+  EXPECT_EQ(salvage_layer_index(encode(wide)), std::optional<int64_t>(3));
+
+  ReadReadyBatch done_ids = limits::readiness_with(0, 0);
+  done_ids.done_ext_ids.assign(kMaxDoneExtIds + 1, "x");
+  auto too_many_done = decode_message(encode(done_ids));
+  ASSERT_FALSE(too_many_done);
+  EXPECT_NE(too_many_done.status().message().find("done ext ids exceed the limit of 16384"),
+            std::string::npos)
+      << too_many_done.status().message();
+}
+
+TEST(Protocol, TheLargestLegalReadinessDecodes) {
+  // Every block id the limit allows, over 4096 requests with 1 KiB ext ids.
+  const size_t reqs = 4096;
+  auto m = limits::readiness_with(reqs, kMaxBlockIdsPerReadiness / reqs / 2);
+  for (size_t i = 0; i < reqs; ++i) m.read_reqs[i].ext_id.resize(kMaxExtIdBytes, 'e');
+  const auto bytes = encode(m);
+  EXPECT_GT(bytes.size(), size_t{16} << 20);
+  EXPECT_LE(bytes.size(), kMaxMessageBytes);
+  auto d = decode_message(bytes);
+  ASSERT_TRUE(d) << d.status().to_string();
+  const auto& got = std::get<ReadReadyBatch>(*d);
+  ASSERT_EQ(got.read_reqs.size(), reqs);
+  EXPECT_EQ(got.read_reqs[reqs - 1].main_block_ids, m.read_reqs[reqs - 1].main_block_ids);
+  EXPECT_EQ(got.read_reqs[7].indexer_block_ids, m.read_reqs[7].indexer_block_ids);
+  EXPECT_EQ(got.read_reqs[7].ext_id, m.read_reqs[7].ext_id);
+}
+
+TEST(Protocol, DeepNestingIsRefusedWithoutRecursion) {
+  // 60 KB of nested one-element arrays around a nil.
+  std::vector<std::byte> nested(60 << 10, std::byte{0x91});
+  nested.push_back(std::byte{0xc0});
+  Status st = check_msgpack_bounds(nested, kMaxNestingDepth, "test input");
+  ASSERT_FALSE(st);
+  EXPECT_NE(st.message().find("test input: nested deeper than 32 levels"), std::string::npos)
+      << st.message();
+  auto d = decode_message(nested);
+  ASSERT_FALSE(d);
+  EXPECT_EQ(d.status().code(), StatusCode::kInvalidArgument);
+  // Inside MF_META's layer map too.
+  std::vector<std::byte> meta = hex("93 c4 07 6d665f6d657461 a1 70 c5");
+  const uint16_t n = static_cast<uint16_t>(nested.size());
+  meta.push_back(static_cast<std::byte>(n >> 8));
+  meta.push_back(static_cast<std::byte>(n & 0xff));
+  meta.insert(meta.end(), nested.begin(), nested.end());
+  auto m = decode_message(meta);
+  ASSERT_FALSE(m);
+  EXPECT_NE(m.status().message().find("MF_META layer map"), std::string::npos)
+      << m.status().message();
+}
+
+TEST(Protocol, DeeplyNestedStepMetadataIsRefused) {
+  std::vector<std::byte> nested(60 << 10, std::byte{0x91});
+  nested.push_back(std::byte{0xc0});
+  auto m = connector::decode_metadata(nested);
+  ASSERT_FALSE(m);
+  EXPECT_NE(m.status().message().find("connector metadata: nested deeper than 32"),
+            std::string::npos)
+      << m.status().message();
+  EXPECT_TRUE(connector::decode_metadata(connector::encode(connector::ConnectorMetadata{})));
+}
+
+TEST(Protocol, BoundsCheckAcceptsWhatFitsAndNamesWhatDoesNot) {
+  auto nest = [](size_t levels) {
+    std::vector<std::byte> v(levels - 1, std::byte{0x91});
+    v.push_back(std::byte{0x90});
+    return v;
+  };
+  EXPECT_TRUE(check_msgpack_bounds(nest(kMaxNestingDepth), kMaxNestingDepth, "x").is_ok());
+  EXPECT_FALSE(check_msgpack_bounds(nest(kMaxNestingDepth + 1), kMaxNestingDepth, "x"));
+  // A map, strings, bins, floats, ints and ext skipped at their sizes.
+  EXPECT_TRUE(check_msgpack_bounds(hex("82 a1 61 92 cb 3ff0000000000000 c4 02 0102 a1 62 "
+                                       "93 cd 0100 d3 ffffffffffffffff d4 01 02"),
+                                   4, "x")
+                  .is_ok());
+  Status huge = check_msgpack_bounds(hex("dd ffffffff 00"), 4, "x");
+  EXPECT_NE(huge.message().find("4294967295 items in the 1 bytes left"), std::string::npos)
+      << huge.message();
+  EXPECT_NE(check_msgpack_bounds(hex("91 a5 41"), 4, "x").message().find("truncated"),
+            std::string::npos);
+  EXPECT_NE(check_msgpack_bounds(hex("91 00 00"), 4, "x").message().find("1 trailing bytes"),
+            std::string::npos);
+  EXPECT_NE(check_msgpack_bounds(hex("c1"), 4, "x").message().find("not valid msgpack"),
+            std::string::npos);
 }
 
 }  // namespace

@@ -1,13 +1,17 @@
 // The simulator's inter-process pieces: the Decode ranks' all-gather over ZeroMQ and the
 // shared main pool.
 #include <gtest/gtest.h>
+#include <sys/stat.h>
 
 #include <cstring>
+#include <filesystem>
 #include <future>
 #include <thread>
 
 #include "sim/rank_gather.h"
+#include "sim/rank_set.h"
 #include "sim/shared_pool.h"
+#include "sim/sim_message.h"
 
 namespace rd2h::sim {
 namespace {
@@ -76,6 +80,38 @@ TEST(SharedPool, RanksThatOpenItByNameShareItsBytesAndAnUnlinkedNameIsGone) {
   EXPECT_NE(gone.status().message().find(pool->name()), std::string::npos);
   other->data()[0] = std::byte{1};  // still mapped after the unlink
   EXPECT_EQ(pool->data()[0], std::byte{1});
+}
+
+TEST(RankSet, TheCoreAndItsRanksTalkOverUnixSocketsInAPrivateDirectoryRemovedAtTheEnd) {
+  std::string dir;
+  {
+    auto set = RankSet::start(RD2H_BINARY, 2, 30s);
+    ASSERT_TRUE(set) << set.status().to_string();
+    dir = (*set)->ipc_dir();
+    struct stat st {};
+    ASSERT_EQ(::stat(dir.c_str(), &st), 0) << dir;
+    EXPECT_EQ(st.st_mode & 0777, 0700u) << dir;
+    EXPECT_TRUE(std::filesystem::is_socket(dir + "/core"));
+    // Rank 0's all-gather listens there too, and the others reach it.
+    auto root = RankGather::bind_ipc(2, dir + "/gather", 10s);
+    ASSERT_TRUE(root) << root.status().to_string();
+    EXPECT_EQ((*root)->url(), "ipc://" + dir + "/gather");
+    auto other = RankGather::connect(1, 2, (*root)->url(), 10s);
+    ASSERT_TRUE(other);
+    auto far = std::async(std::launch::async, [&] { return (*other)->function()({}); });
+    auto near = (*root)->function()({});
+    ASSERT_TRUE(near) << near.status().to_string();
+    ASSERT_TRUE(far.get());
+    EXPECT_EQ(near->size(), 2u);
+  }
+  EXPECT_FALSE(std::filesystem::exists(dir)) << dir << " outlived its engine";
+}
+
+TEST(SimMessage, DeepNestingIsRefusedNotACrash) {
+  std::vector<std::byte> nested(60 << 10, std::byte{0x91});
+  nested.push_back(std::byte{0xc0});
+  EXPECT_TRUE(unpack(nested).is_discarded());
+  EXPECT_EQ(unpack(pack({{"op", "step"}, {"seq", 3}})).value("seq", 0), 3);
 }
 
 }  // namespace
