@@ -93,6 +93,8 @@ Status read_extra(const json& extra, ConnectorConfig& c) {
       RD2H_RETURN_IF_ERROR(read_ms(value, where, c.metaserver_timeout));
     } else if (key == "metaserver_resubmit_ms") {
       RD2H_RETURN_IF_ERROR(read_ms(value, where, c.metaserver_resubmit));
+    } else if (key == "metaserver_token_file") {
+      RD2H_RETURN_IF_ERROR(read_string(value, where, c.metaserver_token_file));
     } else {
       return bad(where, "is not a setting of this connector");
     }
@@ -155,6 +157,7 @@ std::string ConnectorConfig::to_json() const {
                 {"metaserver_timeout_ms", metaserver_timeout.count()},
                 {"metaserver_resubmit_ms", metaserver_resubmit.count()}};
   if (prefill_tp_size > 0) extra["prefill_tp_size"] = prefill_tp_size;
+  if (!metaserver_token_file.empty()) extra["metaserver_token_file"] = metaserver_token_file;
   json j = {{"kv_connector", "rd2h"},
             {"kv_role", role == KvRole::kProducer ? "kv_producer" : "kv_consumer"},
             {"kv_port", kv_port},

@@ -55,6 +55,9 @@ struct ConnectorConfig {
   std::chrono::milliseconds metaserver_timeout{5000};    // one metaserver POST
   int metaserver_attempts = 3;                           // before resubmitting
   std::chrono::milliseconds metaserver_resubmit{1000};
+  // Decode: a file holding the bearer token its metaserver posts carry; empty: the
+  // environment variable RD2H_TOKEN, if set.
+  std::string metaserver_token_file;
 
   static Expected<ConnectorConfig> from_json(std::string_view text);
   // The kv_transfer_config that from_json reads back as this configuration.
