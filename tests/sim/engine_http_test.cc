@@ -138,7 +138,9 @@ TEST_F(EngineHttp, AChunkedBodyOverTheLimitIs413AndTheEngineStaysUp) {
       "application/json");
   // The engine answers 413 once the body passes 1 MiB and closes; a client still sending
   // may see the close before the answer.
-  if (r) EXPECT_EQ(r->status, 413);
+  if (r) {
+    EXPECT_EQ(r->status, 413);
+  }
   EXPECT_LT(sent, 64u << 20) << "the whole 64 MiB was read";
   auto ok = post({{"prompt", "abc"}, {"max_tokens", 1}});
   ASSERT_TRUE(ok);
