@@ -3,6 +3,7 @@
 #include <cstdio>
 
 #include "common/subprocess.h"
+#include "metaserver/token.h"
 #include "sim/engine.h"
 #include "stop_signal.h"
 
@@ -24,8 +25,18 @@ int run_engine(const EngineCommandOptions& o, connector::KvRole role) {
     std::fprintf(stderr, "rd2h %s: kv_role in --kv-transfer-config is for the other side\n", name);
     return 2;
   }
+  auto token = metaserver::load_token(o.token_file);
+  if (!token) {
+    std::fprintf(stderr, "rd2h %s: --token-file: %s\n", name, token.status().message().c_str());
+    return 2;
+  }
+  // Decode's metaserver posts carry the same token, unless its config names another.
+  if (connector->metaserver_token_file.empty()) connector->metaserver_token_file = o.token_file;
   sim::EngineConfig config;
   config.connector = *connector;
+  config.token = *token;
+  config.max_prompts = o.max_prompts;
+  config.max_prompt_tokens = o.max_prompt_tokens;
   config.tp_size = o.tp;
   config.model.layers = o.layers;
   config.model.block_size = o.block_size;

@@ -27,6 +27,9 @@ struct EngineCommandOptions {
   uint64_t compute_min_layer_us = 0;
   bool trace = false;
   int test_corrupt_layer = -1;
+  std::string token_file;  // the bearer token of the HTTP API (empty: $RD2H_TOKEN, if set)
+  size_t max_prompts = 1024;
+  size_t max_prompt_tokens = 262144;
 };
 
 int run_engine(const EngineCommandOptions& options, connector::KvRole role);

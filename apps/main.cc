@@ -117,6 +117,14 @@ int main(int argc, char** argv) {
   proxy->add_option("--max-body-bytes", px.max_body_bytes, "largest request body accepted");
   proxy->add_option("--max-concurrent", px.max_concurrent, "client requests served at once")
       ->check(CLI::Range(1u, 65536u));
+  proxy->add_option("--max-prompts", px.max_prompts, "prompts in one prompt list")
+      ->check(CLI::Range(1u, 1u << 24));
+  proxy->add_option("--max-prompt-tokens", px.max_prompt_tokens, "tokens in one token list")
+      ->check(CLI::Range(1u, 1u << 30));
+  std::string proxy_token_file;
+  proxy->add_option("--token-file", proxy_token_file,
+                    "file holding the bearer token of the metaserver and the engines "
+                    "(default: $RD2H_TOKEN, if set)");
 
   // The model and compute flags the engines and the demo share (same field names).
   auto model_options = [](CLI::App* cmd, auto& o) {
@@ -143,6 +151,13 @@ int main(int argc, char** argv) {
     cmd->add_option("--tp", eo.tp, "TP size (ranks)")->check(CLI::Range(1, 64));
     model_options(cmd, eo);
     cmd->add_flag("--trace", eo.trace, "record the timeline (GET /rd2h/report)");
+    cmd->add_option("--token-file", eo.token_file,
+                    "file holding the bearer token the HTTP API requires "
+                    "(default: $RD2H_TOKEN, if set)");
+    cmd->add_option("--max-prompts", eo.max_prompts, "prompts in one prompt list")
+        ->check(CLI::Range(1u, 1u << 24));
+    cmd->add_option("--max-prompt-tokens", eo.max_prompt_tokens, "tokens in one prompt")
+        ->check(CLI::Range(1u, 1u << 30));
   };
   auto* prefill_cmd = app.add_subcommand("prefill", "A simulated Prefill engine (HTTP server)");
   engine_options(prefill_cmd);
@@ -225,7 +240,7 @@ int main(int argc, char** argv) {
   }
   if (prefill_cmd->parsed()) return rd2h::tools::run_engine(eo, rd2h::connector::KvRole::kProducer);
   if (decode_cmd->parsed()) return rd2h::tools::run_engine(eo, rd2h::connector::KvRole::kConsumer);
-  if (proxy->parsed()) return rd2h::tools::run_proxy(px);
+  if (proxy->parsed()) return rd2h::tools::run_proxy(px, proxy_token_file);
   if (bench_layers->parsed()) return rd2h::tools::run_bench_layers(bl);
   if (pd_read->parsed()) return rd2h::tools::run_pd_read(pd);
   if (bench_engine->parsed()) return rd2h::tools::run_bench_engine(be);

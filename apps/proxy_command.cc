@@ -2,11 +2,18 @@
 
 #include <cstdio>
 
+#include "metaserver/token.h"
 #include "stop_signal.h"
 
 namespace rd2h::tools {
 
-int run_proxy(const metaserver::ProxyConfig& config) {
+int run_proxy(metaserver::ProxyConfig config, const std::string& token_file) {
+  auto token = metaserver::load_token(token_file);
+  if (!token) {
+    std::fprintf(stderr, "rd2h proxy: --token-file: %s\n", token.status().message().c_str());
+    return 2;
+  }
+  config.token = *token;
   StopSignal stop;  // before the proxy starts its threads
   auto proxy = metaserver::Proxy::start(config);
   if (!proxy) {

@@ -102,6 +102,8 @@ Status read_extra(const json& extra, ConnectorConfig& c) {
     } else if (key == "insecure") {
       if (!value.is_boolean()) return bad(where, "must be true or false");
       c.insecure = value.get<bool>();
+    } else if (key == "metaserver_token_file") {
+      RD2H_RETURN_IF_ERROR(read_string(value, where, c.metaserver_token_file));
     } else {
       return bad(where, "is not a setting of this connector");
     }
@@ -196,6 +198,7 @@ std::string ConnectorConfig::to_json() const {
   if (!curve.secret_key_file.empty()) extra["curve_secret_key_file"] = curve.secret_key_file;
   if (!curve.trusted_keys_file.empty()) extra["curve_trusted_keys_file"] = curve.trusted_keys_file;
   if (insecure) extra["insecure"] = true;
+  if (!metaserver_token_file.empty()) extra["metaserver_token_file"] = metaserver_token_file;
   json j = {{"kv_connector", "rd2h"},
             {"kv_role", role == KvRole::kProducer ? "kv_producer" : "kv_consumer"},
             {"kv_port", kv_port},

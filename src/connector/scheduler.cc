@@ -2,6 +2,7 @@
 
 #include "layout/cache.h"
 #include "metaserver/client.h"
+#include "metaserver/token.h"
 #include "topology/topology.h"
 
 namespace rd2h::connector {
@@ -36,6 +37,9 @@ Expected<std::unique_ptr<Scheduler>> Scheduler::create(ConnectorConfig config, P
     mc.timeout = s->config_.metaserver_timeout;
     mc.attempts = s->config_.metaserver_attempts;
     mc.resubmit = s->config_.metaserver_resubmit;
+    auto token = metaserver::load_token(s->config_.metaserver_token_file);
+    if (!token) return token.status().with_context("metaserver_token_file");
+    mc.token = *token;
     s->metaserver_ = std::make_unique<metaserver::Client>(mc);
   }
   return s;

@@ -4,6 +4,8 @@
 
 #include <cstdio>
 
+#include "metaserver/token.h"
+
 namespace rd2h::metaserver {
 
 Expected<Url> parse_url(const std::string& url) {
@@ -95,7 +97,9 @@ void Client::attempt(Job job) {
   http.set_connection_timeout(config_.timeout);
   http.set_read_timeout(config_.timeout);
   http.set_write_timeout(config_.timeout);
-  auto res = http.Post(job.url.path, job.body, "application/json");
+  httplib::Headers headers;
+  if (!config_.token.empty()) headers.emplace("Authorization", bearer(config_.token));
+  auto res = http.Post(job.url.path, headers, job.body, "application/json");
 
   std::lock_guard lock(mu_);
   if (keys_.count(job.key) == 0) return;  // cancelled while in flight

@@ -28,6 +28,7 @@ struct ClientConfig {
   std::chrono::milliseconds backoff{50};
   std::chrono::milliseconds resubmit{1000};
   size_t threads = 4;
+  std::string token;  // sent as Authorization: Bearer <token>; empty: none
 };
 
 struct ClientStats {

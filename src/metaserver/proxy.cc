@@ -1,16 +1,18 @@
 #include "rd2h/metaserver/proxy.h"
 
 #include <httplib.h>
+#include <sodium.h>
 
 #include <cstdio>
 #include <list>
 #include <map>
 #include <mutex>
 #include <nlohmann/json.hpp>
-#include <random>
 #include <thread>
 
 #include "metaserver/client.h"
+#include "metaserver/http_server.h"
+#include "metaserver/openai_body.h"
 
 namespace rd2h::metaserver {
 
@@ -18,9 +20,12 @@ using nlohmann::ordered_json;
 
 namespace {
 
+// A random (version 4) UUID from the operating system's cryptographic source: request ids
+// name transfers, so they must not be predictable.
 std::string uuid4() {
-  thread_local std::mt19937_64 rng(std::random_device{}());
-  const uint64_t a = rng(), b = rng();
+  uint64_t a, b;
+  randombytes_buf(&a, sizeof(a));
+  randombytes_buf(&b, sizeof(b));
   char out[37];
   std::snprintf(out, sizeof(out), "%08x-%04x-4%03x-%04x-%012llx", static_cast<unsigned>(a >> 32),
                 static_cast<unsigned>((a >> 16) & 0xffff), static_cast<unsigned>(a & 0xfff),
@@ -73,9 +78,9 @@ struct Parent {
 
 struct Proxy::Impl {
   ProxyConfig config;
-  httplib::Server api, rendezvous;
-  std::thread api_thread, rendezvous_thread;
+  std::unique_ptr<HttpServer> api, rendezvous;
   int api_port = 0, rendezvous_port = 0;
+  httplib::Headers auth;  // what the engines are sent: the bearer token, if any
 
   mutable std::mutex mu;
   std::map<std::string, std::shared_ptr<Parent>> by_child;
@@ -120,23 +125,26 @@ void Proxy::Impl::handle_client(const httplib::Request& req, httplib::Response& 
     res.set_content(error_json("the request body is not a JSON object", 400), "application/json");
     return;
   }
+  const auto prompts = check_openai_body(
+      body, chat, PromptLimits{config.max_prompts, config.max_prompt_tokens});
+  if (!prompts) {
+    res.status = 400;
+    res.set_content(error_json(prompts.status().message(), 400), "application/json");
+    return;
+  }
   auto parent = std::make_shared<Parent>();
   parent->id = uuid4();
   parent->path = chat ? "/v1/chat/completions" : "/v1/completions";
   if (chat) {
     parent->children.push_back("chatcmpl-" + parent->id);
   } else {
-    size_t n = 1;
-    const auto prompt = body.find("prompt");
-    if (prompt != body.end() && prompt->is_array() && !prompt->empty() &&
-        !(*prompt)[0].is_number()) {
-      n = prompt->size();  // a list of prompts (strings or token lists)
-    }
-    for (size_t i = 0; i < n; ++i) {
+    for (size_t i = 0; i < *prompts; ++i) {
       parent->children.push_back("cmpl-" + parent->id + "-" + std::to_string(i));
     }
   }
-  const bool stream = body.value("stream", false);
+  const auto stream_field = body.find("stream");
+  const bool stream = stream_field != body.end() && stream_field->is_boolean() &&
+                      stream_field->get<bool>();
   parent->body = body;
   {
     std::lock_guard lock(mu);
@@ -158,7 +166,8 @@ void Proxy::Impl::handle_client(const httplib::Request& req, httplib::Response& 
     std::lock_guard lock(parent->mu);
     parent->upstream = upstream;  // from here on a failure closes the Decode request
   }
-  const httplib::Headers headers = {{"X-Request-Id", parent->id}};
+  httplib::Headers headers = auth;
+  headers.emplace("X-Request-Id", parent->id);
   const std::string payload = body.dump();
 
   if (!stream) {
@@ -314,7 +323,9 @@ void Proxy::Impl::dispatch_prefill(std::shared_ptr<Parent> parent) {
   // Client::stop() only cuts a request in flight: one not started must not start.
   httplib::Result r{nullptr, httplib::Error::Canceled};
   if (!stopped) {
-    r = client->Post(parent->path, {{"X-Request-Id", parent->id}}, body.dump(), "application/json");
+    httplib::Headers headers = auth;
+    headers.emplace("X-Request-Id", parent->id);
+    r = client->Post(parent->path, headers, body.dump(), "application/json");
   }
   std::string why;
   if (stopped) {
@@ -351,47 +362,45 @@ Expected<std::unique_ptr<Proxy>> Proxy::start(ProxyConfig config) {
       }
     }
   }
+  if (sodium_init() < 0) return internal_error("libsodium could not be initialised");
   auto impl = std::make_unique<Impl>();
   impl->config = config;
   impl->decode_load.assign(config.decode.size(), 0);
   impl->prefill_load.assign(config.prefill.size(), 0);
+  if (!config.token.empty()) impl->auth.emplace("Authorization", bearer(config.token));
   Impl* p = impl.get();
-  for (httplib::Server* s : {&p->api, &p->rendezvous}) {
-    s->set_payload_max_length(config.max_body_bytes);
-    s->Post("/v1/metaserver", [p](const httplib::Request& req, httplib::Response& res) {
-      p->handle_rendezvous(req, res);
-    });
+  HttpServerConfig api;
+  api.host = config.host;
+  api.port = config.port;
+  api.name = "client API";
+  api.max_body_bytes = config.max_body_bytes;
+  api.max_connections = config.max_concurrent == 0 ? 1 : config.max_concurrent;
+  api.token = config.token;
+  HttpServerConfig meta = api;
+  meta.port = config.metaserver_port;
+  meta.name = "metaserver";
+  meta.max_connections = HttpServerConfig{}.max_connections;
+  p->api = std::make_unique<HttpServer>(api);
+  p->rendezvous = std::make_unique<HttpServer>(meta);
+  for (HttpServer* s : {p->api.get(), p->rendezvous.get()}) {
+    s->post("/v1/metaserver", HttpServer::Auth::kToken,
+            [p](const httplib::Request& req, httplib::Response& res) {
+              p->handle_rendezvous(req, res);
+            });
   }
-  const size_t threads = config.max_concurrent == 0 ? 1 : config.max_concurrent;
-  p->api.new_task_queue = [threads] { return new httplib::ThreadPool(threads); };
-  p->api.Post("/v1/completions", [p](const httplib::Request& req, httplib::Response& res) {
-    p->handle_client(req, res, false);
-  });
-  p->api.Post("/v1/chat/completions", [p](const httplib::Request& req, httplib::Response& res) {
-    p->handle_client(req, res, true);
-  });
-  p->api_port = config.port == 0
-                    ? p->api.bind_to_any_port(config.host)
-                    : (p->api.bind_to_port(config.host, config.port) ? config.port : -1);
-  if (p->api_port <= 0) {
-    return unreachable("cannot listen on " + config.host + ":" + std::to_string(config.port));
-  }
-  p->rendezvous_port = config.metaserver_port == 0
-                           ? p->rendezvous.bind_to_any_port(config.host)
-                           : (p->rendezvous.bind_to_port(config.host, config.metaserver_port)
-                                  ? config.metaserver_port
-                                  : -1);
-  if (p->rendezvous_port <= 0) {
-    p->api.stop();
-    return unreachable("cannot listen on " + config.host + ":" +
-                       std::to_string(config.metaserver_port) + " for the metaserver");
-  }
-  p->api_thread = std::thread([p] { p->api.listen_after_bind(); });
-  p->rendezvous_thread = std::thread([p] { p->rendezvous.listen_after_bind(); });
-  // stop() only stops a server whose accept loop runs: wait for both (bounded).
-  for (int i = 0; i < 5000 && !(p->api.is_running() && p->rendezvous.is_running()); ++i) {
-    std::this_thread::sleep_for(std::chrono::milliseconds(1));
-  }
+  // The client-facing routes take no engine token.
+  p->api->post("/v1/completions", HttpServer::Auth::kNone,
+               [p](const httplib::Request& req, httplib::Response& res) {
+                 p->handle_client(req, res, false);
+               });
+  p->api->post("/v1/chat/completions", HttpServer::Auth::kNone,
+               [p](const httplib::Request& req, httplib::Response& res) {
+                 p->handle_client(req, res, true);
+               });
+  RD2H_RETURN_IF_ERROR(p->api->start());
+  RD2H_RETURN_IF_ERROR(p->rendezvous->start());
+  p->api_port = p->api->port();
+  p->rendezvous_port = p->rendezvous->port();
   return std::unique_ptr<Proxy>(new Proxy(std::move(impl)));
 }
 
@@ -405,10 +414,8 @@ Proxy::~Proxy() {
     for (auto& c : p.dispatch_clients) c->stop();
     for (auto& [child, parent] : p.by_child) parent->fail("the proxy is stopping");
   }
-  p.api.stop();
-  p.rendezvous.stop();
-  if (p.api_thread.joinable()) p.api_thread.join();
-  if (p.rendezvous_thread.joinable()) p.rendezvous_thread.join();
+  p.api->stop();
+  p.rendezvous->stop();
   std::list<Impl::Dispatcher> dispatchers;
   {
     std::lock_guard lock(p.mu);

@@ -1,7 +1,10 @@
 #include "sim/demo.h"
 
+#include <fcntl.h>
 #include <httplib.h>
+#include <sys/random.h>
 #include <sys/wait.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <atomic>
@@ -45,6 +48,46 @@ std::string join(const std::vector<std::string>& v, const char* sep) {
   for (const auto& s : v) out += (out.empty() ? "" : sep) + s;
   return out;
 }
+
+// The bearer token of one run, random, in a file only this user can read (a private 0700
+// directory), which the children are pointed at; both are removed at the end.
+struct RunToken {
+  std::string dir, file, token;
+  RunToken() = default;
+  RunToken(const RunToken&) = delete;
+  RunToken& operator=(const RunToken&) = delete;
+  ~RunToken() {
+    if (!file.empty()) ::unlink(file.c_str());
+    if (!dir.empty()) ::rmdir(dir.c_str());
+  }
+  Status create() {
+    unsigned char bytes[32];
+    if (::getrandom(bytes, sizeof(bytes), 0) != static_cast<ssize_t>(sizeof(bytes))) {
+      return internal_error("no random bytes for the run's token");
+    }
+    static const char* hex = "0123456789abcdef";
+    for (unsigned char b : bytes) {
+      token.push_back(hex[b >> 4]);
+      token.push_back(hex[b & 15]);
+    }
+    const char* tmp = std::getenv("TMPDIR");
+    std::string tmpl = std::string(tmp != nullptr && *tmp != '\0' ? tmp : "/tmp") +
+                       "/rd2h-demo-XXXXXX";
+    if (::mkdtemp(tmpl.data()) == nullptr) {
+      return internal_error("cannot create a private directory for the run's token");
+    }
+    dir = tmpl;
+    const std::string path = dir + "/token";
+    const int fd = ::open(path.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, 0600);
+    if (fd < 0) return internal_error("cannot write the run's token file " + path);
+    file = path;
+    const std::string line = token + "\n";
+    const bool written = ::write(fd, line.data(), line.size()) == static_cast<ssize_t>(line.size());
+    ::close(fd);
+    if (!written) return internal_error("cannot write the run's token file " + path);
+    return Status::ok();
+  }
+};
 
 struct Server {
   std::string name;
@@ -305,10 +348,10 @@ ClientRecord send(const std::string& proxy, const Request& r, const DemoOptions&
 }
 
 Expected<EngineTrace> collect(const Server& s, const std::string& role, int instance, int tp,
-                              bool quiet) {
+                              bool quiet, const RunToken& token) {
   httplib::Client c(s.origin);
   c.set_read_timeout(60);
-  auto r = c.Get("/rd2h/report");
+  auto r = c.Get("/rd2h/report", {{"Authorization", "Bearer " + token.token}});
   if (!r || r->status != 200) return unreachable("no report from " + s.name);
   auto report = parse_report(r->body);
   if (!report) return report.status().with_context(s.name);
@@ -338,7 +381,8 @@ std::string kv_config(const char* role, int port, const std::string& host, const
 }
 
 std::vector<std::string> engine_args(const char* command, int tp, const std::string& host,
-                                     const std::string& kv, const DemoOptions& o) {
+                                     const std::string& kv, const DemoOptions& o,
+                                     const RunToken& token) {
   auto s = [](auto v) { return std::to_string(v); };
   std::vector<std::string> bpt;
   for (auto b : o.bytes_per_token) bpt.push_back(s(b));
@@ -369,6 +413,10 @@ std::vector<std::string> engine_args(const char* command, int tp, const std::str
   if (o.test_corrupt_layer >= 0) {
     a.insert(a.end(), {"--test-corrupt-layer", s(o.test_corrupt_layer)});
   }
+  // The workload's lists and prompts fit the engines' limits.
+  a.insert(a.end(), {"--token-file", token.file, "--max-prompts",
+                     s(std::max<uint64_t>(1024, o.prompt_list_size)), "--max-prompt-tokens",
+                     s(std::max<uint64_t>(262144, o.max_tokens))});
   return a;
 }
 
@@ -479,6 +527,8 @@ Expected<DemoSummary> run_demo_once(const DemoOptions& options) {
   auto fail = [](const std::string& why) -> Expected<DemoSummary> { return internal_error(why); };
   if (Status st = check_options(o); !st) return st;
 
+  RunToken token;
+  if (Status st = token.create(); !st) return st;
   const std::vector<Request> requests = workload(o);
   uint64_t total_tokens = 0, prompts = 0;
   for (const auto& r : requests) {
@@ -519,7 +569,8 @@ Expected<DemoSummary> run_demo_once(const DemoOptions& options) {
           "Decode " + std::to_string(i), o.decode_wrapper,
           engine_args(
               "decode", o.decode_tp, o.decode_host,
-              kv_config("kv_consumer", base, o.decode_host, "decode-" + std::to_string(i), o), o));
+              kv_config("kv_consumer", base, o.decode_host, "decode-" + std::to_string(i), o), o,
+              token));
     }
     if (!s) return fail(s.status().message());
     say("rd2h demo: Decode " + std::to_string(i) + " at " + s->origin + " " + s->extra);
@@ -530,7 +581,7 @@ Expected<DemoSummary> run_demo_once(const DemoOptions& options) {
         "Prefill " + std::to_string(i), o.prefill_wrapper,
         engine_args("prefill", o.prefill_tp, o.prefill_host,
                     kv_config("kv_producer", 1, o.prefill_host, "prefill-" + std::to_string(i), o),
-                    o));
+                    o, token));
     if (!s) return fail(s.status().message());
     say("rd2h demo: Prefill " + std::to_string(i) + " at " + s->origin + " " + s->extra);
     prefill.push_back(std::move(*s));
@@ -547,8 +598,11 @@ Expected<DemoSummary> run_demo_once(const DemoOptions& options) {
   proxy_args.insert(proxy_args.end(), {"--prefill", join(origins, ",")});
   origins.clear();
   for (auto& s : decode) origins.push_back(s.origin);
-  proxy_args.insert(proxy_args.end(), {"--decode", join(origins, ","), "--max-body-bytes",
-                                       std::to_string(64u << 20)});
+  proxy_args.insert(proxy_args.end(),
+                    {"--decode", join(origins, ","), "--max-body-bytes", std::to_string(64u << 20),
+                     "--token-file", token.file, "--max-prompts",
+                     std::to_string(std::max<uint64_t>(1024, o.prompt_list_size)),
+                     "--max-prompt-tokens", std::to_string(std::max<uint64_t>(262144, o.max_tokens))});
   auto proxy = launch("the proxy", "", proxy_args);
   if (!proxy) return fail(proxy.status().message());
   say("rd2h demo: proxy at " + proxy->origin + " " + proxy->extra);
@@ -570,6 +624,7 @@ Expected<DemoSummary> run_demo_once(const DemoOptions& options) {
         pc.host = o.host;
         pc.prefill = {prefill[i].origin};
         pc.decode = {decode[j].origin};
+        pc.token = token.token;
         auto started = metaserver::Proxy::start(pc);
         if (!started) return fail(started.status().message());
         pair = std::move(*started);
@@ -583,7 +638,9 @@ Expected<DemoSummary> run_demo_once(const DemoOptions& options) {
   }
   for (const auto* servers : {&prefill, &decode}) {
     for (const auto& s : *servers) {
-      if (auto t = collect(s, "", 0, 0, /*quiet=*/true); !t) return fail(t.status().message());
+      if (auto t = collect(s, "", 0, 0, /*quiet=*/true, token); !t) {
+        return fail(t.status().message());
+      }
     }
   }
 
@@ -640,7 +697,7 @@ Expected<DemoSummary> run_demo_once(const DemoOptions& options) {
   for (const auto& [servers, role, tp] : {std::tuple{&prefill, "prefill", o.prefill_tp},
                                           std::tuple{&decode, "decode", o.decode_tp}}) {
     for (size_t i = 0; failed == 0 && i < servers->size(); ++i) {
-      auto t = collect((*servers)[i], role, static_cast<int>(i), tp, o.quiet);
+      auto t = collect((*servers)[i], role, static_cast<int>(i), tp, o.quiet, token);
       if (!t) errors.push_back(t.status().message());
       if (t) traces.push_back(std::move(*t));
     }

@@ -15,6 +15,8 @@
 #include <thread>
 
 #include "common/trace.h"
+#include "metaserver/http_server.h"
+#include "metaserver/openai_body.h"
 #include "rd2h/connector/metadata.h"
 #include "rd2h/connector/scheduler.h"
 #include "sim/kv_model.h"
@@ -85,8 +87,7 @@ struct Engine::Impl {
   bool corrupt_pending = false;
   uint64_t checksum = 0;  // Decode's reads of its pool while decoding
 
-  httplib::Server http;
-  std::thread http_thread;
+  std::unique_ptr<metaserver::HttpServer> http;
   int http_port = 0;
 
   std::mutex mu;
@@ -551,6 +552,10 @@ void Engine::Impl::serve(const httplib::Request& req, httplib::Response& res, bo
   };
   auto body = json::parse(req.body, nullptr, false);
   if (body.is_discarded() || !body.is_object()) return fail(400, "the body is not a JSON object");
+  const metaserver::PromptLimits limits{config.max_prompts, config.max_prompt_tokens};
+  if (auto checked = metaserver::check_openai_body(body, chat, limits); !checked) {
+    return fail(400, checked.status().message());
+  }
   std::optional<connector::KvTransferParams> params;
   if (body.contains("kv_transfer_params") && !body["kv_transfer_params"].is_null()) {
     auto p = connector::KvTransferParams::from_json(body["kv_transfer_params"].dump());
@@ -570,13 +575,22 @@ void Engine::Impl::serve(const httplib::Request& req, httplib::Response& res, bo
     }
     return t;
   };
+  // Field types were checked above; null stands for the field's absence.
+  auto field = [&](const char* name, json fallback) {
+    auto it = body.find(name);
+    return it == body.end() || it->is_null() ? fallback : *it;
+  };
   std::vector<std::pair<std::string, std::vector<int64_t>>> children;
   if (chat) {
     std::string text;
-    for (const auto& m : body.value("messages", json::array())) text += m.value("content", "");
+    for (const auto& m : field("messages", json::array())) {
+      if (auto c = m.find("content"); c != m.end() && c->is_string()) {
+        text += c->get<std::string>();
+      }
+    }
     children.push_back({"chatcmpl-" + parent, tokens_of(json(text))});
   } else {
-    const json prompt = body.value("prompt", json(""));
+    const json prompt = field("prompt", json(""));
     if (prompt.is_array() && !prompt.empty() && !prompt[0].is_number()) {
       for (size_t i = 0; i < prompt.size(); ++i) {
         children.push_back({"cmpl-" + parent + "-" + std::to_string(i), tokens_of(prompt[i])});
@@ -585,7 +599,15 @@ void Engine::Impl::serve(const httplib::Request& req, httplib::Response& res, bo
       children.push_back({"cmpl-" + parent + "-0", tokens_of(prompt)});
     }
   }
-  const uint64_t max_tokens = std::max<int64_t>(1, body.value("max_tokens", 16));
+  for (const auto& [id, tokens] : children) {
+    // A text prompt is one token per byte here.
+    if (tokens.size() > config.max_prompt_tokens) {
+      return fail(400, "request " + id + " has " + std::to_string(tokens.size()) +
+                           " prompt tokens; the limit is " +
+                           std::to_string(config.max_prompt_tokens));
+    }
+  }
+  const uint64_t max_tokens = std::max<int64_t>(1, field("max_tokens", 16).get<int64_t>());
   if (auto why = never_fits(children, max_tokens)) return fail(400, *why);
   std::vector<std::shared_ptr<EngineRequest>> requests;
   std::vector<std::shared_future<Result>> results;
@@ -635,7 +657,7 @@ void Engine::Impl::serve(const httplib::Request& req, httplib::Response& res, bo
                       {"choices", choices},
                       {"rd2h", {{"verified_blocks", verified}}}}};
   };
-  if (!body.value("stream", false)) {
+  if (!field("stream", false).get<bool>()) {
     auto [status, out] = answer();
     if (status != 200) return fail(status, out.get<std::string>());
     return res.set_content(out.dump(), "application/json");
@@ -730,23 +752,33 @@ Expected<std::unique_ptr<Engine>> Engine::start(EngineConfig config) {
   impl->config = std::move(config);
   RD2H_RETURN_IF_ERROR(impl->init());
   Impl* p = impl.get();
-  p->http.new_task_queue = [] { return new httplib::ThreadPool(64); };
-  p->http.Post("/v1/completions",
-               [p](const httplib::Request& q, httplib::Response& s) { p->serve(q, s, false); });
-  p->http.Post("/v1/chat/completions",
-               [p](const httplib::Request& q, httplib::Response& s) { p->serve(q, s, true); });
-  p->http.Get("/rd2h/report", [p](const httplib::Request&, httplib::Response& s) { p->report(s); });
-  p->http_port = p->config.port == 0
-                     ? p->http.bind_to_any_port(p->config.host)
-                     : (p->http.bind_to_port(p->config.host, p->config.port) ? p->config.port : -1);
-  if (p->http_port <= 0) {
-    return unreachable("cannot listen on " + p->config.host + ":" + std::to_string(p->config.port));
-  }
+  metaserver::HttpServerConfig http;
+  http.host = p->config.host;
+  http.port = p->config.port;
+  http.name = "engine's HTTP API";
+  http.max_body_bytes = p->config.max_body_bytes;
+  http.token = p->config.token;
+  p->http = std::make_unique<metaserver::HttpServer>(http);
+  using Auth = metaserver::HttpServer::Auth;
+  p->http->post("/v1/completions", Auth::kToken,
+                [p](const httplib::Request& q, httplib::Response& s) { p->serve(q, s, false); });
+  p->http->post("/v1/chat/completions", Auth::kToken,
+                [p](const httplib::Request& q, httplib::Response& s) { p->serve(q, s, true); });
+  p->http->get("/rd2h/report", Auth::kToken,
+               [p](const httplib::Request&, httplib::Response& s) { p->report(s); });
+  // The core first: the destructor joins it before it stops HTTP.
   p->core = std::thread([p] { p->run_core(); });
-  p->http_thread = std::thread([p] { p->http.listen_after_bind(); });
-  for (int i = 0; i < 5000 && !p->http.is_running(); ++i) {
-    std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  if (Status st = p->http->start(); !st) {
+    {
+      std::lock_guard lock(p->mu);
+      p->stopping = true;
+    }
+    p->cv.notify_all();
+    p->core.join();
+    p->ranks->stop(std::chrono::seconds(10));
+    return st;
   }
+  p->http_port = p->http->port();
   return std::unique_ptr<Engine>(new Engine(std::move(impl)));
 }
 
@@ -760,8 +792,7 @@ Engine::~Engine() {
   }
   p.cv.notify_all();
   p.core.join();  // answers what is pending, so the HTTP handlers return
-  p.http.stop();
-  p.http_thread.join();
+  p.http->stop();
   p.ranks->stop(std::chrono::seconds(10));
 }
 

@@ -46,6 +46,11 @@ struct EngineConfig {
   uint64_t compute_min_layer_us = 0;
   std::string host = "127.0.0.1";
   int port = 0;  // HTTP; 0 picks a free one
+  size_t max_body_bytes = 16u << 20;  // any framing, chunked too: larger is a 413
+  size_t max_prompts = 1024;          // prompts in one prompt list: more is a 400
+  size_t max_prompt_tokens = 262144;  // tokens in one prompt (a text prompt: its bytes)
+  // Bearer token the HTTP API requires (Authorization: Bearer <token>); empty: none.
+  std::string token;
   std::chrono::milliseconds request_timeout{60000};
   // The rd2h executable the TP rank processes run (`rd2h worker`); required.
   std::string worker_executable;

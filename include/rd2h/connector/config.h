@@ -56,6 +56,9 @@ struct ConnectorConfig {
   std::chrono::milliseconds metaserver_timeout{5000};    // one metaserver POST
   int metaserver_attempts = 3;                           // before resubmitting
   std::chrono::milliseconds metaserver_resubmit{1000};
+  // Decode: a file holding the bearer token its metaserver posts carry; empty: the
+  // environment variable RD2H_TOKEN, if set.
+  std::string metaserver_token_file;
 
   // Control-plane trust. With keys, Decode accepts only Prefill clients whose public key is
   // trusted, and Prefill talks only to Decode servers whose key is trusted (ZeroMQ CURVE).

@@ -29,8 +29,13 @@ struct ProxyConfig {
   int metaserver_port = 0;           // rendezvous listener; 0 picks a free port
   std::vector<std::string> prefill;  // engine origins, "http://host:port"
   std::vector<std::string> decode;
-  size_t max_body_bytes = 16u << 20;
-  size_t max_concurrent = 256;  // client requests served at once
+  size_t max_body_bytes = 16u << 20;  // any framing, chunked too: larger is a 413
+  size_t max_concurrent = 256;        // client requests served at once; more are refused (503)
+  size_t max_prompts = 1024;          // prompts in one prompt list: more is a 400
+  size_t max_prompt_tokens = 262144;  // tokens in one token list: more is a 400
+  // The shared bearer token the metaserver requires and the engines are sent
+  // (Authorization: Bearer <token>); empty: none. The client API takes no token.
+  std::string token;
   std::chrono::milliseconds upstream_timeout{600000};
 };
 

@@ -1,0 +1,437 @@
+#include "metaserver/http_server.h"
+
+#include <fcntl.h>
+#include <netdb.h>
+#include <poll.h>
+#include <sodium.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cctype>
+#include <cerrno>
+#include <condition_variable>
+#include <cstdlib>
+#include <cstring>
+#include <deque>
+#include <fstream>
+#include <mutex>
+#include <nlohmann/json.hpp>
+#include <vector>
+
+namespace rd2h::metaserver {
+
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+thread_local bool t_reject = false;  // the connection being handed over is beyond the bound
+thread_local bool t_close = false;   // close the connection after the current answer
+
+std::string error_body(const std::string& message, int code) {
+  return nlohmann::json{{"error", {{"message", message}, {"code", code}}}}.dump();
+}
+
+void set_error(httplib::Response& res, int code, const std::string& message) {
+  res.status = code;
+  res.set_content(error_body(message, code), "application/json");
+}
+
+// One thread per connection, started on demand up to `max` and joined at shutdown. A task
+// that no thread can take at once is not queued: it runs here, marked as rejected, and the
+// server closes its connection.
+class ConnectionThreads final : public httplib::TaskQueue {
+ public:
+  explicit ConnectionThreads(size_t max) : max_(std::max<size_t>(1, max)) {}
+  ~ConnectionThreads() override { shutdown(); }
+
+  void enqueue(std::function<void()> fn) override {
+    std::unique_lock lock(mu_);
+    if (!stopping_ && jobs_.size() < idle_) {
+      jobs_.push_back(std::move(fn));
+      cv_.notify_one();
+      return;
+    }
+    if (!stopping_ && threads_.size() < max_) {
+      ++idle_;
+      jobs_.push_back(std::move(fn));
+      threads_.emplace_back([this] { run(); });
+      return;
+    }
+    lock.unlock();
+    t_reject = true;
+    fn();
+    t_reject = false;
+  }
+
+  void shutdown() override {
+    {
+      std::lock_guard lock(mu_);
+      stopping_ = true;
+    }
+    cv_.notify_all();
+    for (auto& t : threads_) {
+      if (t.joinable()) t.join();
+    }
+  }
+
+ private:
+  void run() {
+    std::unique_lock lock(mu_);
+    for (;;) {
+      cv_.wait(lock, [this] { return stopping_ || !jobs_.empty(); });
+      if (jobs_.empty()) return;  // stopping, and nothing left to close
+      auto fn = std::move(jobs_.front());
+      jobs_.pop_front();
+      --idle_;
+      lock.unlock();
+      fn();
+      lock.lock();
+      ++idle_;
+    }
+  }
+
+  const size_t max_;
+  std::mutex mu_;
+  std::condition_variable cv_;
+  std::deque<std::function<void()>> jobs_;
+  size_t idle_ = 0;  // threads waiting for a job, or started for one not taken yet
+  bool stopping_ = false;
+  std::vector<std::thread> threads_;
+};
+
+}  // namespace
+
+// httplib's server with rd2h's connection handling: its own keep-alive loop and stream, so
+// that every wait has a deadline and stop() wakes every connection.
+class HttpServer::Server final : public httplib::Server {
+ public:
+  explicit Server(const HttpServerConfig& config) : config_(config) {
+    if (::pipe2(wake_, O_CLOEXEC) != 0) wake_[0] = wake_[1] = -1;
+    new_task_queue = [this] { return new ConnectionThreads(config_.max_connections); };
+  }
+  ~Server() override {
+    for (int fd : wake_) {
+      if (fd >= 0) ::close(fd);
+    }
+  }
+
+  // Stops the accept loop and wakes every connection (they see the wake pipe readable).
+  void wake_all() {
+    stopping_ = true;
+    if (wake_[1] >= 0) {
+      const char b = 1;
+      [[maybe_unused]] ssize_t n = ::write(wake_[1], &b, 1);
+    }
+  }
+  // httplib listens with a backlog of 5; Linux takes a new one from a second listen().
+  bool set_backlog(int backlog) { return ::listen(svr_sock_, backlog) == 0; }
+  uint64_t rejected() const { return rejected_; }
+
+ private:
+  class Connection;
+
+  bool process_and_close_socket(socket_t sock) override;
+
+  // Waits until `sock` has `events` or until `deadline`; false on the deadline or stop.
+  bool wait(int sock, short events, Clock::time_point deadline) const {
+    for (;;) {
+      if (stopping_) return false;
+      const auto left =
+          std::chrono::duration_cast<std::chrono::milliseconds>(deadline - Clock::now()).count();
+      if (left <= 0) return false;
+      pollfd fds[2] = {{sock, events, 0}, {wake_[0], POLLIN, 0}};
+      const int n = ::poll(fds, wake_[0] >= 0 ? 2 : 1, static_cast<int>(std::min<long long>(
+                                                            left, 1000 * 60 * 60)));
+      if (n < 0 && errno == EINTR) continue;
+      if (n < 0) return false;
+      if (n == 0) continue;  // re-checks the deadline
+      if (fds[1].revents != 0) return false;
+      return fds[0].revents != 0;
+    }
+  }
+
+  const HttpServerConfig& config_;
+  int wake_[2] = {-1, -1};
+  std::atomic<bool> stopping_{false};
+  std::atomic<uint64_t> rejected_{0};
+};
+
+// A connection's byte stream for httplib's request parser: reads are buffered and bounded
+// by the current request's deadline, writes by the write timeout.
+class HttpServer::Server::Connection final : public httplib::Stream {
+ public:
+  Connection(const Server& server, int sock) : server_(server), sock_(sock) {}
+
+  void begin_request() { deadline_ = Clock::now() + server_.config_.request_timeout; }
+  bool wait_for_request() const {
+    return size_ > pos_ ||
+           server_.wait(sock_, POLLIN, Clock::now() + server_.config_.keep_alive_timeout);
+  }
+
+  bool is_readable() const override {
+    return size_ > pos_ || server_.wait(sock_, POLLIN, deadline_);
+  }
+  bool is_writable() const override {
+    if (!server_.wait(sock_, POLLOUT, Clock::now() + server_.config_.write_timeout)) return false;
+    char b;  // a peer that closed reads as end of stream
+    return ::recv(sock_, &b, 1, MSG_PEEK | MSG_DONTWAIT) != 0;
+  }
+  ssize_t read(char* ptr, size_t size) override {
+    if (pos_ == size_) {
+      if (!is_readable()) return -1;
+      ssize_t n;
+      do {
+        n = ::recv(sock_, buffer_, sizeof(buffer_), 0);
+      } while (n < 0 && errno == EINTR);
+      if (n <= 0) return n;
+      pos_ = 0;
+      size_ = static_cast<size_t>(n);
+    }
+    const size_t n = std::min(size, size_ - pos_);
+    std::memcpy(ptr, buffer_ + pos_, n);
+    pos_ += n;
+    return static_cast<ssize_t>(n);
+  }
+  ssize_t write(const char* ptr, size_t size) override {
+    if (!server_.wait(sock_, POLLOUT, Clock::now() + server_.config_.write_timeout)) return -1;
+    ssize_t n;
+    do {
+      n = ::send(sock_, ptr, size, MSG_NOSIGNAL);
+    } while (n < 0 && errno == EINTR);
+    return n;
+  }
+  void get_remote_ip_and_port(std::string& ip, int& port) const override {
+    address(::getpeername, ip, port);
+  }
+  void get_local_ip_and_port(std::string& ip, int& port) const override {
+    address(::getsockname, ip, port);
+  }
+  socket_t socket() const override { return sock_; }
+
+ private:
+  template <typename F>
+  void address(F get, std::string& ip, int& port) const {
+    sockaddr_storage addr{};
+    socklen_t len = sizeof(addr);
+    if (get(sock_, reinterpret_cast<sockaddr*>(&addr), &len) != 0) return;
+    char host[NI_MAXHOST], serv[NI_MAXSERV];
+    if (::getnameinfo(reinterpret_cast<sockaddr*>(&addr), len, host, sizeof(host), serv,
+                      sizeof(serv), NI_NUMERICHOST | NI_NUMERICSERV) == 0) {
+      ip = host;
+      port = std::atoi(serv);
+    }
+  }
+
+  const Server& server_;
+  int sock_;
+  Clock::time_point deadline_ = Clock::now();
+  char buffer_[4096];
+  size_t pos_ = 0, size_ = 0;
+};
+
+bool HttpServer::Server::process_and_close_socket(socket_t sock) {
+  bool ret = false;
+  if (t_reject) {
+    ++rejected_;
+    static const char busy[] =
+        "HTTP/1.1 503 Service Unavailable\r\nConnection: close\r\nContent-Length: 0\r\n\r\n";
+    [[maybe_unused]] ssize_t n = ::send(sock, busy, sizeof(busy) - 1, MSG_NOSIGNAL | MSG_DONTWAIT);
+  } else {
+    Connection conn(*this, sock);
+    for (size_t count = std::max<size_t>(1, config_.keep_alive_max_count); count > 0; --count) {
+      if (!conn.wait_for_request()) break;
+      conn.begin_request();
+      bool closed = false;
+      t_close = false;
+      ret = process_request(conn, count == 1, closed, nullptr);
+      if (!ret || closed || t_close) break;
+    }
+    if (t_close) {
+      // The answer went out with a body left unread: end our side, then read a little of
+      // what the client still sends (bounded) before closing, so that closing on unread
+      // bytes (a reset) does not destroy the answer before the client reads it.
+      ::shutdown(sock, SHUT_WR);
+      const auto until = Clock::now() + std::chrono::seconds(1);
+      char sink[16384];
+      for (size_t drained = 0; drained < (1u << 20) && wait(sock, POLLIN, until);) {
+        const ssize_t n = ::recv(sock, sink, sizeof(sink), 0);
+        if (n <= 0) break;
+        drained += static_cast<size_t>(n);
+      }
+    }
+  }
+  ::shutdown(sock, SHUT_RDWR);
+  ::close(sock);
+  return ret;
+}
+
+void close_connection_after_response() {
+  t_close = true;
+}
+
+Expected<std::string> load_token(const std::string& path) {
+  std::string token;
+  if (!path.empty()) {
+    std::ifstream in(path);
+    if (!in || !std::getline(in, token)) {
+      return invalid_argument("cannot read a token from '" + path + "'");
+    }
+  } else if (const char* env = std::getenv("RD2H_TOKEN")) {
+    token = env;
+  }
+  while (!token.empty() && std::isspace(static_cast<unsigned char>(token.back()))) {
+    token.pop_back();
+  }
+  if (!path.empty() && token.empty()) {
+    return invalid_argument("the token file '" + path + "' is empty");
+  }
+  return token;
+}
+
+std::string bearer(const std::string& token) {
+  return token.empty() ? std::string() : "Bearer " + token;
+}
+
+bool token_matches(const std::string& header, const std::string& token) {
+  const std::string prefix = "Bearer ";
+  if (header.compare(0, prefix.size(), prefix) != 0) return false;
+  // Equal-length digests compared in constant time: neither the bytes nor the length of
+  // the token leak through timing.
+  unsigned char a[crypto_generichash_BYTES], b[crypto_generichash_BYTES];
+  crypto_generichash(a, sizeof(a), reinterpret_cast<const unsigned char*>(header.data()) +
+                                       prefix.size(),
+                     header.size() - prefix.size(), nullptr, 0);
+  crypto_generichash(b, sizeof(b), reinterpret_cast<const unsigned char*>(token.data()),
+                     token.size(), nullptr, 0);
+  return sodium_memcmp(a, b, sizeof(a)) == 0;
+}
+
+HttpServer::HttpServer(HttpServerConfig config)
+    : config_(std::move(config)), server_(std::make_unique<Server>(config_)) {
+  server_->set_payload_max_length(config_.max_body_bytes);
+  server_->set_keep_alive_timeout(
+      std::max<time_t>(1, std::chrono::duration_cast<std::chrono::seconds>(
+                              config_.keep_alive_timeout)
+                              .count()));
+  server_->set_keep_alive_max_count(std::max<size_t>(1, config_.keep_alive_max_count));
+  // SO_REUSEADDR only: httplib's default adds SO_REUSEPORT, which lets a second process
+  // bind the same port and take half of its connections.
+  server_->set_socket_options([](socket_t sock) {
+    int yes = 1;
+    ::setsockopt(sock, SOL_SOCKET, SO_REUSEADDR, &yes, sizeof(yes));
+  });
+  server_->set_exception_handler(
+      [](const httplib::Request&, httplib::Response& res, std::exception_ptr ep) {
+        std::string what = "unknown exception";
+        try {
+          std::rethrow_exception(ep);
+        } catch (const std::exception& e) {
+          what = e.what();
+        } catch (...) {
+        }
+        set_error(res, 500, "internal error: " + what);
+      });
+  server_->set_pre_routing_handler([this](const httplib::Request& req, httplib::Response& res) {
+    if (token_paths_.count(req.path) != 0 &&
+        !token_matches(req.get_header_value("Authorization"), config_.token)) {
+      set_error(res, 401, "a valid Authorization: Bearer token is required");
+      res.set_header("WWW-Authenticate", "Bearer");
+      res.set_header("Connection", "close");
+      close_connection_after_response();  // its body, if any, was not read
+      return httplib::Server::HandlerResponse::Handled;
+    }
+    if (req.has_header("Content-Length") &&
+        req.get_header_value<uint64_t>("Content-Length") > config_.max_body_bytes) {
+      set_error(res, 413,
+                "the body is larger than " + std::to_string(config_.max_body_bytes) + " bytes");
+      res.set_header("Connection", "close");
+      close_connection_after_response();
+      return httplib::Server::HandlerResponse::Handled;
+    }
+    return httplib::Server::HandlerResponse::Unhandled;
+  });
+}
+
+HttpServer::~HttpServer() {
+  stop();
+}
+
+void HttpServer::post(const std::string& path, Auth auth, Handler handler) {
+  if (auth == Auth::kToken && !config_.token.empty()) token_paths_.insert(path);
+  const size_t max = config_.max_body_bytes;
+  server_->Post(path, [max, handler = std::move(handler)](const httplib::Request& req,
+                                                          httplib::Response& res,
+                                                          const httplib::ContentReader& read) {
+    // The body is read here, counted whatever its framing (a chunked or unframed body has
+    // no Content-Length for httplib to check).
+    std::string body;
+    bool too_large = false;
+    const bool ok = read([&](const char* data, size_t n) {
+      if (n > max - body.size()) {
+        too_large = true;
+        return false;
+      }
+      body.append(data, n);
+      return true;
+    });
+    if (too_large || !ok) {
+      close_connection_after_response();
+      res.set_header("Connection", "close");
+      if (too_large) {
+        return set_error(res, 413, "the body is larger than " + std::to_string(max) + " bytes");
+      }
+      return set_error(res, 400, "the body could not be read");
+    }
+    httplib::Request with_body = req;
+    with_body.body = std::move(body);
+    handler(with_body, res);
+  });
+}
+
+void HttpServer::get(const std::string& path, Auth auth, Handler handler) {
+  if (auth == Auth::kToken && !config_.token.empty()) token_paths_.insert(path);
+  server_->Get(path, std::move(handler));
+}
+
+Status HttpServer::start() {
+  const std::string where = config_.host + ":" + std::to_string(config_.port);
+  errno = 0;
+  port_ = config_.port == 0
+              ? server_->bind_to_any_port(config_.host)
+              : (server_->bind_to_port(config_.host, config_.port) ? config_.port : -1);
+  if (port_ <= 0) {
+    const int err = errno;
+    std::string why = err == EADDRINUSE ? "address in use" : std::strerror(err);
+    return unreachable("cannot listen on " + where + " for the " + config_.name + ": " + why);
+  }
+  if (!server_->set_backlog(config_.backlog)) {
+    server_->stop();
+    return unreachable("cannot set the listen backlog on " + where + ": " +
+                       std::strerror(errno));
+  }
+  thread_ = std::thread([this] { server_->listen_after_bind(); });
+  // stop() only stops a server whose accept loop runs: wait for it (bounded).
+  const auto deadline = Clock::now() + std::chrono::seconds(5);
+  while (!server_->is_running() && Clock::now() < deadline) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  }
+  if (!server_->is_running()) {
+    stop();
+    return unreachable("the " + config_.name + " on " + where + " did not start accepting");
+  }
+  return Status::ok();
+}
+
+void HttpServer::stop() {
+  if (!thread_.joinable()) return;
+  server_->wake_all();
+  server_->stop();
+  thread_.join();
+}
+
+uint64_t HttpServer::rejected_connections() const {
+  return server_->rejected();
+}
+
+}  // namespace rd2h::metaserver

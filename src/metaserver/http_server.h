@@ -1,0 +1,85 @@
+// The one way rd2h serves HTTP (the proxy's API and metaserver listener, the simulator's
+// engines): cpp-httplib's routing and parsing, with rd2h's own connection handling around it.
+//
+// - Listens with a real backlog (httplib's is 5, compiled into Debian's library) and with
+//   SO_REUSEADDR only: a second server on a port in use fails with "address in use".
+// - One thread per connection, started on demand up to `max_connections` and all joined at
+//   stop(); a connection beyond the bound is answered 503 and closed at once, never queued.
+// - Every wait is bounded: an idle connection is closed after `keep_alive_timeout`, and a
+//   request (line, headers and body) must arrive whole within `request_timeout`, so
+//   slow-loris clients free their thread.
+// - Bodies are bounded by `max_body_bytes`, whatever their framing (Content-Length,
+//   chunked, none, compressed): beyond it the answer is 413 and the connection is closed.
+// - Routes registered with `Auth::kToken` need `Authorization: Bearer <token>` when a token
+//   is configured (compared in constant time); without it the answer is 401 and the handler
+//   does not run.
+#pragma once
+
+#include <httplib.h>
+
+#include <atomic>
+#include <chrono>
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <set>
+#include <string>
+#include <thread>
+
+#include "metaserver/token.h"
+#include "rd2h/common/status.h"
+
+namespace rd2h::metaserver {
+
+struct HttpServerConfig {
+  std::string host = "127.0.0.1";
+  int port = 0;  // 0 picks a free port
+  std::string name = "HTTP";  // in errors: "cannot listen ... for the <name>"
+  int backlog = 1024;
+  size_t max_connections = 512;  // connections served at once (one thread each)
+  size_t max_body_bytes = 16u << 20;
+  std::chrono::milliseconds keep_alive_timeout{5000};  // idle before (between) requests
+  std::chrono::milliseconds request_timeout{30000};    // a whole request arrives within it
+  std::chrono::milliseconds write_timeout{30000};      // one write waits at most this
+  size_t keep_alive_max_count = 100;                   // requests on one connection
+  std::string token;  // empty: routes need no token
+};
+
+class HttpServer {
+ public:
+  using Handler = std::function<void(const httplib::Request&, httplib::Response&)>;
+  enum class Auth { kNone, kToken };
+
+  explicit HttpServer(HttpServerConfig config);
+  ~HttpServer();  // stop()
+  HttpServer(const HttpServer&) = delete;
+  HttpServer& operator=(const HttpServer&) = delete;
+
+  // Routes, before start(). `path` is matched exactly.
+  void post(const std::string& path, Auth auth, Handler handler);
+  void get(const std::string& path, Auth auth, Handler handler);
+
+  // Binds, listens and starts accepting; returns once connections are served.
+  Status start();
+  // Stops accepting, wakes every connection and joins every thread. Handlers still
+  // running must return on their own (their owners stop what they wait on first).
+  void stop();
+
+  int port() const { return port_; }
+  uint64_t rejected_connections() const;
+
+  class Server;
+
+ private:
+  HttpServerConfig config_;
+  std::unique_ptr<Server> server_;
+  std::set<std::string> token_paths_;
+  std::thread thread_;
+  int port_ = 0;
+};
+
+// Marks the connection of the request being handled to close after its answer (a request
+// whose body was not read to the end leaves the stream unusable).
+void close_connection_after_response();
+
+}  // namespace rd2h::metaserver
