@@ -453,7 +453,130 @@ Status check_options(const DemoOptions& o) {
   return Status::ok();
 }
 
+// A whole number from `lo` to `hi` (JSON integers only: 1.5, 1e59, "7" and -1 for an
+// unsigned setting are refused), or why not, naming the key.
+template <typename T>
+Status whole(const json& v, const std::string& key, uint64_t lo, uint64_t hi, T& out) {
+  auto refuse = [&] {
+    return invalid_argument("'" + key + "' must be a whole number from " + std::to_string(lo) +
+                            " to " + std::to_string(hi) + ", not " + v.dump());
+  };
+  if (!v.is_number_integer()) return refuse();
+  if (!v.is_number_unsigned() && v.get<int64_t>() < 0) return refuse();
+  const uint64_t n = v.get<uint64_t>();
+  if (n < lo || n > hi) return refuse();
+  out = static_cast<T>(n);
+  return Status::ok();
+}
+
+Status string_value(const json& v, const std::string& key, std::string& out) {
+  if (!v.is_string()) return invalid_argument("'" + key + "' must be a string, not " + v.dump());
+  out = v.get<std::string>();
+  return Status::ok();
+}
+
 }  // namespace
+
+Status apply_demo_config_text(const std::string& text, const std::string& source,
+                              DemoOptions& o,
+                              const std::function<bool(const std::string&)>& given) {
+  const json j = json::parse(text, nullptr, false);
+  if (j.is_discarded() || !j.is_object()) {
+    return invalid_argument("demo config " + source + " is not a JSON object");
+  }
+  constexpr uint64_t kU32 = UINT32_MAX;
+  using Setter = std::function<Status(const json&, const std::string&)>;
+  auto number = [](auto& field, uint64_t lo, uint64_t hi) -> Setter {
+    return [&field, lo, hi](const json& v, const std::string& key) {
+      return whole(v, key, lo, hi, field);
+    };
+  };
+  auto str = [](std::string& field) -> Setter {
+    return [&field](const json& v, const std::string& key) { return string_value(v, key, field); };
+  };
+  const std::map<std::string, Setter> setters = {
+      {"prefill-tp", number(o.prefill_tp, 1, 64)},
+      {"decode-tp", number(o.decode_tp, 1, 64)},
+      {"dp", number(o.dp, 1, 16)},
+      {"host", str(o.host)},
+      {"prefill-host", str(o.prefill_host)},
+      {"decode-host", str(o.decode_host)},
+      {"proxy-port", number(o.proxy_port, 0, 65535)},
+      {"metaserver-port", number(o.metaserver_port, 0, 65535)},
+      {"kv-port", number(o.kv_port, 0, 65535)},
+      {"transport",
+       [&](const json& v, const std::string& key) {
+         if (!v.is_string() || (v != "shm" && v != "tcp" && v != "auto")) {
+           return invalid_argument("'" + key + "' must be \"shm\", \"tcp\" or \"auto\", not " +
+                                   v.dump());
+         }
+         o.transport = v.get<std::string>();
+         return Status::ok();
+       }},
+      {"layers", number(o.layers, 1, 1024)},
+      {"block-size", number(o.block_size, 1, 1u << 20)},
+      {"bytes-per-token",
+       [&](const json& v, const std::string& key) {
+         if (!v.is_array() || v.size() < 2 || v.size() > 4) {
+           return invalid_argument("'" + key +
+                                   "' must be a list of 2 to 4 whole numbers (K, V, indexer[, "
+                                   "scale]), not " +
+                                   v.dump());
+         }
+         std::vector<uint64_t> sizes(v.size());
+         for (size_t i = 0; i < v.size(); ++i) {
+           if (Status st = whole(v[i], key + "[" + std::to_string(i) + "]", 1, 1u << 24, sizes[i]);
+               !st) {
+             return st;
+           }
+         }
+         o.bytes_per_token = std::move(sizes);
+         return Status::ok();
+       }},
+      {"num-blocks", number(o.num_blocks, 1, 1u << 24)},
+      {"slots", number(o.slots, 0, 1024)},
+      {"token-budget", number(o.token_budget, 1, kU32)},
+      {"compute-ns-per-token", number(o.compute_ns_per_token, 0, 1'000'000'000)},
+      {"compute-min-layer-us", number(o.compute_min_layer_us, 0, 60'000'000)},
+      {"requests", number(o.requests, 1, 100'000'000)},
+      {"min-tokens", number(o.min_tokens, 1, 1u << 30)},
+      {"max-tokens", number(o.max_tokens, 1, 1u << 30)},
+      {"concurrency", number(o.concurrency, 1, 65536)},
+      {"prompt-list-share",
+       [&](const json& v, const std::string& key) {
+         if (!v.is_number() || !(v.get<double>() >= 0.0 && v.get<double>() <= 1.0)) {
+           return invalid_argument("'" + key + "' must be a number from 0 to 1, not " +
+                                   v.dump());
+         }
+         o.prompt_list_share = v.get<double>();
+         return Status::ok();
+       }},
+      {"prompt-list-size", number(o.prompt_list_size, 1, 65536)},
+      {"output-tokens", number(o.output_tokens, 0, 1u << 20)},
+      {"seed", number(o.seed, 0, UINT64_MAX)},
+      {"timeout", number(o.timeout_s, 1, 7 * 86400)},
+      {"trace", str(o.trace_file)},
+      {"timeline",
+       [&](const json& v, const std::string& key) {
+         if (!v.is_boolean()) return invalid_argument("'" + key + "' must be true or false");
+         o.timeline = v.get<bool>();
+         return Status::ok();
+       }},
+  };
+  for (const auto& [raw, value] : j.items()) {
+    std::string key = raw;
+    std::replace(key.begin(), key.end(), '_', '-');
+    auto it = setters.find(key);
+    if (it == setters.end()) {
+      return invalid_argument("demo config " + source + ": '" + raw + "' is not a demo setting");
+    }
+    if (given(key)) continue;  // the command line wins
+    if (Status st = it->second(value, raw); !st) {
+      return invalid_argument("demo config " + source + ": " + st.message());
+    }
+  }
+  return Status::ok();
+}
 
 Status apply_demo_config(const std::string& path, DemoOptions& o,
                          const std::function<bool(const std::string&)>& given) {
@@ -461,59 +584,7 @@ Status apply_demo_config(const std::string& path, DemoOptions& o,
   if (!in) return not_found("demo config " + path + " cannot be read");
   std::stringstream text;
   text << in.rdbuf();
-  const json j = json::parse(text.str(), nullptr, false);
-  if (j.is_discarded() || !j.is_object()) {
-    return invalid_argument("demo config " + path + " is not a JSON object");
-  }
-  using Setter = std::function<void(const json&)>;
-  const std::map<std::string, Setter> setters = {
-      {"prefill-tp", [&](const json& v) { o.prefill_tp = v.get<int>(); }},
-      {"decode-tp", [&](const json& v) { o.decode_tp = v.get<int>(); }},
-      {"dp", [&](const json& v) { o.dp = v.get<int>(); }},
-      {"host", [&](const json& v) { o.host = v.get<std::string>(); }},
-      {"prefill-host", [&](const json& v) { o.prefill_host = v.get<std::string>(); }},
-      {"decode-host", [&](const json& v) { o.decode_host = v.get<std::string>(); }},
-      {"proxy-port", [&](const json& v) { o.proxy_port = v.get<int>(); }},
-      {"metaserver-port", [&](const json& v) { o.metaserver_port = v.get<int>(); }},
-      {"kv-port", [&](const json& v) { o.kv_port = v.get<int>(); }},
-      {"transport", [&](const json& v) { o.transport = v.get<std::string>(); }},
-      {"layers", [&](const json& v) { o.layers = v.get<int>(); }},
-      {"block-size", [&](const json& v) { o.block_size = v.get<uint64_t>(); }},
-      {"bytes-per-token",
-       [&](const json& v) { o.bytes_per_token = v.get<std::vector<uint64_t>>(); }},
-      {"num-blocks", [&](const json& v) { o.num_blocks = v.get<uint64_t>(); }},
-      {"slots", [&](const json& v) { o.slots = v.get<int>(); }},
-      {"token-budget", [&](const json& v) { o.token_budget = v.get<uint64_t>(); }},
-      {"compute-ns-per-token", [&](const json& v) { o.compute_ns_per_token = v.get<uint64_t>(); }},
-      {"compute-min-layer-us", [&](const json& v) { o.compute_min_layer_us = v.get<uint64_t>(); }},
-      {"requests", [&](const json& v) { o.requests = v.get<uint32_t>(); }},
-      {"min-tokens", [&](const json& v) { o.min_tokens = v.get<uint64_t>(); }},
-      {"max-tokens", [&](const json& v) { o.max_tokens = v.get<uint64_t>(); }},
-      {"concurrency", [&](const json& v) { o.concurrency = v.get<uint32_t>(); }},
-      {"prompt-list-share", [&](const json& v) { o.prompt_list_share = v.get<double>(); }},
-      {"prompt-list-size", [&](const json& v) { o.prompt_list_size = v.get<uint32_t>(); }},
-      {"output-tokens", [&](const json& v) { o.output_tokens = v.get<uint32_t>(); }},
-      {"seed", [&](const json& v) { o.seed = v.get<uint64_t>(); }},
-      {"timeout", [&](const json& v) { o.timeout_s = v.get<uint32_t>(); }},
-      {"trace", [&](const json& v) { o.trace_file = v.get<std::string>(); }},
-      {"timeline", [&](const json& v) { o.timeline = v.get<bool>(); }},
-  };
-  for (const auto& [raw, value] : j.items()) {
-    std::string key = raw;
-    std::replace(key.begin(), key.end(), '_', '-');
-    auto it = setters.find(key);
-    if (it == setters.end()) {
-      return invalid_argument("demo config " + path + ": '" + raw + "' is not a demo setting");
-    }
-    if (given(key)) continue;  // the command line wins
-    try {
-      it->second(value);
-    } catch (const json::exception&) {
-      return invalid_argument("demo config " + path + ": '" + raw + "' has the wrong type (" +
-                              value.dump() + ")");
-    }
-  }
-  return Status::ok();
+  return apply_demo_config_text(text.str(), path, o, given);
 }
 
 Expected<DemoSummary> run_demo_once(const DemoOptions& options) {

@@ -60,9 +60,15 @@ struct DemoOptions {
 };
 
 // Reads a JSON config (keys are the long flag names, with - or _) into `options`, skipping
-// keys for which `given_on_command_line` is true. Unknown keys are refused, naming them.
+// keys for which `given_on_command_line` is true. Unknown keys are refused, naming them, and
+// so is a value of the wrong type or out of its range (numbers are whole where the flag's
+// is, nothing negative, fractional or too large is narrowed), naming the key.
 Status apply_demo_config(const std::string& path, DemoOptions& options,
                          const std::function<bool(const std::string&)>& given_on_command_line);
+// The same for the file's text; `source` names it in errors.
+Status apply_demo_config_text(const std::string& text, const std::string& source,
+                              DemoOptions& options,
+                              const std::function<bool(const std::string&)>& given_on_command_line);
 
 // One run; its summary, or why it failed.
 Expected<DemoSummary> run_demo_once(const DemoOptions& options);

@@ -252,11 +252,77 @@ TEST_F(DemoConfig, AnUnknownKeyOrAWrongTypeIsRefusedNamingIt) {
       << st.to_string();
   st = apply_demo_config(write(R"({"layers": "many"})"), o, none);
   EXPECT_FALSE(st);
-  EXPECT_NE(st.message().find("'layers' has the wrong type"), std::string::npos) << st.to_string();
+  EXPECT_NE(st.message().find("'layers' must be a whole number"), std::string::npos)
+      << st.to_string();
   st = apply_demo_config(write("[1, 2]"), o, none);
   EXPECT_FALSE(st);
   st = apply_demo_config(temp_path("missing.json"), o, none);
   EXPECT_FALSE(st);
+}
+
+TEST(DemoConfigText, NegativeFractionalHugeOrStringNumbersAreRefusedNamingTheKey) {
+  auto none = [](const std::string&) { return false; };
+  // Each bad value, for a few keys of each kind (unsigned 32 and 64 bit, int, a list).
+  for (const std::string key : {"requests", "num-blocks", "prefill_tp", "layers", "timeout"}) {
+    for (const std::string value : {"-1", "1.5", "1e59", "\"7\"", "18446744073709551616"}) {
+      DemoOptions o;
+      const DemoOptions before;
+      const std::string text = "{\"" + key + "\": " + value + "}";
+      Status st = apply_demo_config_text(text, "t.json", o, none);
+      ASSERT_FALSE(st) << text;
+      EXPECT_EQ(st.code(), StatusCode::kInvalidArgument) << text;
+      EXPECT_NE(st.message().find("'" + key + "' must be a whole number from"), std::string::npos)
+          << text << ": " << st.to_string();
+      EXPECT_EQ(o.requests, before.requests) << text;
+      EXPECT_EQ(o.num_blocks, before.num_blocks) << text;
+      EXPECT_EQ(o.prefill_tp, before.prefill_tp) << text;
+    }
+  }
+  // Out of range: zero where at least one is needed, a TP beyond the command line's limit.
+  DemoOptions o;
+  Status st = apply_demo_config_text(R"({"concurrency": 0})", "t.json", o, none);
+  EXPECT_NE(st.message().find("'concurrency' must be a whole number from 1 to"), std::string::npos)
+      << st.to_string();
+  st = apply_demo_config_text(R"({"decode-tp": 65})", "t.json", o, none);
+  EXPECT_NE(st.message().find("'decode-tp' must be a whole number from 1 to 64, not 65"),
+            std::string::npos)
+      << st.to_string();
+  st = apply_demo_config_text(R"({"bytes-per-token": [64, -8]})", "t.json", o, none);
+  EXPECT_NE(st.message().find("'bytes-per-token[1]' must be a whole number"), std::string::npos)
+      << st.to_string();
+  st = apply_demo_config_text(R"({"bytes-per-token": [64]})", "t.json", o, none);
+  EXPECT_NE(st.message().find("'bytes-per-token' must be a list"), std::string::npos)
+      << st.to_string();
+  st = apply_demo_config_text(R"({"prompt-list-share": 1.5})", "t.json", o, none);
+  EXPECT_NE(st.message().find("'prompt-list-share' must be a number from 0 to 1"),
+            std::string::npos)
+      << st.to_string();
+  st = apply_demo_config_text(R"({"transport": "carrier pigeon"})", "t.json", o, none);
+  EXPECT_NE(st.message().find("'transport' must be"), std::string::npos) << st.to_string();
+  st = apply_demo_config_text(R"({"host": 7})", "t.json", o, none);
+  EXPECT_NE(st.message().find("'host' must be a string"), std::string::npos) << st.to_string();
+  // The edges of a range are accepted, exactly.
+  st = apply_demo_config_text(
+      R"({"requests": 1, "seed": 18446744073709551615, "proxy-port": 65535, "slots": 0,
+          "prompt-list-share": 1})",
+      "t.json", o, none);
+  ASSERT_TRUE(st) << st.to_string();
+  EXPECT_EQ(o.requests, 1u);
+  EXPECT_EQ(o.seed, UINT64_MAX);
+  EXPECT_EQ(o.proxy_port, 65535);
+  EXPECT_EQ(o.slots, 0);
+  EXPECT_EQ(o.prompt_list_share, 1.0);
+}
+
+TEST(DemoConfigText, TheShippedExampleIsAccepted) {
+  std::ifstream in(kSmall);
+  std::stringstream text;
+  text << in.rdbuf();
+  DemoOptions o;
+  Status st = apply_demo_config_text(text.str(), kSmall, o, [](const std::string&) { return false; });
+  ASSERT_TRUE(st) << st.to_string();
+  EXPECT_EQ(o.requests, 12u);
+  EXPECT_EQ(o.bytes_per_token, (std::vector<uint64_t>{64, 8, 16, 4}));
 }
 
 TEST(DemoReport, HiddenFractionCountsOnlyReadTimeUnderCompute) {
