@@ -59,11 +59,15 @@ int run_engine(const EngineCommandOptions& o, connector::KvRole role) {
     std::fprintf(stderr, "rd2h %s: %s\n", name, engine.status().to_string().c_str());
     return 1;
   }
+  const char* control = connector->curve.enabled() ? "control channels CURVE"
+                        : connector->insecure    ? "control channels INSECURE"
+                                                 : "control channels plaintext on loopback";
   if (role == connector::KvRole::kConsumer) {
-    std::printf("rd2h %s: serving %s (kv base port %d, TP %d)\n", name, (*engine)->origin().c_str(),
-                (*engine)->kv_base_port(), o.tp);
+    std::printf("rd2h %s: serving %s (kv base port %d, TP %d, %s)\n", name,
+                (*engine)->origin().c_str(), (*engine)->kv_base_port(), o.tp, control);
   } else {
-    std::printf("rd2h %s: serving %s (TP %d)\n", name, (*engine)->origin().c_str(), o.tp);
+    std::printf("rd2h %s: serving %s (TP %d, %s)\n", name, (*engine)->origin().c_str(), o.tp,
+                control);
   }
   std::fflush(stdout);
   const int signal = stop.wait();

@@ -2,11 +2,13 @@
 #include <unistd.h>
 
 #include <CLI/CLI.hpp>
+#include <cstdio>
 #include <cstdlib>
 #include <string>
 
 #include "bench_engine.h"
 #include "bench_layers.h"
+#include "control/curve.h"
 #include "engine_command.h"
 #include "pd_read.h"
 #include "proxy_command.h"
@@ -126,6 +128,15 @@ int main(int argc, char** argv) {
                     "file holding the bearer token of the metaserver and the engines "
                     "(default: $RD2H_TOKEN, if set)");
 
+  std::string keygen_stem;
+  auto* keygen = app.add_subcommand(
+      "keygen",
+      "Write a CURVE key pair for the control channels: STEM.key (the public certificate, "
+      "for the peers' curve_trusted_keys_file) and STEM.key_secret (mode 0600, this engine's "
+      "curve_secret_key_file)");
+  keygen->add_option("stem", keygen_stem, "path of the two files without their suffix")
+      ->required();
+
   // The model and compute flags the engines and the demo share (same field names).
   auto model_options = [](CLI::App* cmd, auto& o) {
     cmd->add_option("--layers", o.layers, "attention layers")->check(CLI::Range(1, 1024));
@@ -241,6 +252,17 @@ int main(int argc, char** argv) {
   if (prefill_cmd->parsed()) return rd2h::tools::run_engine(eo, rd2h::connector::KvRole::kProducer);
   if (decode_cmd->parsed()) return rd2h::tools::run_engine(eo, rd2h::connector::KvRole::kConsumer);
   if (proxy->parsed()) return rd2h::tools::run_proxy(px, proxy_token_file);
+  if (keygen->parsed()) {
+    auto keys = rd2h::control::generate_key_pair();
+    rd2h::Status st = keys ? rd2h::control::write_key_pair(keygen_stem, *keys) : keys.status();
+    if (!st) {
+      std::fprintf(stderr, "rd2h keygen: %s\n", st.message().c_str());
+      return 1;
+    }
+    std::printf("rd2h keygen: wrote %s.key and %s.key_secret; public key %s\n",
+                keygen_stem.c_str(), keygen_stem.c_str(), keys->public_key.c_str());
+    return 0;
+  }
   if (bench_layers->parsed()) return rd2h::tools::run_bench_layers(bl);
   if (pd_read->parsed()) return rd2h::tools::run_pd_read(pd);
   if (bench_engine->parsed()) return rd2h::tools::run_bench_engine(be);

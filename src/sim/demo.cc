@@ -12,6 +12,7 @@
 #include <condition_variable>
 #include <csignal>
 #include <cstdio>
+#include <filesystem>
 #include <fstream>
 #include <map>
 #include <mutex>
@@ -23,6 +24,7 @@
 #include <tuple>
 
 #include "common/subprocess.h"
+#include "control/curve.h"
 #include "rd2h/common/deadline.h"
 #include "rd2h/metaserver/proxy.h"
 #include "sim/engine.h"
@@ -49,18 +51,19 @@ std::string join(const std::vector<std::string>& v, const char* sep) {
   return out;
 }
 
-// The bearer token of one run, random, in a file only this user can read (a private 0700
-// directory), which the children are pointed at; both are removed at the end.
-struct RunToken {
+// The secrets of one run, in a private 0700 directory the children are pointed at, removed
+// at the end: a random bearer token, and a CURVE key pair for every engine instance, each
+// side trusting the public keys of the other side's instances.
+struct RunSecrets {
   std::string dir, file, token;
-  RunToken() = default;
-  RunToken(const RunToken&) = delete;
-  RunToken& operator=(const RunToken&) = delete;
-  ~RunToken() {
-    if (!file.empty()) ::unlink(file.c_str());
-    if (!dir.empty()) ::rmdir(dir.c_str());
+  RunSecrets() = default;
+  RunSecrets(const RunSecrets&) = delete;
+  RunSecrets& operator=(const RunSecrets&) = delete;
+  ~RunSecrets() {
+    std::error_code ignored;
+    if (!dir.empty()) std::filesystem::remove_all(dir, ignored);
   }
-  Status create() {
+  Status create(int instances) {
     unsigned char bytes[32];
     if (::getrandom(bytes, sizeof(bytes), 0) != static_cast<ssize_t>(sizeof(bytes))) {
       return internal_error("no random bytes for the run's token");
@@ -74,17 +77,43 @@ struct RunToken {
     std::string tmpl = std::string(tmp != nullptr && *tmp != '\0' ? tmp : "/tmp") +
                        "/rd2h-demo-XXXXXX";
     if (::mkdtemp(tmpl.data()) == nullptr) {
-      return internal_error("cannot create a private directory for the run's token");
+      return internal_error("cannot create a private directory for the run's secrets");
     }
     dir = tmpl;
-    const std::string path = dir + "/token";
-    const int fd = ::open(path.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, 0600);
-    if (fd < 0) return internal_error("cannot write the run's token file " + path);
-    file = path;
-    const std::string line = token + "\n";
-    const bool written = ::write(fd, line.data(), line.size()) == static_cast<ssize_t>(line.size());
+    file = dir + "/token";
+    RD2H_RETURN_IF_ERROR(write_new(file, token + "\n", 0600));
+    for (const char* role : {"prefill", "decode"}) {
+      std::string publics;
+      for (int i = 0; i < instances; ++i) {
+        auto keys = control::generate_key_pair();
+        if (!keys) return keys.status().with_context("the run's CURVE keys");
+        RD2H_RETURN_IF_ERROR(control::write_key_pair(stem(role, i), *keys));
+        publics += keys->public_key + "\n";
+      }
+      RD2H_RETURN_IF_ERROR(write_new(trusted_by(role == std::string("prefill") ? "decode"
+                                                                               : "prefill"),
+                                     publics, 0644));
+    }
+    return Status::ok();
+  }
+  std::string secret_key_file(const char* role, int instance) const {
+    return stem(role, instance) + ".key_secret";
+  }
+  // The public keys `role`'s instances trust: those of every instance of the other side.
+  std::string trusted_by(const char* role) const {
+    return dir + "/trusted-by-" + role;
+  }
+
+ private:
+  std::string stem(const char* role, int instance) const {
+    return dir + "/" + role + "-" + std::to_string(instance);
+  }
+  static Status write_new(const std::string& path, const std::string& text, mode_t mode) {
+    const int fd = ::open(path.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, mode);
+    if (fd < 0) return internal_error("cannot write the run's file " + path);
+    const bool written = ::write(fd, text.data(), text.size()) == static_cast<ssize_t>(text.size());
     ::close(fd);
-    if (!written) return internal_error("cannot write the run's token file " + path);
+    if (!written) return internal_error("cannot write the run's file " + path);
     return Status::ok();
   }
 };
@@ -201,6 +230,73 @@ class Watch {
   std::string death_;
   std::set<httplib::Client*> clients_;
   std::thread thread_;  // last: it starts once the rest is set up
+};
+
+// The private memory (RssAnon) of a process and of its children (an engine's TP ranks), in
+// KiB, from /proc; 0 once it is gone. Shared pages (the Decode pool, mapped libraries) are
+// left out: they fill up as the pool is touched and are no sign of a leak.
+uint64_t private_kib(pid_t pid) {
+  auto of = [](const std::string& proc) -> uint64_t {
+    std::ifstream in(proc + "/status");
+    for (std::string line; std::getline(in, line);) {
+      if (line.rfind("RssAnon:", 0) == 0) return std::strtoull(line.c_str() + 8, nullptr, 10);
+    }
+    return 0;
+  };
+  uint64_t total = of("/proc/" + std::to_string(pid));
+  std::error_code ec;
+  for (const auto& entry : std::filesystem::directory_iterator("/proc", ec)) {
+    const std::string name = entry.path().filename();
+    if (name.find_first_not_of("0123456789") != std::string::npos) continue;
+    std::ifstream stat(entry.path() / "stat");
+    std::string line;
+    std::getline(stat, line);
+    const size_t close = line.rfind(')');  // the command may hold spaces
+    if (close == std::string::npos || close + 4 >= line.size()) continue;
+    if (std::strtol(line.c_str() + close + 4, nullptr, 10) == pid) total += of(entry.path());
+  }
+  return total;
+}
+
+// Each child's private memory over the run: at the start of the workload, half-way, at the
+// end, and its peak. Flat memory grows little from half-way to the end.
+class MemoryWatch {
+ public:
+  explicit MemoryWatch(const std::vector<Server*>& servers) {
+    for (const Server* s : servers) rows_.push_back({s->name, s->process.pid(), 0, 0, 0, 0});
+  }
+  // `half_way`: half of the workload is done.
+  void sample(bool half_way) {
+    for (auto& r : rows_) {
+      const uint64_t kib = private_kib(r.pid);
+      if (kib == 0) continue;
+      if (r.first == 0) r.first = kib;
+      if (half_way && r.half == 0) r.half = kib;
+      r.peak = std::max(r.peak, kib);
+      r.last = kib;
+    }
+  }
+  std::string report() const {
+    std::string out =
+        "rd2h demo: private memory (RSS without shared pages) of each process with its TP "
+        "ranks, at the start, half-way and the end of the workload (peak):";
+    char line[256];
+    for (const auto& r : rows_) {
+      std::snprintf(line, sizeof(line), "\n  %-10s %8.1f MB -> %8.1f MB -> %8.1f MB (%.1f MB)",
+                    r.name.c_str(), r.first / 1024.0, (r.half ? r.half : r.last) / 1024.0,
+                    r.last / 1024.0, r.peak / 1024.0);
+      out += line;
+    }
+    return out;
+  }
+
+ private:
+  struct Row {
+    std::string name;
+    pid_t pid;
+    uint64_t first, half, peak, last;
+  };
+  std::vector<Row> rows_;
 };
 
 Status stop(Server& s) {
@@ -348,7 +444,7 @@ ClientRecord send(const std::string& proxy, const Request& r, const DemoOptions&
 }
 
 Expected<EngineTrace> collect(const Server& s, const std::string& role, int instance, int tp,
-                              bool quiet, const RunToken& token) {
+                              bool quiet, const RunSecrets& token) {
   httplib::Client c(s.origin);
   c.set_read_timeout(60);
   auto r = c.Get("/rd2h/report", {{"Authorization", "Bearer " + token.token}});
@@ -368,21 +464,27 @@ Expected<EngineTrace> collect(const Server& s, const std::string& role, int inst
   return EngineTrace{role, instance, tp, std::move(report->events)};
 }
 
-std::string kv_config(const char* role, int port, const std::string& host, const std::string& id,
-                      const DemoOptions& o) {
+// An engine instance's kv_transfer_config: its control channels are authenticated with the
+// run's keys.
+std::string kv_config(const char* role, int instance, int port, const std::string& host,
+                      const DemoOptions& o, const RunSecrets& secrets) {
+  const bool prefill = role == std::string("prefill");
   return json{{"kv_connector", "rd2h"},
-              {"kv_role", role},
+              {"kv_role", prefill ? "kv_producer" : "kv_consumer"},
               {"kv_port", port},
               {"kv_ip", host},
-              {"engine_id", id},
+              {"engine_id", std::string(role) + "-" + std::to_string(instance)},
               {"kv_connector_extra_config",
-               {{"transport", o.transport}, {"prefill_tp_size", o.prefill_tp}}}}
+               {{"transport", o.transport},
+                {"prefill_tp_size", o.prefill_tp},
+                {"curve_secret_key_file", secrets.secret_key_file(role, instance)},
+                {"curve_trusted_keys_file", secrets.trusted_by(role)}}}}
       .dump();
 }
 
 std::vector<std::string> engine_args(const char* command, int tp, const std::string& host,
                                      const std::string& kv, const DemoOptions& o,
-                                     const RunToken& token) {
+                                     const RunSecrets& token) {
   auto s = [](auto v) { return std::to_string(v); };
   std::vector<std::string> bpt;
   for (auto b : o.bytes_per_token) bpt.push_back(s(b));
@@ -598,8 +700,8 @@ Expected<DemoSummary> run_demo_once(const DemoOptions& options) {
   auto fail = [](const std::string& why) -> Expected<DemoSummary> { return internal_error(why); };
   if (Status st = check_options(o); !st) return st;
 
-  RunToken token;
-  if (Status st = token.create(); !st) return st;
+  RunSecrets token;
+  if (Status st = token.create(o.dp); !st) return st;
   const std::vector<Request> requests = workload(o);
   uint64_t total_tokens = 0, prompts = 0;
   for (const auto& r : requests) {
@@ -640,8 +742,7 @@ Expected<DemoSummary> run_demo_once(const DemoOptions& options) {
           "Decode " + std::to_string(i), o.decode_wrapper,
           engine_args(
               "decode", o.decode_tp, o.decode_host,
-              kv_config("kv_consumer", base, o.decode_host, "decode-" + std::to_string(i), o), o,
-              token));
+              kv_config("decode", i, base, o.decode_host, o, token), o, token));
     }
     if (!s) return fail(s.status().message());
     say("rd2h demo: Decode " + std::to_string(i) + " at " + s->origin + " " + s->extra);
@@ -651,8 +752,7 @@ Expected<DemoSummary> run_demo_once(const DemoOptions& options) {
     auto s = launch(
         "Prefill " + std::to_string(i), o.prefill_wrapper,
         engine_args("prefill", o.prefill_tp, o.prefill_host,
-                    kv_config("kv_producer", 1, o.prefill_host, "prefill-" + std::to_string(i), o),
-                    o, token));
+                    kv_config("prefill", i, 1, o.prefill_host, o, token), o, token));
     if (!s) return fail(s.status().message());
     say("rd2h demo: Prefill " + std::to_string(i) + " at " + s->origin + " " + s->extra);
     prefill.push_back(std::move(*s));
@@ -739,9 +839,12 @@ Expected<DemoSummary> run_demo_once(const DemoOptions& options) {
   std::mutex progress_mu;
   std::condition_variable progress_cv;
   bool finished = false;
+  MemoryWatch memory(children);
+  memory.sample(false);
   std::thread progress([&] {
     std::unique_lock lock(progress_mu);
     while (!progress_cv.wait_for(lock, 1s, [&] { return finished; })) {
+      memory.sample(2 * done.load() >= requests.size());
       if (o.quiet) continue;
       const double s =
           std::chrono::duration<double>(std::chrono::steady_clock::now() - started).count();
@@ -758,6 +861,7 @@ Expected<DemoSummary> run_demo_once(const DemoOptions& options) {
   }
   progress_cv.notify_all();
   progress.join();
+  memory.sample(true);
   watch.stop();  // from here on the processes are this thread's
 
   std::vector<EngineTrace> traces;
@@ -787,7 +891,10 @@ Expected<DemoSummary> run_demo_once(const DemoOptions& options) {
                                [](const ClientRecord& r) { return r.start_us == 0; }),
                 records.end());
   const DemoSummary summary = summarize(traces, records);
-  if (failed == 0) say("\nrd2h demo: summary\n" + format_summary(summary));
+  if (failed == 0) {
+    say("\nrd2h demo: summary\n" + format_summary(summary));
+    say(memory.report());
+  }
   if (!o.trace_file.empty()) {
     std::ofstream out(o.trace_file);
     out << chrome_trace(traces, records);
