@@ -89,6 +89,10 @@ Expected<Finished> Reader::get_finished(const AllGather& all_gather) {
       out.finished.push_back(std::move(e.internal_id));
     }
     if (dest != requests_.end()) requests_.erase(dest);  // the request ends here
+    for (auto owed = owed_.begin(); owed != owed_.end();) {
+      owed->second.erase(e.ext_id);
+      owed = owed->second.empty() ? owed_.erase(owed) : std::next(owed);
+    }
   }
   for (auto it = aborted_.begin(); it != aborted_.end();) {
     if (reading_.count(it->first)) {  // its blocks are being written: next time
@@ -121,11 +125,14 @@ void Reader::run() {
     } else if (in->has_value()) {
       handle(**in);
     }
-    // A connection that closed takes its state along: MF_META, held readiness.
+    // A connection that closed takes its state along: MF_META, held readiness, and the
+    // requests it had begun and not finished (a Prefill that died finishes none of them).
     for (const auto& gone : router_->take_disconnected()) {
       if (peers_.count(gone) || held_.count(gone)) {
         drop_peer(gone, "the connection closed");
       }
+      std::lock_guard lock(mu_);
+      fail_owed(gone);
     }
     if (held_count_ > 0) drain_held();
   }
@@ -318,10 +325,34 @@ void Reader::handle_mf_meta(const std::string& identity, const protocol::MfMeta&
                                    protocol::kAckPayload.size()));
 }
 
+void Reader::fail_owed(const std::string& identity) {
+  auto owed = owed_.find(identity);
+  if (owed == owed_.end()) return;
+  size_t failed = 0;
+  for (const auto& ext_id : owed->second) {
+    if (!tracker_.known(ext_id) || tracker_.complete(ext_id)) continue;
+    tracker_.on_failed(ext_id);
+    ++failed;
+  }
+  owed_.erase(owed);
+  if (failed > 0) {
+    std::fprintf(stderr,
+                 "rd2h decode reader %d: a Prefill connection closed before the final layer of "
+                 "%zu request(s) it was sending; they fail\n",
+                 config_.d_rank, failed);
+  }
+}
+
 void Reader::handle_ready(const std::string& identity, const protocol::ReadReadyBatch& ready) {
   Status st = read_layer(identity, ready);
   std::lock_guard lock(mu_);
   if (st.is_ok()) {
+    auto& owed = owed_[identity];
+    for (const auto& req : ready.read_reqs) {
+      if (tracker_.known(req.ext_id)) owed.insert(req.ext_id);
+    }
+    for (const auto& ext_id : ready.done_ext_ids) owed.erase(ext_id);
+    if (owed.empty()) owed_.erase(identity);
     ++stats_.layers_done;
     for (const auto& ext_id : ready.done_ext_ids) {
       (void)tracker_.on_final_layer(ext_id, static_cast<int>(ready.group_member_idx));

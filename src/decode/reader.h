@@ -113,6 +113,8 @@ class Reader {
   void drop_peer(const std::string& identity, const std::string& why,
                  const protocol::ReadReadyBatch* last = nullptr);
   void handle_ready(const std::string& identity, const protocol::ReadReadyBatch& ready);
+  // The connection is gone: what it still owed fails. Caller holds mu_.
+  void fail_owed(const std::string& identity);
   // Reads the layer; the error explains why it was not read.
   Status read_layer(const std::string& identity, const protocol::ReadReadyBatch& ready);
   void reply(const std::string& identity, const std::vector<std::byte>& payload);
@@ -133,6 +135,9 @@ class Reader {
   mutable std::mutex mu_;  // guards what the worker's thread shares with the reader
   std::map<std::string, Destinations> requests_;
   std::set<std::string> reading_;  // ext ids of the read in flight
+  // By ZMQ identity: the requests read on that connection whose final layer it has not
+  // signalled yet. If the connection closes first (its Prefill died), they fail at once.
+  std::map<std::string, std::set<std::string>> owed_;
   std::vector<std::pair<std::string, std::string>> aborted_;  // ext, internal: to report
   CompletionTracker tracker_;
   ReaderStats stats_;

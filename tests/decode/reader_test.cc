@@ -397,5 +397,36 @@ TEST_F(ReaderTest, AClosedConnectionTakesItsStateAlong) {
   }
 }
 
+TEST_F(ReaderTest, APrefillConnectionThatClosesMidRequestFailsItAtOnce) {
+  // Prefill's process died between two layers: no final layer will come for its requests,
+  // and Decode must not wait out its arrival deadline for them.
+  send_mf_meta(mf_meta(prefill_));
+  ASSERT_TRUE(reader_->add_request("req-0", "int-0", {3}, {11}).is_ok());
+  ASSERT_TRUE(reader_->add_request("req-1", "int-1", {4}, {12}).is_ok());
+  auto m = exchange_message(protocol::encode(ready(0, {{"req-0", {1}, {5}, 0, 0}})));
+  ASSERT_TRUE(std::holds_alternative<protocol::ReadDone>(m));
+  // req-1 is complete before the connection goes: it is not failed with the other.
+  m = exchange_message(
+      protocol::encode(ready(kLayers - 1, {{"req-1", {2}, {6}, 0, 0}}, {"req-1"})));
+  ASSERT_TRUE(std::holds_alternative<protocol::ReadDone>(m));
+  auto before = reader_->get_finished(kAlone);
+  ASSERT_TRUE(before) << before.status().to_string();
+  EXPECT_TRUE(before->failed.empty());
+  dealer_.reset();  // Prefill goes away
+  Finished ended;
+  ended.finished = before->finished;
+  Deadline deadline(10s);
+  while (ended.failed.empty()) {
+    ASSERT_FALSE(deadline.expired()) << "req-0 still waits for a Prefill that is gone";
+    auto f = reader_->get_finished(kAlone);
+    ASSERT_TRUE(f) << f.status().to_string();
+    ended.finished.insert(ended.finished.end(), f->finished.begin(), f->finished.end());
+    ended.failed.insert(ended.failed.end(), f->failed.begin(), f->failed.end());
+    std::this_thread::yield();
+  }
+  EXPECT_EQ(ended.failed, std::vector<std::string>{"int-0"});
+  EXPECT_EQ(ended.finished, std::vector<std::string>{"int-1"});
+}
+
 }  // namespace
 }  // namespace rd2h::decode
