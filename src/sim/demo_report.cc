@@ -148,29 +148,41 @@ DemoSummary summarize(const std::vector<EngineTrace>& engines,
 
 std::string format_summary(const DemoSummary& s) {
   char buf[2048];
-  std::snprintf(
-      buf, sizeof(buf),
-      "requests          %llu (%llu prompts, %llu failed) in %.1f s\n"
-      "prompt tokens     %llu\n"
-      "KV moved          %.3f GB (%llu bytes) in %llu layer reads\n"
-      "layer read        p50 %.0f us, p99 %.0f us\n"
-      "transfer          %.2f GB/s per read in flight, %.2f GB/s over the run\n"
-      "hidden behind Prefill compute  %.1f%% of the read time (layer compute p50 %.0f us)\n"
-      "Decode-ready delay after the last Prefill layer  p50 %.0f us, p99 %.0f us (%zu prompts)\n"
-      "  over the prompt's last-layer read (p50 %.0f us)  p50 %.1fx, p99 %.1fx\n"
-      "  until Decode's engine core scheduled it  p50 %.0f us, p99 %.0f us\n"
-      "time to first token  p50 %.1f ms, p99 %.1f ms\n"
-      "Prefill slot waits  %llu, %.1f ms in total\n",
-      static_cast<unsigned long long>(s.requests), static_cast<unsigned long long>(s.prompts),
-      static_cast<unsigned long long>(s.failed), s.wall_s,
-      static_cast<unsigned long long>(s.tokens), static_cast<double>(s.bytes) / 1e9,
-      static_cast<unsigned long long>(s.bytes), static_cast<unsigned long long>(s.reads),
-      s.read_p50_us, s.read_p99_us, s.link_gbps, s.aggregate_gbps, 100.0 * s.hidden,
-      s.compute_p50_us, s.ready_delay_p50_us, s.ready_delay_p99_us, s.ready_matched,
-      s.last_layer_read_p50_us, s.ready_ratio_p50, s.ready_ratio_p99, s.pickup_delay_p50_us,
-      s.pickup_delay_p99_us, s.ttft_p50_ms, s.ttft_p99_ms,
-      static_cast<unsigned long long>(s.slot_waits), s.slot_wait_us / 1e3);
-  return buf;
+  std::string out;
+  std::snprintf(buf, sizeof(buf),
+                "requests          %llu (%llu prompts, %llu failed) in %.1f s\n"
+                "prompt tokens     %llu\n",
+                static_cast<unsigned long long>(s.requests),
+                static_cast<unsigned long long>(s.prompts),
+                static_cast<unsigned long long>(s.failed), s.wall_s,
+                static_cast<unsigned long long>(s.tokens));
+  out += buf;
+  if (s.reads == 0) {
+    // No engine timeline (--no-timeline): no transfer figures, rather than zeros.
+    out += "transfer figures  none (the engines' timeline was off)\n";
+  } else {
+    std::snprintf(
+        buf, sizeof(buf),
+        "KV moved          %.3f GB (%llu bytes) in %llu layer reads\n"
+        "layer read        p50 %.0f us, p99 %.0f us\n"
+        "transfer          %.2f GB/s per read in flight, %.2f GB/s over the run\n"
+        "hidden behind Prefill compute  %.1f%% of the read time (layer compute p50 %.0f us)\n"
+        "Decode-ready delay after the last Prefill layer  p50 %.0f us, p99 %.0f us (%zu "
+        "prompts)\n"
+        "  over the prompt's last-layer read (p50 %.0f us)  p50 %.1fx, p99 %.1fx\n"
+        "  until Decode's engine core scheduled it  p50 %.0f us, p99 %.0f us\n"
+        "Prefill slot waits  %llu, %.1f ms in total\n",
+        static_cast<double>(s.bytes) / 1e9, static_cast<unsigned long long>(s.bytes),
+        static_cast<unsigned long long>(s.reads), s.read_p50_us, s.read_p99_us, s.link_gbps,
+        s.aggregate_gbps, 100.0 * s.hidden, s.compute_p50_us, s.ready_delay_p50_us,
+        s.ready_delay_p99_us, s.ready_matched, s.last_layer_read_p50_us, s.ready_ratio_p50,
+        s.ready_ratio_p99, s.pickup_delay_p50_us, s.pickup_delay_p99_us,
+        static_cast<unsigned long long>(s.slot_waits), s.slot_wait_us / 1e3);
+    out += buf;
+  }
+  std::snprintf(buf, sizeof(buf), "time to first token  p50 %.1f ms, p99 %.1f ms\n",
+                s.ttft_p50_ms, s.ttft_p99_ms);
+  return out + buf;
 }
 
 std::string chrome_trace(const std::vector<EngineTrace>& engines,

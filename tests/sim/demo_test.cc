@@ -36,6 +36,11 @@ TEST(Demo, ASmallRunVerifiesEveryByteWritesItsTraceAndStopsCleanly) {
       << run.output;
   EXPECT_NE(run.output.find("requests          12 ("), std::string::npos) << run.output;
   EXPECT_NE(run.output.find("0 failed"), std::string::npos) << run.output;
+  // The run made keys of its own: both engines' control channels are CURVE.
+  EXPECT_NE(run.output.find("TP 2, control channels CURVE)"), std::string::npos) << run.output;
+  EXPECT_NE(run.output.find("(TP 4, control channels CURVE)"), std::string::npos) << run.output;
+  // And it reports each process's memory.
+  EXPECT_NE(run.output.find("private memory"), std::string::npos) << run.output;
 
   std::ifstream in(trace);
   std::stringstream text;
