@@ -27,6 +27,7 @@ using Clock = std::chrono::steady_clock;
 
 thread_local bool t_reject = false;  // the connection being handed over is beyond the bound
 thread_local bool t_close = false;   // close the connection after the current answer
+thread_local int t_sock = -1;        // the connection this thread serves
 
 std::string error_body(const std::string& message, int code) {
   return nlohmann::json{{"error", {{"message", message}, {"code", code}}}}.dump();
@@ -239,6 +240,7 @@ bool HttpServer::Server::process_and_close_socket(socket_t sock) {
     [[maybe_unused]] ssize_t n = ::send(sock, busy, sizeof(busy) - 1, MSG_NOSIGNAL | MSG_DONTWAIT);
   } else {
     Connection conn(*this, sock);
+    t_sock = sock;
     for (size_t count = std::max<size_t>(1, config_.keep_alive_max_count); count > 0; --count) {
       if (!conn.wait_for_request()) break;
       conn.begin_request();
@@ -261,6 +263,7 @@ bool HttpServer::Server::process_and_close_socket(socket_t sock) {
       }
     }
   }
+  t_sock = -1;
   ::shutdown(sock, SHUT_RDWR);
   ::close(sock);
   return ret;
@@ -268,6 +271,16 @@ bool HttpServer::Server::process_and_close_socket(socket_t sock) {
 
 void close_connection_after_response() {
   t_close = true;
+}
+
+bool client_gone() {
+  if (t_sock < 0) return false;
+  pollfd fd{t_sock, POLLIN | POLLRDHUP, 0};
+  if (::poll(&fd, 1, 0) <= 0) return false;
+  if ((fd.revents & (POLLRDHUP | POLLHUP | POLLERR)) != 0) return true;
+  // Bytes waiting (a pipelined request) are no sign; the end of the stream is.
+  char byte;
+  return ::recv(t_sock, &byte, 1, MSG_PEEK | MSG_DONTWAIT) == 0;
 }
 
 Expected<std::string> load_token(const std::string& path) {

@@ -81,5 +81,8 @@ class HttpServer {
 // Marks the connection of the request being handled to close after its answer (a request
 // whose body was not read to the end leaves the stream unusable).
 void close_connection_after_response();
+// Whether the client of the request being handled closed its connection (or it broke):
+// a handler that waits long asks this now and then, and gives the work up if so.
+bool client_gone();
 
 }  // namespace rd2h::metaserver

@@ -3,6 +3,7 @@
 #include <httplib.h>
 
 #include <algorithm>
+#include <atomic>
 #include <condition_variable>
 #include <deque>
 #include <future>
@@ -31,6 +32,8 @@ using nlohmann::json;
 namespace {
 
 constexpr std::chrono::seconds kRankStartTimeout{60};
+// How often a request's handler looks whether its client is still there.
+constexpr std::chrono::milliseconds kLook{100};
 
 std::string random_hex(size_t n) {
   thread_local std::mt19937_64 rng(std::random_device{}());
@@ -58,7 +61,10 @@ struct EngineRequest {
   bool admit_with_previous = false;
   uint64_t computed = 0;   // prompt tokens with KV
   uint64_t generated = 0;  // Decode
-  enum class State { kWaitingRemote, kVerifying, kRunning } state = State::kRunning;
+  // kAbandoned: Decode gave up a request whose KV was still loading (its client went away);
+  // it keeps its blocks until the connector reports no read into them is in flight.
+  enum class State { kWaitingRemote, kVerifying, kRunning, kAbandoned } state = State::kRunning;
+  std::atomic<bool> cancelled{false};  // its client went away
   int verify_pending = 0;  // ranks still checking the request's KV
   uint64_t verified_blocks = 0;
   std::promise<Result> done;
@@ -97,6 +103,7 @@ struct Engine::Impl {
   // Reports waiting for the ranks' timeline events (the core thread alone talks to them).
   std::vector<std::promise<void>> event_drains;
   bool stopping = false;
+  bool cancels_pending = false;  // a client went away: the core looks for what it gave up
   EngineStats stats;
   std::thread core;
 
@@ -137,6 +144,8 @@ struct Engine::Impl {
     return replies;
   }
   void take_verified(const std::vector<json>& replies);
+  // Ends what clients that went away gave up (core thread).
+  void give_up_cancelled();
 
   Status init();
   void serve(const httplib::Request& req, httplib::Response& res, bool chat);
@@ -268,7 +277,8 @@ Status Engine::Impl::init() {
 }
 
 void Engine::Impl::complete(const std::shared_ptr<EngineRequest>& r, Result result) {
-  (void)scheduler->request_finished(r->request);
+  // An abandoned request was finished with the connector when it was given up.
+  if (r->state != EngineRequest::State::kAbandoned) (void)scheduler->request_finished(r->request);
   free_blocks.insert(free_blocks.end(), r->blocks.begin(), r->blocks.end());
   r->blocks.clear();
   {
@@ -283,6 +293,29 @@ void Engine::Impl::complete(const std::shared_ptr<EngineRequest>& r, Result resu
   r->done.set_value(std::move(result));
   r->progress(false);
   active.erase(std::remove(active.begin(), active.end(), r), active.end());
+}
+
+void Engine::Impl::give_up_cancelled() {
+  // Still queued for blocks: they end here (a list's prompts share one client).
+  for (auto group = waiting_blocks.begin(); group != waiting_blocks.end();) {
+    const bool cancelled = std::any_of(group->begin(), group->end(),
+                                       [](const auto& r) { return r->cancelled.load(); });
+    if (!cancelled) {
+      ++group;
+      continue;
+    }
+    for (auto& r : *group) complete(r, {false, "", "the client went away"});
+    group = waiting_blocks.erase(group);
+  }
+  // Decode, KV still coming: the connector stops expecting it now. Its blocks stay until the
+  // connector reports no read into them is in flight (the next steps). Requests computing,
+  // verifying or decoding finish on their own shortly.
+  for (auto& r : active) {
+    if (r->cancelled.load() && r->state == EngineRequest::State::kWaitingRemote) {
+      (void)scheduler->request_finished(r->request);
+      r->state = EngineRequest::State::kAbandoned;
+    }
+  }
 }
 
 void Engine::Impl::admit(const std::shared_ptr<EngineRequest>& r) {
@@ -453,6 +486,12 @@ Status Engine::Impl::step() {
   const auto recving = (*replies)[0].value("recving", std::vector<std::string>{});
   const std::set<std::string> ready(recving.begin(), recving.end());
   for (auto r : std::vector<std::shared_ptr<EngineRequest>>(active)) {
+    if (r->state == EngineRequest::State::kAbandoned) {
+      if (ready.count(r->request.request_id) != 0) {
+        complete(r, {false, "", "the client went away while its KV loaded"});
+      }
+      continue;
+    }
     if (r->state == EngineRequest::State::kWaitingRemote) {
       if (ready.count(r->request.request_id) == 0) continue;
       trace::instant("kv ready", "core", -1, r->ext_id);
@@ -483,7 +522,11 @@ void Engine::Impl::run_core() {
       std::unique_lock lock(mu);
       const bool busy = !active.empty();
       cv.wait_for(lock, busy ? std::chrono::milliseconds(1) : std::chrono::milliseconds(50),
-                  [&] { return stopping || !incoming.empty() || !event_drains.empty(); });
+                  [&] {
+                    return stopping || !incoming.empty() || !event_drains.empty() ||
+                           cancels_pending;
+                  });
+      cancels_pending = false;
       if (stopping) break;
       fresh.swap(incoming);
       drains.swap(event_drains);
@@ -498,6 +541,7 @@ void Engine::Impl::run_core() {
       if (!r->admit_with_previous || waiting_blocks.empty()) waiting_blocks.emplace_back();
       waiting_blocks.back().push_back(r);
     }
+    give_up_cancelled();
     // First come, first served: a large request is not starved by smaller ones behind it.
     while (!waiting_blocks.empty()) {
       size_t need = 0;
@@ -639,13 +683,29 @@ void Engine::Impl::serve(const httplib::Request& req, httplib::Response& res, bo
   const std::string id = chat ? "chatcmpl-" + parent : "cmpl-" + parent;
   const std::string object = chat ? "chat.completion" : "text_completion";
   const auto deadline = std::chrono::steady_clock::now() + config.request_timeout;
+  // A client that closes its connection gives its request up (as vLLM aborts it): the core
+  // frees what it holds instead of waiting out the request's deadlines.
+  auto client_went_away = [this, requests] {
+    if (!metaserver::client_gone()) return false;
+    for (auto& r : requests) r->cancelled.store(true);
+    {
+      std::lock_guard lock(mu);
+      cancels_pending = true;
+    }
+    cv.notify_all();
+    return true;
+  };
   // The whole answer once every prompt is done, or an HTTP error naming the prompt.
-  auto answer = [children, results, id, object, deadline]() -> std::pair<int, json> {
+  auto answer = [children, results, id, object, deadline,
+                 client_went_away]() -> std::pair<int, json> {
     json choices = json::array();
     uint64_t verified = 0;
     for (size_t i = 0; i < results.size(); ++i) {
-      if (results[i].wait_until(deadline) != std::future_status::ready) {
-        return {504, "request " + children[i].first + " did not finish in time"};
+      while (results[i].wait_for(kLook) != std::future_status::ready) {
+        if (std::chrono::steady_clock::now() >= deadline) {
+          return {504, "request " + children[i].first + " did not finish in time"};
+        }
+        if (client_went_away()) return {499, "the client closed its connection"};
       }
       const Result& r = results[i].get();
       if (!r.ok) return {500, "request " + children[i].first + ": " + r.error};
@@ -666,7 +726,14 @@ void Engine::Impl::serve(const httplib::Request& req, httplib::Response& res, bo
   {
     auto& first = *requests.front();
     std::unique_lock lock(first.progress_mu);
-    first.progress_cv.wait_until(lock, deadline, [&] { return first.first_token || first.ended; });
+    while (!first.progress_cv.wait_for(lock, kLook,
+                                       [&] { return first.first_token || first.ended; }) &&
+           std::chrono::steady_clock::now() < deadline) {
+      lock.unlock();
+      const bool gone = client_went_away();
+      lock.lock();
+      if (gone) break;
+    }
     if (!first.first_token) {
       lock.unlock();
       auto [status, out] = answer();  // ended: an error, or Prefill's one token

@@ -159,5 +159,45 @@ TEST_F(Admission, AListThatCanNeverFitIsRefusedAtOnceNamingItsBlocksAndTheCapaci
   EXPECT_EQ(decode_->stats().waiting_for_blocks, 0u);
 }
 
+TEST_F(Admission, AClientThatGoesAwayGivesItsRequestUpAndItsBlocksComeBack) {
+  // One request holds 10 of Decode's 16 blocks waiting for a Prefill that never comes (its
+  // Prefill died, say); a second waits in the queue behind it. Both clients go away.
+  rd2h::testing::MetaserverStub never(200);
+  const json body = {{"prompt", text(150)},
+                     {"max_tokens", 2},
+                     {"kv_transfer_params",
+                      {{"do_remote_decode", false},
+                       {"do_remote_prefill", true},
+                       {"metaserver", never.url()}}}};
+  auto held_client = std::make_shared<httplib::Client>(decode_->origin());
+  auto queued_client = std::make_shared<httplib::Client>(decode_->origin());
+  auto send = [&](std::shared_ptr<httplib::Client> c, const std::string& id) {
+    return std::async(std::launch::async, [c, body, id] {
+      c->set_read_timeout(120, 0);
+      return c->Post("/v1/completions", {{"X-Request-Id", id}}, body.dump(), "application/json");
+    });
+  };
+  auto held = send(held_client, "held");
+  ASSERT_TRUE(rd2h::testing::eventually(
+      [&] { return never.bodies().size() == 1 && decode_->stats().free_blocks == 6; }));
+  auto queued = send(queued_client, "queued");
+  ASSERT_TRUE(rd2h::testing::eventually([&] { return decode_->stats().waiting_for_blocks == 1; }));
+
+  held_client->stop();
+  queued_client->stop();
+  EXPECT_FALSE(held.get());
+  EXPECT_FALSE(queued.get());
+  // Well before the KV arrival deadline (120 s) the blocks are back and the queue is empty.
+  EXPECT_TRUE(rd2h::testing::eventually([&] {
+    const auto s = decode_->stats();
+    return s.free_blocks == kBlocks && s.waiting_for_blocks == 0;
+  })) << "free blocks " << decode_->stats().free_blocks << ", waiting "
+      << decode_->stats().waiting_for_blocks;
+  // The engine serves on.
+  auto again = post(proxy_->url(), {{"prompt", text(150)}, {"max_tokens", 2}});
+  ASSERT_TRUE(again) << httplib::to_string(again.error());
+  EXPECT_EQ(again->status, 200) << again->body;
+}
+
 }  // namespace
 }  // namespace rd2h::sim
