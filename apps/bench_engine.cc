@@ -1,6 +1,7 @@
 #include "bench_engine.h"
 
 #include <netinet/in.h>
+#include <signal.h>
 #include <sys/socket.h>
 #include <unistd.h>
 
@@ -186,6 +187,8 @@ Expected<Row> bench_one(const BenchEngineOptions& o, const std::string& transpor
   so.main_bytes = {block};
   so.indexer_bytes = 0;
   so.serve_timeout_s = 600;
+  so.share = o.share;
+  if (o.source_load == "busy") so.busy_threads = std::max(1u, std::thread::hardware_concurrency());
   auto source = spawn_source(so);
   if (!source) return source.status();
   auto read_path = transfer::parse_read_path(o.read_path);
@@ -252,7 +255,10 @@ Expected<Row> bench_one(const BenchEngineOptions& o, const std::string& transpor
     return Status::ok();
   };
   RD2H_RETURN_IF_ERROR(copy(0));
+  const bool stop = o.source_load == "stopped";
+  if (stop) ::kill(source->process.pid(), SIGSTOP);
   auto gbs = measure_pair(o, dest_bytes, read, copy);
+  if (stop) ::kill(source->process.pid(), SIGCONT);
   if (!gbs) return gbs.status();
   row.engine = gbs->first;
   row.memcpy = gbs->second;
@@ -288,8 +294,13 @@ int run_bench_engine(const BenchEngineOptions& o) {
   }
   std::printf(
       "rd2h bench engine: batches of %s of random blocks from a source process "
-      "(%s memory), single-thread memcpy of the same blocks, ucx_perftest ucp_get\n\n",
-      size_text(o.batch_bytes).c_str(), o.memory == "alloc" ? "engine-allocated" : "registered");
+      "(%s memory%s; the source %s), single-thread memcpy of the same blocks, ucx_perftest "
+      "ucp_get\n\n",
+      size_text(o.batch_bytes).c_str(), o.memory == "alloc" ? "engine-allocated" : "registered",
+      o.memory == "alloc" ? "" : (o.share ? ", moved into shared memory" : ", kept private"),
+      o.source_load == "busy"      ? "keeps every core busy"
+      : o.source_load == "stopped" ? "is stopped (SIGSTOP) while read"
+                                   : "is idle");
   std::printf("%-9s %-8s %-18s %11s %11s %9s %13s %11s %13s %11s\n", "transport", "block", "lanes",
               "engine GB/s", "memcpy GB/s", "vs memcpy", "perftest GB/s", "vs perftest",
               "perftest tuned", "vs tuned");

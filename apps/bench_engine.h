@@ -19,6 +19,10 @@ struct BenchEngineOptions {
   uint32_t min_batches = 5;
   bool perftest = true;
   uint32_t timeout_ms = 5000;
+  // What the source process does while it is read: none (idle), busy (a spinning thread per
+  // core, as a Prefill computing) or stopped (SIGSTOP).
+  std::string source_load = "none";
+  bool share = true;  // the source's registered memory moves into shared memory
 };
 
 int run_bench_engine(const BenchEngineOptions& options);

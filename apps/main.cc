@@ -62,6 +62,12 @@ int main(int argc, char** argv) {
       ->add_option("--serve-timeout", pd.serve_timeout_s,
                    "seconds a source waits for its reader to finish")
       ->check(CLI::Range(1u, 86400u));
+  pd_read->add_option("--busy-threads", pd.busy_threads,
+                      "source: threads spinning while it serves (a Prefill computing)")
+      ->check(CLI::Range(0u, 1024u));
+  pd_read->add_flag("--share,!--no-share", pd.share,
+                    "source, --memory register: move the pool into shared memory that "
+                    "co-located readers map (default)");
 
   auto* bench = app.add_subcommand("bench", "Benchmarks");
   bench->require_subcommand(1);
@@ -77,6 +83,13 @@ int main(int argc, char** argv) {
       ->check(CLI::IsMember({"auto", "rma", "am"}));
   bench_engine->add_option("--min-seconds", be.min_seconds, "time per measurement");
   bench_engine->add_flag("!--no-perftest", be.perftest, "skip ucx_perftest");
+  bench_engine
+      ->add_option("--source-load", be.source_load,
+                   "the source while read: none | busy (a spinning thread per core) | stopped")
+      ->check(CLI::IsMember({"none", "busy", "stopped"}));
+  bench_engine->add_flag("--share,!--no-share", be.share,
+                         "--memory register: the source moves its pool into shared memory "
+                         "(default)");
 
   rd2h::tools::BenchLayersOptions bl;
   auto* bench_layers = bench->add_subcommand(

@@ -3,11 +3,13 @@
 #include <sys/wait.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
 #include <numeric>
 #include <random>
+#include <thread>
 
 #include "common/pattern.h"
 #include "rd2h/common/deadline.h"
@@ -48,8 +50,31 @@ std::vector<std::string> source_argv(const PdReadOptions& o, const std::string& 
           "--main-bytes",    join(o.main_bytes),
           "--indexer-bytes", std::to_string(o.indexer_bytes),
           "--seed",          std::to_string(o.seed),
-          "--serve-timeout", std::to_string(o.serve_timeout_s)};
+          "--serve-timeout", std::to_string(o.serve_timeout_s),
+          "--busy-threads",  std::to_string(o.busy_threads),
+          o.share ? "--share" : "--no-share"};
 }
+
+// Threads that spin until destroyed, each keeping one core busy.
+class BusyThreads {
+ public:
+  explicit BusyThreads(uint32_t n) {
+    for (uint32_t i = 0; i < n; ++i) {
+      threads_.emplace_back([this] {
+        volatile uint64_t x = 0;
+        while (!stop_.load(std::memory_order_relaxed)) x = x + 1;
+      });
+    }
+  }
+  ~BusyThreads() {
+    stop_.store(true);
+    for (auto& t : threads_) t.join();
+  }
+
+ private:
+  std::atomic<bool> stop_{false};
+  std::vector<std::thread> threads_;
+};
 
 // Owns the source's pool: engine-allocated or caller memory registered with the engine.
 struct Pool {
@@ -107,6 +132,7 @@ int run_source(const PdReadOptions& o) {
   cfg.read_timeout = std::chrono::milliseconds(o.timeout_ms);
   cfg.connect_timeout = std::chrono::milliseconds(o.timeout_ms);
   cfg.listen_host = interface_host(o.listen);
+  cfg.share_registered = o.share;
   auto engine = transfer::create_ucx_engine(cfg);
   if (!engine) return fail(engine.status(), "source");
   Pool pool;
@@ -121,6 +147,7 @@ int run_source(const PdReadOptions& o) {
   std::fflush(stdout);
 
   Deadline serve(std::chrono::seconds(o.serve_timeout_s));
+  BusyThreads busy(o.busy_threads);
   auto conn = listener->accept(serve);
   if (!conn) return fail(conn.status().with_context("waiting for the destination"), "source");
   auto meta = (*engine)->export_metadata();

@@ -33,6 +33,10 @@ struct PdReadOptions {
   uint64_t seed = 1;
   uint32_t timeout_ms = 5000;
   uint32_t serve_timeout_s = 600;
+  // Source: threads that keep its cores busy while it serves (a Prefill computing), and
+  // whether registered memory moves into shared memory co-located readers map.
+  uint32_t busy_threads = 0;
+  bool share = true;
 
   KvPoolLayout layout() const;
 };

@@ -99,6 +99,9 @@ Status read_extra(const json& extra, ConnectorConfig& c) {
       RD2H_RETURN_IF_ERROR(read_string(value, where, c.curve.secret_key_file));
     } else if (key == "curve_trusted_keys_file") {
       RD2H_RETURN_IF_ERROR(read_string(value, where, c.curve.trusted_keys_file));
+    } else if (key == "share_registered_memory") {
+      if (!value.is_boolean()) return bad(where, "must be true or false");
+      c.share_registered_memory = value.get<bool>();
     } else if (key == "insecure") {
       if (!value.is_boolean()) return bad(where, "must be true or false");
       c.insecure = value.get<bool>();
@@ -198,6 +201,7 @@ std::string ConnectorConfig::to_json() const {
   if (!curve.secret_key_file.empty()) extra["curve_secret_key_file"] = curve.secret_key_file;
   if (!curve.trusted_keys_file.empty()) extra["curve_trusted_keys_file"] = curve.trusted_keys_file;
   if (insecure) extra["insecure"] = true;
+  if (!share_registered_memory) extra["share_registered_memory"] = false;
   if (!metaserver_token_file.empty()) extra["metaserver_token_file"] = metaserver_token_file;
   json j = {{"kv_connector", "rd2h"},
             {"kv_role", role == KvRole::kProducer ? "kv_producer" : "kv_consumer"},

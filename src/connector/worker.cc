@@ -23,6 +23,7 @@ Expected<std::unique_ptr<ConnectorWorker>> ConnectorWorker::create(
     ec.transport = config.transport;
     ec.read_timeout = config.read_timeout;
     ec.listen_host = config.host;
+    ec.share_registered = config.share_registered_memory;
     auto bound = transfer::bind_process_engine(ec);
     if (!bound) return bound.status();
     engine = std::move(*bound);

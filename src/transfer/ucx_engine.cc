@@ -13,8 +13,10 @@
 // remote peers (or over TCP) use UCP_ERR_HANDLING_MODE_PEER. Every batch has a deadline.
 //
 // Read paths, chosen per region and session:
-//  - mapped: a co-located peer's engine-allocated region is mapped into this process by
-//    UCX (ucp_rkey_ptr); a read is a memcpy, with no protocol and no help from the peer.
+//  - mapped: a co-located peer's region is mapped into this process: by UCX (ucp_rkey_ptr)
+//    where the peer's engine allocated it, or from the memfd a Prefill engine moved the
+//    caller's registered pages into (shared_backing.h). A read is a copy, with no protocol
+//    and no help from the peer.
 //  - rma: ucp_get, where the endpoint's RMA lanes are hardware (RDMA).
 //  - am: otherwise. UCX 1.13 emulates get in software on TCP and shared memory, and its
 //    emulation aborts the serving process when a reader vanishes with reads in flight.
@@ -39,17 +41,20 @@
 #include <filesystem>
 #include <map>
 #include <mutex>
+#include <optional>
 #include <random>
 #include <set>
 #include <shared_mutex>
 #include <sstream>
 #include <thread>
 #include <unordered_map>
+#include <utility>
 
 #include "common/format.h"
 #include "rd2h/common/deadline.h"
 #include "rd2h/transfer/transfer_engine.h"
 #include "transfer/peer_liveness.h"
+#include "transfer/shared_backing.h"
 #include "transfer/stream_copy.h"
 #include "transfer/ucx_lanes.h"
 #include "transfer/ucx_metadata.h"
@@ -155,6 +160,10 @@ struct LocalRegistration {
   uint64_t length = 0;
   ucp_mem_h memh = nullptr;
   std::vector<std::byte> packed_rkey;
+  // Caller memory moved into a memfd for co-located readers (-1: none), owned.
+  int memfd = -1;
+  uint64_t inode = 0;
+  uint64_t file_offset = 0;
   std::shared_ptr<ReplyTracker> replies = std::make_shared<ReplyTracker>();
 };
 
@@ -290,6 +299,8 @@ class UcxEngine final : public TransferEngine {
     } else if (ucs_status_t st = ucp_mem_unmap(context_, reg.memh); st != UCS_OK) {
       result = ucs_error("unregistering " + range + " (it stays registered)", st);
     } else {
+      // Its pages stay shared-backed for the caller; new readers can no longer map them.
+      if (reg.memfd >= 0) ::close(reg.memfd);
       return Status::ok();
     }
     lock.lock();
@@ -306,7 +317,8 @@ class UcxEngine final : public TransferEngine {
     m.worker_address = server_address_;
     std::shared_lock lock(regs_mu_);
     for (const auto& [base, reg] : regs_) {
-      m.regions.push_back({base, reg.length, reg.packed_rkey});
+      m.regions.push_back({base, reg.length, reg.packed_rkey, reg.memfd, reg.inode,
+                           reg.file_offset});
     }
     return encode_ucx_metadata(m);
   }
@@ -620,6 +632,27 @@ class UcxEngine final : public TransferEngine {
       }
     }
 
+    // A Prefill's own KV memory is read by co-located Decode processes: its pages move into
+    // a memfd they map, so those reads need nothing of this process. Where they cannot move
+    // (a file or shared mapping), readers are answered over the am path.
+    std::optional<SharedBacking> shared;
+    if (!allocate && config_.role == Role::kPrefill && config_.transport != Transport::kTcp &&
+        config_.share_registered) {
+      auto moved = share_in_place(addr, length);
+      if (moved) {
+        shared = *moved;
+      } else {
+        std::fprintf(stderr, "rd2h transfer: %s; co-located peers read it through this process\n",
+                     moved.status().message().c_str());
+      }
+    }
+    struct CloseUnlessKept {
+      std::optional<SharedBacking>& shared;
+      ~CloseUnlessKept() {
+        if (shared && shared->fd >= 0) ::close(shared->fd);
+      }
+    } close_unless_kept{shared};
+
     ucp_mem_map_params_t mp{};
     mp.field_mask = UCP_MEM_MAP_PARAM_FIELD_ADDRESS | UCP_MEM_MAP_PARAM_FIELD_LENGTH |
                     UCP_MEM_MAP_PARAM_FIELD_FLAGS;
@@ -653,12 +686,18 @@ class UcxEngine final : public TransferEngine {
     reg.packed_rkey.assign(rb, rb + rkey_size);
     ucp_rkey_buffer_release(rkey_buf);
 
-    uintptr_t actual = reinterpret_cast<uintptr_t>(attr.address);
+    // Caller memory is known by the caller's address (UCX may report its page instead).
+    const uintptr_t actual = allocate ? reinterpret_cast<uintptr_t>(attr.address) : base;
     if (allocate && overlapping(actual, length)) {
       // Cannot happen for fresh memory unless a caller registered a range it did not own.
       ucp_mem_unmap(context_, memh);
       return internal_error("allocated memory " + range_text(actual, length) +
                             " overlaps an existing registration");
+    }
+    if (shared) {
+      reg.memfd = std::exchange(shared->fd, -1);
+      reg.inode = shared->inode;
+      reg.file_offset = actual - shared->base;
     }
     regs_.emplace(actual, std::move(reg));
     return MemoryRegion{reinterpret_cast<void*>(actual), length};
@@ -773,7 +812,17 @@ class UcxEngine final : public TransferEngine {
       }
       s.rkeys.push_back(rkey);
       const bool mappable = s.colocated && config_.transport != Transport::kTcp;
-      s.mapped.push_back(mappable ? map_region(rkey, peer.regions[i]) : nullptr);
+      const std::byte* mapped = mappable ? map_region(rkey, peer.regions[i]) : nullptr;
+      if (mapped == nullptr && mappable && peer.regions[i].fd >= 0) {
+        const auto& r = peer.regions[i];
+        auto file = PeerMapping::map(peer.identity.pid, r.fd, r.inode, r.file_offset, r.length);
+        if (file) {
+          mapped = file->data();
+          s.file_maps.push_back(std::move(*file));
+        }
+        // Otherwise (not permitted here, say) the region is read over the am path.
+      }
+      s.mapped.push_back(mapped);
     }
 
     // A flush completes once the endpoint is wired up with the peer: an unreachable peer
@@ -894,7 +943,10 @@ class UcxEngine final : public TransferEngine {
     // The serving worker goes first: its unfinished replies may still read registered memory.
     if (server_worker_ != nullptr) ucp_worker_destroy(server_worker_);
     server_worker_ = nullptr;
-    for (auto& [base, reg] : regs_) ucp_mem_unmap(context_, reg.memh);
+    for (auto& [base, reg] : regs_) {
+      ucp_mem_unmap(context_, reg.memh);
+      if (reg.memfd >= 0) ::close(reg.memfd);
+    }
     regs_.clear();
     if (context_ != nullptr) ucp_cleanup(context_);
     context_ = nullptr;

@@ -24,6 +24,9 @@ std::vector<std::byte> encode_ucx_metadata(const UcxMetadata& meta) {
     w.u64(r.base);
     w.u64(r.length);
     w.bytes(r.packed_rkey);
+    w.u32(static_cast<uint32_t>(r.fd));
+    w.u64(r.inode);
+    w.u64(r.file_offset);
   }
   return w.take();
 }
@@ -92,9 +95,9 @@ Expected<UcxMetadata> decode_ucx_metadata(std::span<const std::byte> bytes) {
 
   auto count = r.u32("region_count");
   if (!count) return fail(count.status());
-  // Each region takes at least 20 bytes, so a count the bytes cannot hold is rejected before
+  // Each region takes at least 40 bytes, so a count the bytes cannot hold is rejected before
   // anything is allocated for it.
-  if (*count > kMaxRegions || *count > r.remaining() / 20) {
+  if (*count > kMaxRegions || *count > r.remaining() / 40) {
     return invalid_metadata("UCX engine metadata: region count " + std::to_string(*count) +
                             " does not fit in the " + std::to_string(r.remaining()) +
                             " bytes left (limit " + std::to_string(kMaxRegions) + ")");
@@ -108,14 +111,27 @@ Expected<UcxMetadata> decode_ucx_metadata(std::span<const std::byte> bytes) {
     if (!len) return fail(len.status());
     auto rkey = r.bytes("region rkey", kMaxPackedRkey);
     if (!rkey) return fail(rkey.status());
+    auto fd = r.u32("region fd");
+    if (!fd) return fail(fd.status());
+    auto inode = r.u64("region inode");
+    if (!inode) return fail(inode.status());
+    auto file_offset = r.u64("region file offset");
+    if (!file_offset) return fail(file_offset.status());
     region.base = *base;
     region.length = *len;
     region.packed_rkey.assign(rkey->begin(), rkey->end());
+    region.fd = static_cast<int32_t>(*fd);
+    region.inode = *inode;
+    region.file_offset = *file_offset;
     std::string where = "UCX engine metadata: region " + std::to_string(i) + " [" +
                         hex(region.base) + ", +" + std::to_string(region.length) + ")";
     if (region.length == 0) return invalid_metadata(where + " is empty");
     if (region.base + region.length < region.base) return invalid_metadata(where + " wraps");
     if (region.packed_rkey.empty()) return invalid_metadata(where + " has no rkey");
+    if (region.fd < -1) return invalid_metadata(where + " names fd " + std::to_string(region.fd));
+    if (region.fd >= 0 && region.file_offset + region.length < region.file_offset) {
+      return invalid_metadata(where + " lies past the end of its file");
+    }
     if (!m.regions.empty()) {
       const auto& prev = m.regions.back();
       if (region.base < prev.base + prev.length) {

@@ -14,7 +14,7 @@
 namespace rd2h::transfer {
 
 inline constexpr char kUcxMetadataMagic[8] = {'R', 'D', '2', 'H', 'U', 'C', 'X', 'M'};
-inline constexpr uint32_t kUcxMetadataVersion = 1;
+inline constexpr uint32_t kUcxMetadataVersion = 2;
 inline constexpr size_t kMaxMetadataString = 4096;
 inline constexpr size_t kMaxWorkerAddress = 1 << 20;
 inline constexpr size_t kMaxPackedRkey = 1 << 16;
@@ -24,6 +24,11 @@ struct ExportedRegion {
   uint64_t base = 0;
   uint64_t length = 0;
   std::vector<std::byte> packed_rkey;
+  // Caller memory the exporter moved into a memfd (shared_backing.h): the fd it holds it
+  // open as, the file's inode, and where `base` lies in it. fd -1: none.
+  int32_t fd = -1;
+  uint64_t inode = 0;
+  uint64_t file_offset = 0;
 };
 
 struct UcxMetadata {

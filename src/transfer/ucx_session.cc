@@ -8,6 +8,7 @@ namespace rd2h::transfer {
 
 void Session::release() {
   mapped.clear();
+  file_maps.clear();
   if (worker != nullptr) {
     if (ep != nullptr) {
       ucp_request_param_t p{};

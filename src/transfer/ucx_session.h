@@ -15,6 +15,7 @@
 
 #include "rd2h/common/status.h"
 #include "transfer/peer_liveness.h"
+#include "transfer/shared_backing.h"
 #include "transfer/ucx_metadata.h"
 
 namespace rd2h::transfer {
@@ -76,6 +77,7 @@ struct Session {
   // Where UCX maps a region of a co-located peer into this process (ucp_rkey_ptr), or null.
   // Reads from a mapped region are plain copies: no per-read protocol, no peer involvement.
   std::vector<const std::byte*> mapped;
+  std::vector<PeerMapping> file_maps;  // the peer's memfd regions this session mapped
   ProcessWatch watch;
 
   bool rma_get = false;  // non-mapped reads use ucp_get (hardware RMA) rather than am

@@ -1,6 +1,7 @@
 // The UCX engine against a real peer process, over shared memory and TCP on loopback.
 #include <gtest/gtest.h>
 #include <signal.h>
+#include <sys/mman.h>
 
 #include <algorithm>
 #include <atomic>
@@ -391,8 +392,8 @@ TEST_P(Engine, FaultInjectedFailureReadsNothingThenReadsResume) {
 // A peer with 8 blocks of 4096 bytes, an engine connected to it, and one-block reads.
 class OneBlock : public ::testing::Test {
  protected:
-  void start(Transport transport, uint64_t key) {
-    auto p = start_peer(std::string(to_string(transport)), "alloc", 4096, 8, key);
+  void start(Transport transport, uint64_t key, const char* memory = "alloc") {
+    auto p = start_peer(std::string(to_string(transport)), memory, 4096, 8, key);
     ASSERT_TRUE(p) << p.status().to_string();
     peer_ = std::make_unique<PeerProcess>(std::move(*p));
     engine_ = make_engine(transport);
@@ -425,6 +426,20 @@ TEST_F(OneBlock, ShmReadsOfEngineAllocatedMemoryNeedNoHelpFromThePeer) {
   peer_->process.kill(SIGCONT);
   ASSERT_TRUE(st.is_ok()) << st.to_string();
   EXPECT_TRUE(holds_block(5));
+}
+
+TEST_F(OneBlock, ShmReadsOfCallerRegisteredMemoryNeedNoHelpFromThePeer) {
+  // A Prefill's own KV memory (registered, not allocated by the engine): its pages were
+  // moved into shared memory this reader maps, so the stopped peer need not answer.
+  ASSERT_NO_FATAL_FAILURE(start(Transport::kShm, 70, "register"));
+  auto info = engine_->session_info(session_);
+  ASSERT_TRUE(info);
+  EXPECT_NE(info->transport.find("+mapped"), std::string::npos) << info->transport;
+  ASSERT_TRUE(peer_->process.stop(10s).is_ok());
+  Status st = read(6);
+  peer_->process.kill(SIGCONT);
+  ASSERT_TRUE(st.is_ok()) << st.to_string();
+  EXPECT_TRUE(holds_block(6));
 }
 
 TEST_F(OneBlock, SilentTcpPeerTimesOutAndAnExplicitReconnectRecovers) {
@@ -584,6 +599,31 @@ TEST_P(KilledDuringReads, SourceSurvivesAKilledReaderProcess) {
   EXPECT_FALSE(exited) << "the source exited with status " << *exited;
 }
 
+// The same over shared memory from caller-registered memory, which readers map: killed
+// readers never leave the source unable to take new sessions.
+TEST(KilledReaders, ASourceOfRegisteredMemoryKeepsTakingNewSessions) {
+  auto peer = start_peer("shm", "register", 1 << 20, 32, 23);
+  ASSERT_TRUE(peer) << peer.status().to_string();
+  for (int round = 0; round < 5; ++round) {
+    auto reader = rd2h::testing::start_reader("shm", *peer);
+    ASSERT_TRUE(reader) << reader.status().to_string();
+    reader->kill(SIGKILL);
+    ASSERT_TRUE(reader->wait(10s));
+  }
+  auto engine = make_engine(Transport::kShm);
+  auto session = engine->connect(peer->metadata);
+  ASSERT_TRUE(session) << session.status().to_string();
+  Destination dst(*engine, peer->block, false);
+  std::vector<uintptr_t> local{reinterpret_cast<uintptr_t>(dst.base)};
+  std::vector<uintptr_t> remote{peer->base};
+  std::vector<size_t> len{peer->block};
+  for (size_t j = 0; j < peer->blocks; ++j) {
+    remote[0] = peer->base + j * peer->block;
+    ASSERT_TRUE(engine->batch_read_sync(*session, local, remote, len).is_ok()) << "block " << j;
+    ASSERT_FALSE(find_pattern_mismatch(dst.base, peer->block, peer->key + j)) << "block " << j;
+  }
+}
+
 INSTANTIATE_TEST_SUITE_P(Transports, KilledDuringReads,
                          ::testing::Values(Transport::kShm, Transport::kTcp),
                          [](const auto& info) { return std::string(to_string(info.param)); });
@@ -647,6 +687,89 @@ TEST_F(Registration, GarbageAndTruncatedMetadataAreConnectErrors) {
     EXPECT_EQ(t.status().code(), StatusCode::kInvalidMetadata);
   }
   EXPECT_TRUE(engine_->unregister_memory(a->addr).is_ok());
+}
+
+// A Prefill engine's registration moves the caller's pages into shared memory in place:
+// the caller keeps its addresses and bytes, what it writes afterwards is what readers get,
+// and memory that cannot move (shared already) stays as it was and is still served.
+class SharedRegistration : public ::testing::Test {
+ protected:
+  static constexpr size_t kBytes = 3 * 4096 + 100;  // not a whole number of pages
+  std::unique_ptr<TransferEngine> prefill_ = [] {
+    EngineConfig cfg;
+    cfg.role = Role::kPrefill;
+    cfg.transport = Transport::kShm;
+    auto e = create_ucx_engine(cfg);
+    EXPECT_TRUE(e) << e.status().to_string();
+    return e ? std::move(*e) : nullptr;
+  }();
+  std::unique_ptr<TransferEngine> reader_ = make_engine(Transport::kShm);
+
+  // Reads [base, base+kBytes) from the Prefill engine; the session's transport.
+  std::string read_all(const std::byte* base, Destination& dst) {
+    auto meta = prefill_->export_metadata();
+    EXPECT_TRUE(meta);
+    auto session = reader_->connect(*meta);
+    EXPECT_TRUE(session) << session.status().to_string();
+    if (!session) return "";
+    std::vector<uintptr_t> local{reinterpret_cast<uintptr_t>(dst.base)};
+    std::vector<uintptr_t> remote{reinterpret_cast<uintptr_t>(base)};
+    std::vector<size_t> len{kBytes};
+    Status st = reader_->batch_read_sync(*session, local, remote, len);
+    EXPECT_TRUE(st.is_ok()) << st.to_string();
+    return reader_->session_info(*session)->transport;
+  }
+};
+
+TEST_F(SharedRegistration, TheCallerKeepsItsAddressAndBytesAndReadersSeeItsLaterWrites) {
+  // Private memory with neighbours on its first and last pages.
+  auto* pages = static_cast<std::byte*>(std::aligned_alloc(4096, 5 * 4096));
+  std::byte* kv = pages + 1000;
+  fill_pattern(pages, 5 * 4096, 91);
+  ASSERT_TRUE(prefill_->register_memory(kv, kBytes).is_ok());
+  EXPECT_FALSE(find_pattern_mismatch(pages, 5 * 4096, 91))
+      << "the range or its neighbours changed when it registered";
+  fill_pattern(kv, kBytes, 92);  // the caller computes into its memory
+  Destination dst(*reader_, kBytes, false);
+  EXPECT_NE(read_all(kv, dst).find("+mapped"), std::string::npos);
+  EXPECT_FALSE(find_pattern_mismatch(dst.base, kBytes, 92));
+  ASSERT_TRUE(prefill_->unregister_memory(kv).is_ok());
+  fill_pattern(pages, 5 * 4096, 93);  // still ordinary memory of the caller's
+  EXPECT_FALSE(find_pattern_mismatch(pages, 5 * 4096, 93));
+  std::free(pages);
+}
+
+TEST_F(SharedRegistration, MemoryAlreadySharedStaysAsItWasAndIsServedByThePeer) {
+  void* shared = ::mmap(nullptr, 4 * 4096, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_ANONYMOUS,
+                        -1, 0);
+  ASSERT_NE(shared, MAP_FAILED);
+  auto* kv = static_cast<std::byte*>(shared);
+  fill_pattern(kv, kBytes, 94);
+  ASSERT_TRUE(prefill_->register_memory(kv, kBytes).is_ok());
+  Destination dst(*reader_, kBytes, false);
+  EXPECT_EQ(read_all(kv, dst).find("+mapped"), std::string::npos);
+  EXPECT_FALSE(find_pattern_mismatch(dst.base, kBytes, 94));
+  ASSERT_TRUE(prefill_->unregister_memory(kv).is_ok());
+  ::munmap(shared, 4 * 4096);
+}
+
+TEST_F(SharedRegistration, WithTheOptOutMemoryStaysPrivate) {
+  EngineConfig cfg;
+  cfg.role = Role::kPrefill;
+  cfg.transport = Transport::kShm;
+  cfg.share_registered = false;
+  auto kept = create_ucx_engine(cfg);
+  ASSERT_TRUE(kept) << kept.status().to_string();
+  auto* kv = static_cast<std::byte*>(std::aligned_alloc(4096, 4 * 4096));
+  fill_pattern(kv, kBytes, 95);
+  ASSERT_TRUE((*kept)->register_memory(kv, kBytes).is_ok());
+  auto meta = (*kept)->export_metadata();
+  ASSERT_TRUE(meta);
+  auto session = reader_->connect(*meta);
+  ASSERT_TRUE(session) << session.status().to_string();
+  EXPECT_EQ(reader_->session_info(*session)->transport.find("+mapped"), std::string::npos);
+  ASSERT_TRUE((*kept)->unregister_memory(kv).is_ok());
+  std::free(kv);
 }
 
 TEST(EngineConfig, BadValuesAreRejected) {

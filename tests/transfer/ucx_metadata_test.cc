@@ -18,7 +18,7 @@ UcxMetadata sample() {
   m.identity.start_time = 12345;
   m.worker_address = std::vector<std::byte>(37, std::byte{0x5a});
   m.regions.push_back({0x1000, 0x2000, std::vector<std::byte>(20, std::byte{1})});
-  m.regions.push_back({0x8000, 0x100, std::vector<std::byte>(24, std::byte{2})});
+  m.regions.push_back({0x8000, 0x100, std::vector<std::byte>(24, std::byte{2}), 7, 991, 0x40});
   return m;
 }
 
@@ -46,6 +46,10 @@ TEST(UcxMetadata, RoundTrips) {
   ASSERT_EQ(decoded->regions.size(), 2u);
   EXPECT_EQ(decoded->regions[1].base, 0x8000u);
   EXPECT_EQ(decoded->regions[1].packed_rkey, m.regions[1].packed_rkey);
+  EXPECT_EQ(decoded->regions[0].fd, -1);
+  EXPECT_EQ(decoded->regions[1].fd, 7);
+  EXPECT_EQ(decoded->regions[1].inode, 991u);
+  EXPECT_EQ(decoded->regions[1].file_offset, 0x40u);
 }
 
 TEST(UcxMetadata, EveryTruncationIsAnErrorNotACrash) {
@@ -90,7 +94,7 @@ TEST(UcxMetadata, MalformedFieldsAreRejected) {
       {"overlapping regions",
        [](auto& b, const auto& m) {
          // second region's base moves inside the first
-         size_t second = region_count_offset(m) + 4 + 8 + 8 + 4 + 20;
+         size_t second = region_count_offset(m) + 4 + 8 + 8 + 4 + 20 + 4 + 8 + 8;
          put_u64(b, second, 0x1800);
        },
        "overlaps"},

@@ -74,6 +74,10 @@ struct ConnectorConfig {
   };
   Curve curve;
   bool insecure = false;  // "insecure": run without keys beyond loopback (warned at start)
+  // Prefill: registered KV memory moves into shared memory co-located Decode processes map
+  // (transfer::EngineConfig::share_registered); "share_registered_memory": false keeps it
+  // private, and such reads are answered by the Prefill process.
+  bool share_registered_memory = true;
   // Fills `curve` from the two files.
   Status load_curve_keys(std::string secret_key_file, std::string trusted_keys_file);
 

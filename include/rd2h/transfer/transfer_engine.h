@@ -48,6 +48,12 @@ struct EngineConfig {
   // Network transports listen only on the interface that holds this address (UCX's
   // NET_DEVICES, unless UCX_NET_DEVICES is set). Empty: every interface.
   std::string listen_host;
+  // Prefill, not over TCP only: caller memory given to register_memory moves, in place,
+  // into shared memory that co-located readers map, so their reads need nothing of this
+  // process (same addresses and bytes; the range must not be written while it registers,
+  // and a child forked afterwards shares its pages). false: such reads are answered by
+  // this process.
+  bool share_registered = true;
 };
 
 struct MemoryRegion {

@@ -1,0 +1,151 @@
+#include "transfer/shared_backing.h"
+
+#include <fcntl.h>
+#include <sys/mman.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <cstdio>
+#include <cstring>
+#include <fstream>
+#include <sstream>
+#include <string>
+#include <utility>
+
+#include "common/format.h"
+
+namespace rd2h::transfer {
+namespace {
+
+constexpr size_t kChunk = size_t{64} << 20;  // moved at a time: the extra memory needed
+
+uintptr_t page_size() {
+  return static_cast<uintptr_t>(::sysconf(_SC_PAGESIZE));
+}
+
+std::string errno_text() {
+  return std::strerror(errno);
+}
+
+// Why [start, end) is not private anonymous read-write memory throughout, or empty if it is.
+std::string why_not_private_anonymous(uintptr_t start, uintptr_t end) {
+  std::ifstream maps("/proc/self/maps");
+  if (!maps) return "/proc/self/maps cannot be read";
+  uintptr_t covered = start;
+  for (std::string line; std::getline(maps, line) && covered < end;) {
+    std::istringstream in(line);
+    std::string range, perms, offset, device, inode, path;
+    in >> range >> perms >> offset >> device >> inode;
+    std::getline(in >> std::ws, path);
+    const size_t dash = range.find('-');
+    if (dash == std::string::npos) continue;
+    const uintptr_t lo = std::stoull(range.substr(0, dash), nullptr, 16);
+    const uintptr_t hi = std::stoull(range.substr(dash + 1), nullptr, 16);
+    if (hi <= covered) continue;
+    if (lo > covered) return "the range has an unmapped gap at " + hex(covered);
+    if (perms.size() < 4 || perms[0] != 'r' || perms[1] != 'w' || perms[3] != 'p') {
+      return "the mapping at " + hex(lo) + " is " + perms + ", not private read-write";
+    }
+    if (!path.empty() && path != "[heap]") {
+      return "the mapping at " + hex(lo) + " is backed by " + path;
+    }
+    covered = hi;
+  }
+  if (covered < end) return "the range ends past its mappings, at " + hex(covered);
+  return "";
+}
+
+}  // namespace
+
+Expected<SharedBacking> share_in_place(void* addr, size_t length) {
+  const uintptr_t page = page_size();
+  const auto first = reinterpret_cast<uintptr_t>(addr);
+  const uintptr_t start = first & ~(page - 1);
+  const uintptr_t end = (first + length + page - 1) & ~(page - 1);
+  const std::string range = range_text(first, length);
+  if (length == 0 || end <= start) return invalid_argument("cannot share the empty range");
+  if (std::string why = why_not_private_anonymous(start, end); !why.empty()) {
+    return failed_precondition("range " + range + " stays private: " + why);
+  }
+  const int fd = ::memfd_create("rd2h-kv", MFD_CLOEXEC);
+  if (fd < 0) return internal_error("memfd_create for " + range + ": " + errno_text());
+  auto fail = [&](const std::string& what) -> Expected<SharedBacking> {
+    Status st = internal_error(what + " for " + range + ": " + errno_text());
+    ::close(fd);
+    return st;
+  };
+  const uint64_t total = end - start;
+  if (::ftruncate(fd, static_cast<off_t>(total)) != 0) return fail("sizing the memfd");
+  struct stat st {};
+  if (::fstat(fd, &st) != 0) return fail("fstat of the memfd");
+  for (uint64_t off = 0; off < total; off += kChunk) {
+    const size_t n = static_cast<size_t>(std::min<uint64_t>(kChunk, total - off));
+    void* target = reinterpret_cast<void*>(start + off);
+    void* fresh =
+        ::mmap(nullptr, n, PROT_READ | PROT_WRITE, MAP_SHARED, fd, static_cast<off_t>(off));
+    if (fresh == MAP_FAILED) return fail("mapping the memfd");
+    std::memcpy(fresh, target, n);
+    ::munmap(fresh, n);
+    // Atomically puts the file's copy where the private pages were (they are freed). A
+    // chunk moved earlier stays moved if a later one fails: it holds the same bytes.
+    if (::mmap(target, n, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_FIXED, fd,
+               static_cast<off_t>(off)) != target) {
+      return fail("mapping the memfd over the pages at " + hex(start + off));
+    }
+  }
+  return SharedBacking{fd, static_cast<uint64_t>(st.st_ino), start, total};
+}
+
+PeerMapping::~PeerMapping() {
+  if (map_ != nullptr) ::munmap(map_, map_length_);
+}
+
+PeerMapping::PeerMapping(PeerMapping&& other) noexcept
+    : map_(std::exchange(other.map_, nullptr)),
+      map_length_(std::exchange(other.map_length_, 0)),
+      data_(std::exchange(other.data_, nullptr)) {}
+
+PeerMapping& PeerMapping::operator=(PeerMapping&& other) noexcept {
+  if (this != &other) {
+    if (map_ != nullptr) ::munmap(map_, map_length_);
+    map_ = std::exchange(other.map_, nullptr);
+    map_length_ = std::exchange(other.map_length_, 0);
+    data_ = std::exchange(other.data_, nullptr);
+  }
+  return *this;
+}
+
+Expected<PeerMapping> PeerMapping::map(pid_t pid, int fd, uint64_t inode, uint64_t offset,
+                                       uint64_t length) {
+  const std::string path = "/proc/" + std::to_string(pid) + "/fd/" + std::to_string(fd);
+  const int own = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
+  if (own < 0) return unreachable("cannot open " + path + ": " + errno_text());
+  struct stat st {};
+  const bool same = ::fstat(own, &st) == 0 && S_ISREG(st.st_mode) &&
+                    static_cast<uint64_t>(st.st_ino) == inode &&
+                    offset + length >= offset &&
+                    static_cast<uint64_t>(st.st_size) >= offset + length;
+  if (!same) {
+    ::close(own);
+    return unreachable(path + " is no longer the memory the peer exported");
+  }
+  const uintptr_t page = page_size();
+  const uint64_t aligned = offset & ~static_cast<uint64_t>(page - 1);
+  const size_t map_length = static_cast<size_t>(offset + length - aligned);
+  void* p = ::mmap(nullptr, map_length, PROT_READ, MAP_SHARED, own, static_cast<off_t>(aligned));
+  const int saved = errno;
+  ::close(own);
+  if (p == MAP_FAILED) return unreachable("cannot map " + path + ": " + std::strerror(saved));
+#ifdef MADV_POPULATE_READ
+  // Advisory: the pages fault in now, at connect, rather than on the first reads.
+  (void)::madvise(p, map_length, MADV_POPULATE_READ);
+#endif
+  PeerMapping m;
+  m.map_ = p;
+  m.map_length_ = map_length;
+  m.data_ = static_cast<const std::byte*>(p) + (offset - aligned);
+  return m;
+}
+
+}  // namespace rd2h::transfer

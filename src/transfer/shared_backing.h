@@ -1,0 +1,60 @@
+// Caller-registered memory that co-located peers read without the caller's help.
+//
+// A serving engine allocates its KV caches itself (torch tensors: private anonymous pages)
+// and registers them. Such pages cannot be mapped by another process, so reads from them
+// would need the owner to answer each one. share_in_place moves the range's pages into a
+// memfd without moving the range: same addresses, same bytes, now backed by a file that a
+// co-located reader maps (through /proc/<pid>/fd/<n>, which needs the same rights as
+// reading the process's memory) and copies from while the owner is busy or stopped.
+//
+// Preconditions: nothing writes the range while it is being moved (registration happens
+// before the caches are used), and the process does not fork children that write it (the
+// pages are shared with a child rather than copied on write).
+#pragma once
+
+#include <sys/types.h>
+
+#include <cstddef>
+#include <cstdint>
+
+#include "rd2h/common/status.h"
+
+namespace rd2h::transfer {
+
+struct SharedBacking {
+  int fd = -1;            // the memfd now holding the pages (the caller closes it)
+  uint64_t inode = 0;     // its identity, checked by readers against fd reuse
+  uintptr_t base = 0;     // the address offset 0 of the file is mapped at (page aligned)
+  uint64_t length = 0;    // whole pages covering the range
+};
+
+// Moves the pages covering [addr, addr+length) into a new memfd in place, a chunk at a time
+// (at most one chunk of extra memory). Only private anonymous read-write memory is moved:
+// anything else (a file or shared mapping, a guard page) is refused, saying why, and left
+// as it was.
+Expected<SharedBacking> share_in_place(void* addr, size_t length);
+
+// A co-located process's shared range, mapped read-only into this one.
+class PeerMapping {
+ public:
+  PeerMapping() = default;
+  ~PeerMapping();
+  PeerMapping(PeerMapping&& other) noexcept;
+  PeerMapping& operator=(PeerMapping&& other) noexcept;
+  PeerMapping(const PeerMapping&) = delete;
+  PeerMapping& operator=(const PeerMapping&) = delete;
+
+  // Maps `length` bytes at `offset` of the file that process `pid` holds open as `fd`,
+  // which must be the memfd `inode` and hold them. Its pages are faulted in now.
+  static Expected<PeerMapping> map(pid_t pid, int fd, uint64_t inode, uint64_t offset,
+                                   uint64_t length);
+  // The mapped bytes (offset of the file at data()).
+  const std::byte* data() const { return data_; }
+
+ private:
+  void* map_ = nullptr;
+  size_t map_length_ = 0;
+  const std::byte* data_ = nullptr;
+};
+
+}  // namespace rd2h::transfer
