@@ -76,7 +76,8 @@ Expected<SharedBacking> share_in_place(void* addr, size_t length) {
     return st;
   };
   const uint64_t total = end - start;
-  if (::ftruncate(fd, static_cast<off_t>(total)) != 0) return fail("sizing the memfd");
+  // The pages, then the page of the live word.
+  if (::ftruncate(fd, static_cast<off_t>(total + page)) != 0) return fail("sizing the memfd");
   struct stat st {};
   if (::fstat(fd, &st) != 0) return fail("fstat of the memfd");
   for (uint64_t off = 0; off < total; off += kChunk) {
@@ -94,30 +95,55 @@ Expected<SharedBacking> share_in_place(void* addr, size_t length) {
       return fail("mapping the memfd over the pages at " + hex(start + off));
     }
   }
-  return SharedBacking{fd, static_cast<uint64_t>(st.st_ino), start, total};
+  void* live = ::mmap(nullptr, page, PROT_READ | PROT_WRITE, MAP_SHARED, fd,
+                      static_cast<off_t>(total));
+  if (live == MAP_FAILED) return fail("mapping the memfd's live word");
+  SharedBacking b{fd, static_cast<uint64_t>(st.st_ino), start, total, total,
+                  static_cast<uint64_t*>(live)};
+  __atomic_store_n(b.live, uint64_t{1}, __ATOMIC_RELEASE);
+  return b;
+}
+
+void SharedBacking::release() {
+  if (live != nullptr) {
+    __atomic_store_n(live, uint64_t{0}, __ATOMIC_RELEASE);
+    ::munmap(live, page_size());
+    live = nullptr;
+  }
+  if (fd >= 0) ::close(fd);
+  fd = -1;
 }
 
 PeerMapping::~PeerMapping() {
   if (map_ != nullptr) ::munmap(map_, map_length_);
+  if (live_page_ != nullptr) ::munmap(live_page_, page_size());
 }
 
 PeerMapping::PeerMapping(PeerMapping&& other) noexcept
     : map_(std::exchange(other.map_, nullptr)),
       map_length_(std::exchange(other.map_length_, 0)),
-      data_(std::exchange(other.data_, nullptr)) {}
+      data_(std::exchange(other.data_, nullptr)),
+      live_page_(std::exchange(other.live_page_, nullptr)) {}
 
 PeerMapping& PeerMapping::operator=(PeerMapping&& other) noexcept {
   if (this != &other) {
     if (map_ != nullptr) ::munmap(map_, map_length_);
+    if (live_page_ != nullptr) ::munmap(live_page_, page_size());
     map_ = std::exchange(other.map_, nullptr);
     map_length_ = std::exchange(other.map_length_, 0);
     data_ = std::exchange(other.data_, nullptr);
+    live_page_ = std::exchange(other.live_page_, nullptr);
   }
   return *this;
 }
 
+bool PeerMapping::live() const {
+  return live_page_ != nullptr &&
+         __atomic_load_n(static_cast<const uint64_t*>(live_page_), __ATOMIC_ACQUIRE) == 1;
+}
+
 Expected<PeerMapping> PeerMapping::map(pid_t pid, int fd, uint64_t inode, uint64_t offset,
-                                       uint64_t length) {
+                                       uint64_t length, uint64_t live_offset) {
   const std::string path = "/proc/" + std::to_string(pid) + "/fd/" + std::to_string(fd);
   const int own = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
   if (own < 0) return unreachable("cannot open " + path + ": " + errno_text());
@@ -125,7 +151,9 @@ Expected<PeerMapping> PeerMapping::map(pid_t pid, int fd, uint64_t inode, uint64
   const bool same = ::fstat(own, &st) == 0 && S_ISREG(st.st_mode) &&
                     static_cast<uint64_t>(st.st_ino) == inode &&
                     offset + length >= offset &&
-                    static_cast<uint64_t>(st.st_size) >= offset + length;
+                    static_cast<uint64_t>(st.st_size) >= offset + length &&
+                    live_offset % page_size() == 0 &&
+                    static_cast<uint64_t>(st.st_size) >= live_offset + page_size();
   if (!same) {
     ::close(own);
     return unreachable(path + " is no longer the memory the peer exported");
@@ -134,7 +162,15 @@ Expected<PeerMapping> PeerMapping::map(pid_t pid, int fd, uint64_t inode, uint64
   const uint64_t aligned = offset & ~static_cast<uint64_t>(page - 1);
   const size_t map_length = static_cast<size_t>(offset + length - aligned);
   void* p = ::mmap(nullptr, map_length, PROT_READ, MAP_SHARED, own, static_cast<off_t>(aligned));
-  const int saved = errno;
+  int saved = errno;
+  void* live = p == MAP_FAILED ? MAP_FAILED
+                               : ::mmap(nullptr, page, PROT_READ, MAP_SHARED, own,
+                                        static_cast<off_t>(live_offset));
+  if (p != MAP_FAILED && live == MAP_FAILED) {
+    saved = errno;
+    ::munmap(p, map_length);
+    p = MAP_FAILED;
+  }
   ::close(own);
   if (p == MAP_FAILED) return unreachable("cannot map " + path + ": " + std::strerror(saved));
 #ifdef MADV_POPULATE_READ
@@ -145,6 +181,7 @@ Expected<PeerMapping> PeerMapping::map(pid_t pid, int fd, uint64_t inode, uint64
   m.map_ = p;
   m.map_length_ = map_length;
   m.data_ = static_cast<const std::byte*>(p) + (offset - aligned);
+  m.live_page_ = live;
   return m;
 }
 

@@ -22,10 +22,17 @@
 namespace rd2h::transfer {
 
 struct SharedBacking {
-  int fd = -1;            // the memfd now holding the pages (the caller closes it)
+  int fd = -1;            // the memfd now holding the pages
   uint64_t inode = 0;     // its identity, checked by readers against fd reuse
   uintptr_t base = 0;     // the address offset 0 of the file is mapped at (page aligned)
   uint64_t length = 0;    // whole pages covering the range
+  // The page after them in the file holds a word that says the range is still registered
+  // (1) or not (0): readers look at it before each read, as a serving peer would check.
+  uint64_t live_offset = 0;
+  uint64_t* live = nullptr;  // that word, mapped here
+
+  // Marks the range unregistered and lets the file go (the caller's pages stay mapped).
+  void release();
 };
 
 // Moves the pages covering [addr, addr+length) into a new memfd in place, a chunk at a time
@@ -45,16 +52,20 @@ class PeerMapping {
   PeerMapping& operator=(const PeerMapping&) = delete;
 
   // Maps `length` bytes at `offset` of the file that process `pid` holds open as `fd`,
-  // which must be the memfd `inode` and hold them. Its pages are faulted in now.
+  // which must be the memfd `inode` and hold them, and its live word at `live_offset`.
+  // Its pages are faulted in now.
   static Expected<PeerMapping> map(pid_t pid, int fd, uint64_t inode, uint64_t offset,
-                                   uint64_t length);
+                                   uint64_t length, uint64_t live_offset);
   // The mapped bytes (offset of the file at data()).
   const std::byte* data() const { return data_; }
+  // Whether the owner still has the range registered.
+  bool live() const;
 
  private:
   void* map_ = nullptr;
   size_t map_length_ = 0;
   const std::byte* data_ = nullptr;
+  void* live_page_ = nullptr;
 };
 
 }  // namespace rd2h::transfer

@@ -160,10 +160,9 @@ struct LocalRegistration {
   uint64_t length = 0;
   ucp_mem_h memh = nullptr;
   std::vector<std::byte> packed_rkey;
-  // Caller memory moved into a memfd for co-located readers (-1: none), owned.
-  int memfd = -1;
-  uint64_t inode = 0;
-  uint64_t file_offset = 0;
+  // Caller memory moved into a memfd for co-located readers (fd -1: none), owned.
+  SharedBacking shared;
+  uint64_t file_offset = 0;  // of the registration's start in the memfd
   std::shared_ptr<ReplyTracker> replies = std::make_shared<ReplyTracker>();
 };
 
@@ -299,8 +298,8 @@ class UcxEngine final : public TransferEngine {
     } else if (ucs_status_t st = ucp_mem_unmap(context_, reg.memh); st != UCS_OK) {
       result = ucs_error("unregistering " + range + " (it stays registered)", st);
     } else {
-      // Its pages stay shared-backed for the caller; new readers can no longer map them.
-      if (reg.memfd >= 0) ::close(reg.memfd);
+      // Its pages stay shared-backed for the caller; readers that mapped them see it gone.
+      reg.shared.release();
       return Status::ok();
     }
     lock.lock();
@@ -317,8 +316,8 @@ class UcxEngine final : public TransferEngine {
     m.worker_address = server_address_;
     std::shared_lock lock(regs_mu_);
     for (const auto& [base, reg] : regs_) {
-      m.regions.push_back({base, reg.length, reg.packed_rkey, reg.memfd, reg.inode,
-                           reg.file_offset});
+      m.regions.push_back({base, reg.length, reg.packed_rkey, reg.shared.fd, reg.shared.inode,
+                           reg.file_offset, reg.shared.live_offset});
     }
     return encode_ucx_metadata(m);
   }
@@ -416,6 +415,13 @@ class UcxEngine final : public TransferEngine {
       }
       const auto r = static_cast<size_t>(region);
       rkey[i] = s->rkeys[r];
+      if (r < s->file_maps.size() && s->file_maps[r].data() != nullptr &&
+          !s->file_maps[r].live()) {
+        // What a serving peer would answer: checked before anything is read.
+        return fail_session(*s, out_of_range(op() + "remote range " +
+                                             range_text(remote[i], length[i]) + " of " + s->id +
+                                             ": range not registered there (any more)"));
+      }
       if (s->mapped[r] != nullptr)
         mapped_src[i] = s->mapped[r] + (remote[i] - s->peer.regions[r].base);
     }
@@ -646,12 +652,12 @@ class UcxEngine final : public TransferEngine {
                      moved.status().message().c_str());
       }
     }
-    struct CloseUnlessKept {
+    struct ReleaseUnlessKept {
       std::optional<SharedBacking>& shared;
-      ~CloseUnlessKept() {
-        if (shared && shared->fd >= 0) ::close(shared->fd);
+      ~ReleaseUnlessKept() {
+        if (shared) shared->release();
       }
-    } close_unless_kept{shared};
+    } release_unless_kept{shared};
 
     ucp_mem_map_params_t mp{};
     mp.field_mask = UCP_MEM_MAP_PARAM_FIELD_ADDRESS | UCP_MEM_MAP_PARAM_FIELD_LENGTH |
@@ -695,9 +701,9 @@ class UcxEngine final : public TransferEngine {
                             " overlaps an existing registration");
     }
     if (shared) {
-      reg.memfd = std::exchange(shared->fd, -1);
-      reg.inode = shared->inode;
+      reg.shared = *shared;
       reg.file_offset = actual - shared->base;
+      shared.reset();  // the registration owns it now
     }
     regs_.emplace(actual, std::move(reg));
     return MemoryRegion{reinterpret_cast<void*>(actual), length};
@@ -815,9 +821,11 @@ class UcxEngine final : public TransferEngine {
       const std::byte* mapped = mappable ? map_region(rkey, peer.regions[i]) : nullptr;
       if (mapped == nullptr && mappable && peer.regions[i].fd >= 0) {
         const auto& r = peer.regions[i];
-        auto file = PeerMapping::map(peer.identity.pid, r.fd, r.inode, r.file_offset, r.length);
+        auto file = PeerMapping::map(peer.identity.pid, r.fd, r.inode, r.file_offset, r.length,
+                                     r.live_offset);
         if (file) {
           mapped = file->data();
+          s.file_maps.resize(i);
           s.file_maps.push_back(std::move(*file));
         }
         // Otherwise (not permitted here, say) the region is read over the am path.
@@ -945,7 +953,7 @@ class UcxEngine final : public TransferEngine {
     server_worker_ = nullptr;
     for (auto& [base, reg] : regs_) {
       ucp_mem_unmap(context_, reg.memh);
-      if (reg.memfd >= 0) ::close(reg.memfd);
+      reg.shared.release();
     }
     regs_.clear();
     if (context_ != nullptr) ucp_cleanup(context_);

@@ -27,6 +27,7 @@ std::vector<std::byte> encode_ucx_metadata(const UcxMetadata& meta) {
     w.u32(static_cast<uint32_t>(r.fd));
     w.u64(r.inode);
     w.u64(r.file_offset);
+    w.u64(r.live_offset);
   }
   return w.take();
 }
@@ -95,9 +96,9 @@ Expected<UcxMetadata> decode_ucx_metadata(std::span<const std::byte> bytes) {
 
   auto count = r.u32("region_count");
   if (!count) return fail(count.status());
-  // Each region takes at least 40 bytes, so a count the bytes cannot hold is rejected before
+  // Each region takes at least 48 bytes, so a count the bytes cannot hold is rejected before
   // anything is allocated for it.
-  if (*count > kMaxRegions || *count > r.remaining() / 40) {
+  if (*count > kMaxRegions || *count > r.remaining() / 48) {
     return invalid_metadata("UCX engine metadata: region count " + std::to_string(*count) +
                             " does not fit in the " + std::to_string(r.remaining()) +
                             " bytes left (limit " + std::to_string(kMaxRegions) + ")");
@@ -117,12 +118,15 @@ Expected<UcxMetadata> decode_ucx_metadata(std::span<const std::byte> bytes) {
     if (!inode) return fail(inode.status());
     auto file_offset = r.u64("region file offset");
     if (!file_offset) return fail(file_offset.status());
+    auto live_offset = r.u64("region live offset");
+    if (!live_offset) return fail(live_offset.status());
     region.base = *base;
     region.length = *len;
     region.packed_rkey.assign(rkey->begin(), rkey->end());
     region.fd = static_cast<int32_t>(*fd);
     region.inode = *inode;
     region.file_offset = *file_offset;
+    region.live_offset = *live_offset;
     std::string where = "UCX engine metadata: region " + std::to_string(i) + " [" +
                         hex(region.base) + ", +" + std::to_string(region.length) + ")";
     if (region.length == 0) return invalid_metadata(where + " is empty");

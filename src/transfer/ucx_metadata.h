@@ -25,10 +25,11 @@ struct ExportedRegion {
   uint64_t length = 0;
   std::vector<std::byte> packed_rkey;
   // Caller memory the exporter moved into a memfd (shared_backing.h): the fd it holds it
-  // open as, the file's inode, and where `base` lies in it. fd -1: none.
+  // open as, the file's inode, where `base` lies in it and its live word. fd -1: none.
   int32_t fd = -1;
   uint64_t inode = 0;
   uint64_t file_offset = 0;
+  uint64_t live_offset = 0;  // where in the file the word saying "still registered" is
 };
 
 struct UcxMetadata {

@@ -77,7 +77,8 @@ struct Session {
   // Where UCX maps a region of a co-located peer into this process (ucp_rkey_ptr), or null.
   // Reads from a mapped region are plain copies: no per-read protocol, no peer involvement.
   std::vector<const std::byte*> mapped;
-  std::vector<PeerMapping> file_maps;  // the peer's memfd regions this session mapped
+  // The peer's memfd regions this session mapped, by region index (empty where none).
+  std::vector<PeerMapping> file_maps;
   ProcessWatch watch;
 
   bool rma_get = false;  // non-mapped reads use ucp_get (hardware RMA) rather than am

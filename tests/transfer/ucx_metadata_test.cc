@@ -94,7 +94,7 @@ TEST(UcxMetadata, MalformedFieldsAreRejected) {
       {"overlapping regions",
        [](auto& b, const auto& m) {
          // second region's base moves inside the first
-         size_t second = region_count_offset(m) + 4 + 8 + 8 + 4 + 20 + 4 + 8 + 8;
+         size_t second = region_count_offset(m) + 4 + 8 + 8 + 4 + 20 + 4 + 8 + 8 + 8;
          put_u64(b, second, 0x1800);
        },
        "overlaps"},
