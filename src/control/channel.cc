@@ -33,6 +33,7 @@ struct RouterChannel::Impl {
 struct DealerChannel::Impl {
   zmq::socket_t socket;
   zmq::socket_t monitor;  // PAIR receiving the DEALER's disconnect events
+  bool secured = false;   // CURVE
 };
 
 namespace {
@@ -276,10 +277,17 @@ bool DealerChannel::connection_lost() {
         lost = lost || id == ZMQ_EVENT_DISCONNECTED;
         if (id == ZMQ_EVENT_HANDSHAKE_FAILED_AUTH) {
           refusal_ = "Decode at " + url_ + " refused this Prefill's CURVE key";
-        } else if (id == ZMQ_EVENT_HANDSHAKE_FAILED_PROTOCOL ||
-                   id == ZMQ_EVENT_HANDSHAKE_FAILED_NO_DETAIL) {
+        } else if ((id == ZMQ_EVENT_HANDSHAKE_FAILED_PROTOCOL ||
+                    id == ZMQ_EVENT_HANDSHAKE_FAILED_NO_DETAIL) &&
+                   impl_->secured) {
           refusal_ = "the CURVE handshake with " + url_ +
                      " failed (the peer does not hold the trusted key, or does not use CURVE)";
+        } else if (id == ZMQ_EVENT_HANDSHAKE_FAILED_PROTOCOL ||
+                   id == ZMQ_EVENT_HANDSHAKE_FAILED_NO_DETAIL) {
+          // Without CURVE this is a peer that went away mid-handshake (a Decode that died),
+          // or one that does not speak ZeroMQ's protocol.
+          refusal_ = "the connection to " + url_ +
+                     " closed (Decode restarted or died) during its ZeroMQ handshake";
         }
       }
       while (event.more()) {  // the event's second frame: the endpoint
@@ -306,6 +314,7 @@ Expected<std::unique_ptr<DealerChannel>> DealerChannel::connect(
         std::make_unique<Impl>(Impl{zmq::socket_t(context->impl().ctx, zmq::socket_type::dealer),
                                     zmq::socket_t(context->impl().ctx, zmq::socket_type::pair)});
     set_common_options(impl->socket);
+    impl->secured = security.has_value();
     if (security) {
       impl->socket.set(zmq::sockopt::curve_serverkey, security->server_key);
       impl->socket.set(zmq::sockopt::curve_publickey, security->self.public_key);
