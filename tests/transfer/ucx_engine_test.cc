@@ -470,12 +470,20 @@ INSTANTIATE_TEST_SUITE_P(Transports, Engine, ::testing::Values(Transport::kShm, 
 
 // A reader loops over large batches while the peer is killed under it.
 class KilledDuringReads : public ::testing::TestWithParam<Transport> {};
+void reader_gets_an_error_within_the_timeout(Transport transport, const char* memory);
 
 TEST_P(KilledDuringReads, ReaderGetsAnErrorWithinTheTimeout) {
+  for (const char* memory : {"alloc", "register"}) {
+    SCOPED_TRACE(memory);
+    ASSERT_NO_FATAL_FAILURE(reader_gets_an_error_within_the_timeout(GetParam(), memory));
+  }
+}
+
+void reader_gets_an_error_within_the_timeout(Transport transport, const char* memory) {
   const size_t block = 1 << 20, blocks = 64;
-  auto peer = start_peer(std::string(to_string(GetParam())), "alloc", block, blocks, 3);
+  auto peer = start_peer(std::string(to_string(transport)), memory, block, blocks, 3);
   ASSERT_TRUE(peer) << peer.status().to_string();
-  auto engine = make_engine(GetParam());
+  auto engine = make_engine(transport);
   ASSERT_TRUE(engine);
   auto session = engine->connect(peer->metadata);
   ASSERT_TRUE(session) << session.status().to_string();
