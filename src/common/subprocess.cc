@@ -11,6 +11,8 @@
 #include <algorithm>
 #include <cerrno>
 #include <cstring>
+#include <filesystem>
+#include <fstream>
 #include <thread>
 
 #include "rd2h/common/deadline.h"
@@ -222,6 +224,23 @@ Expected<int> Subprocess::wait(std::chrono::milliseconds timeout) {
     std::this_thread::sleep_for(pause);
     pause = std::min(pause * 2, std::chrono::microseconds(20000));
   }
+}
+
+std::vector<pid_t> children_of(pid_t pid) {
+  std::vector<pid_t> out;
+  std::error_code ec;
+  for (const auto& entry : std::filesystem::directory_iterator("/proc", ec)) {
+    const std::string name = entry.path().filename();
+    if (name.find_first_not_of("0123456789") != std::string::npos) continue;
+    std::ifstream stat(entry.path() / "stat");
+    std::string line;
+    std::getline(stat, line);
+    const size_t close = line.rfind(')');  // the command may hold spaces
+    if (close == std::string::npos || close + 4 >= line.size()) continue;
+    // ") S ppid ...": the state, then the parent
+    if (std::strtol(line.c_str() + close + 4, nullptr, 10) == pid) out.push_back(std::stoi(name));
+  }
+  return out;
 }
 
 std::string self_executable() {

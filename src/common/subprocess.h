@@ -70,4 +70,7 @@ inline constexpr const char* kUcxErrorSignalsOff = "UCX_ERROR_SIGNALS=";
 // The path of the running executable.
 std::string self_executable();
 
+// The processes whose parent is `pid` now (from /proc).
+std::vector<pid_t> children_of(pid_t pid);
+
 }  // namespace rd2h

@@ -244,17 +244,7 @@ uint64_t private_kib(pid_t pid) {
     return 0;
   };
   uint64_t total = of("/proc/" + std::to_string(pid));
-  std::error_code ec;
-  for (const auto& entry : std::filesystem::directory_iterator("/proc", ec)) {
-    const std::string name = entry.path().filename();
-    if (name.find_first_not_of("0123456789") != std::string::npos) continue;
-    std::ifstream stat(entry.path() / "stat");
-    std::string line;
-    std::getline(stat, line);
-    const size_t close = line.rfind(')');  // the command may hold spaces
-    if (close == std::string::npos || close + 4 >= line.size()) continue;
-    if (std::strtol(line.c_str() + close + 4, nullptr, 10) == pid) total += of(entry.path());
-  }
+  for (pid_t child : children_of(pid)) total += of("/proc/" + std::to_string(child));
   return total;
 }
 

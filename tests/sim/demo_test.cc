@@ -98,26 +98,6 @@ TEST(Demo, ACorruptedByteMakesTheRunFailNamingWhere) {
   EXPECT_EQ(run.output.find("rd2h demo: OK"), std::string::npos) << run.output;
 }
 
-// The processes whose parent is `pid`.
-std::vector<pid_t> children_of(pid_t pid) {
-  std::vector<pid_t> out;
-  for (const auto& entry : std::filesystem::directory_iterator("/proc")) {
-    const std::string name = entry.path().filename();
-    if (name.find_first_not_of("0123456789") != std::string::npos) continue;
-    std::ifstream stat(entry.path() / "stat");
-    std::string line;
-    std::getline(stat, line);
-    const size_t close = line.rfind(')');  // the command may hold spaces
-    if (close == std::string::npos) continue;
-    std::istringstream rest(line.substr(close + 2));
-    char state = 0;
-    pid_t parent = 0;
-    rest >> state >> parent;
-    if (parent == pid) out.push_back(std::stoi(name));
-  }
-  return out;
-}
-
 std::string command_of(pid_t pid) {
   std::ifstream in("/proc/" + std::to_string(pid) + "/cmdline");
   std::string s((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());

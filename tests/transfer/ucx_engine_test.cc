@@ -468,6 +468,22 @@ TEST_F(OneBlock, SilentTcpPeerTimesOutAndAnExplicitReconnectRecovers) {
 INSTANTIATE_TEST_SUITE_P(Transports, Engine, ::testing::Values(Transport::kShm, Transport::kTcp),
                          [](const auto& info) { return std::string(to_string(info.param)); });
 
+// A new reader connects to `peer` and reads every block of it, one at a time, intact.
+void a_new_session_reads_every_block(Transport transport, const PeerProcess& peer) {
+  auto engine = make_engine(transport);
+  auto session = engine->connect(peer.metadata);
+  ASSERT_TRUE(session) << session.status().to_string();
+  Destination dst(*engine, peer.block, false);
+  std::vector<uintptr_t> local{reinterpret_cast<uintptr_t>(dst.base)};
+  std::vector<uintptr_t> remote{peer.base};
+  std::vector<size_t> len{peer.block};
+  for (size_t j = 0; j < peer.blocks; ++j) {
+    remote[0] = peer.base + j * peer.block;
+    ASSERT_TRUE(engine->batch_read_sync(*session, local, remote, len).is_ok()) << "block " << j;
+    ASSERT_FALSE(find_pattern_mismatch(dst.base, peer.block, peer.key + j)) << "block " << j;
+  }
+}
+
 // A reader loops over large batches while the peer is killed under it.
 class KilledDuringReads : public ::testing::TestWithParam<Transport> {};
 void reader_gets_an_error_within_the_timeout(Transport transport, const char* memory);
@@ -591,18 +607,7 @@ TEST_P(KilledDuringReads, SourceSurvivesAKilledReaderProcess) {
     reader->kill(SIGKILL);
     ASSERT_TRUE(reader->wait(10s));
   }
-  auto engine = make_engine(GetParam());
-  auto session = engine->connect(peer->metadata);
-  ASSERT_TRUE(session) << session.status().to_string();
-  Destination dst(*engine, peer->block, false);
-  std::vector<uintptr_t> local{reinterpret_cast<uintptr_t>(dst.base)};
-  std::vector<uintptr_t> remote{peer->base};
-  std::vector<size_t> len{peer->block};
-  for (size_t j = 0; j < peer->blocks; ++j) {
-    remote[0] = peer->base + j * peer->block;
-    ASSERT_TRUE(engine->batch_read_sync(*session, local, remote, len).is_ok()) << "block " << j;
-    ASSERT_FALSE(find_pattern_mismatch(dst.base, peer->block, peer->key + j)) << "block " << j;
-  }
+  ASSERT_NO_FATAL_FAILURE(a_new_session_reads_every_block(GetParam(), *peer));
   auto exited = peer->process.wait(0ms);
   EXPECT_FALSE(exited) << "the source exited with status " << *exited;
 }
@@ -618,18 +623,7 @@ TEST(KilledReaders, ASourceOfRegisteredMemoryKeepsTakingNewSessions) {
     reader->kill(SIGKILL);
     ASSERT_TRUE(reader->wait(10s));
   }
-  auto engine = make_engine(Transport::kShm);
-  auto session = engine->connect(peer->metadata);
-  ASSERT_TRUE(session) << session.status().to_string();
-  Destination dst(*engine, peer->block, false);
-  std::vector<uintptr_t> local{reinterpret_cast<uintptr_t>(dst.base)};
-  std::vector<uintptr_t> remote{peer->base};
-  std::vector<size_t> len{peer->block};
-  for (size_t j = 0; j < peer->blocks; ++j) {
-    remote[0] = peer->base + j * peer->block;
-    ASSERT_TRUE(engine->batch_read_sync(*session, local, remote, len).is_ok()) << "block " << j;
-    ASSERT_FALSE(find_pattern_mismatch(dst.base, peer->block, peer->key + j)) << "block " << j;
-  }
+  ASSERT_NO_FATAL_FAILURE(a_new_session_reads_every_block(Transport::kShm, *peer));
 }
 
 INSTANTIATE_TEST_SUITE_P(Transports, KilledDuringReads,
