@@ -29,6 +29,14 @@ using nlohmann::json;
 using rd2h::testing::eventually;
 using namespace std::chrono_literals;
 
+// A starved server answers after its idle or request deadlines (5 s, 30 s); a served one
+// within a second, or a few under a sanitizer on a loaded machine.
+#if defined(__SANITIZE_ADDRESS__) || defined(__SANITIZE_THREAD__)
+constexpr auto kAnsweredWithin = std::chrono::milliseconds(3000);
+#else
+constexpr auto kAnsweredWithin = std::chrono::milliseconds(1000);
+#endif
+
 // A raw TCP connection to 127.0.0.1:port (connected, or fd -1).
 class RawConnection {
  public:
@@ -272,7 +280,7 @@ TEST_F(ProxyHttp, ARendezvousIsAnsweredWithin1sWhile200IdleConnectionsAreHeld) {
   auto held = idle_connections(meta_port_, 200);
   auto [status, took] = rendezvous();
   EXPECT_EQ(status, 404);
-  EXPECT_LT(took, 1s) << "the metaserver was starved by idle connections";
+  EXPECT_LT(took, kAnsweredWithin) << "the metaserver was starved by idle connections";
 }
 
 TEST_F(ProxyHttp, ARendezvousIsAnsweredWithin1sWhile200SlowLorisConnectionsAreHeld) {
@@ -280,7 +288,7 @@ TEST_F(ProxyHttp, ARendezvousIsAnsweredWithin1sWhile200SlowLorisConnectionsAreHe
   auto held = slow_loris(meta_port_, 200);
   auto [status, took] = rendezvous();
   EXPECT_EQ(status, 404);
-  EXPECT_LT(took, 1s) << "the metaserver was starved by slow-loris connections";
+  EXPECT_LT(took, kAnsweredWithin) << "the metaserver was starved by slow-loris connections";
 }
 
 TEST_F(ProxyHttp, AChunkedBodyOverTheLimitIs413AndTheProxyStaysUp) {

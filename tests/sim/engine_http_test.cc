@@ -19,6 +19,14 @@ namespace {
 using nlohmann::json;
 using namespace std::chrono_literals;
 
+// A starved server answers after its idle or request deadlines (5 s, 30 s); a served one
+// within a second, or a few under a sanitizer on a loaded machine.
+#if defined(__SANITIZE_ADDRESS__) || defined(__SANITIZE_THREAD__)
+constexpr auto kAnsweredWithin = std::chrono::milliseconds(3000);
+#else
+constexpr auto kAnsweredWithin = std::chrono::milliseconds(1000);
+#endif
+
 constexpr const char* kToken = "engine-test-token";
 
 class EngineHttp : public ::testing::Test {
@@ -163,7 +171,7 @@ TEST_F(EngineHttp, AReportIsServedWithin1sWhile200SlowLorisConnectionsAreHeld) {
   const auto took = std::chrono::steady_clock::now() - t0;
   ASSERT_TRUE(r) << httplib::to_string(r.error());
   EXPECT_EQ(r->status, 200);
-  EXPECT_LT(took, 1s);
+  EXPECT_LT(took, kAnsweredWithin);
   for (int fd : fds) ::close(fd);
 }
 
