@@ -2,6 +2,8 @@
 
 #include <cstring>
 #include <nlohmann/json.hpp>
+#include <type_traits>
+#include <utility>
 
 #include "protocol/messages.h"
 
@@ -11,15 +13,54 @@ using nlohmann::ordered_json;
 
 namespace {
 
+// `v` as a T when it is an integer T holds. nlohmann's get<T> would convert a float or an
+// integer beyond T's range by a cast (undefined for a float); such values are refused.
+template <typename T>
+bool whole(const ordered_json& v, T& out) {
+  if (v.is_number_unsigned()) {
+    const auto u = v.get<uint64_t>();
+    if (!std::in_range<T>(u)) return false;
+    out = static_cast<T>(u);
+    return true;
+  }
+  if (v.is_number_integer()) {
+    const auto i = v.get<int64_t>();
+    if (!std::in_range<T>(i)) return false;
+    out = static_cast<T>(i);
+    return true;
+  }
+  return false;
+}
+
+bool whole_list(const ordered_json& v, std::vector<int64_t>& out) {
+  if (!v.is_array()) return false;
+  out.resize(v.size());
+  for (size_t i = 0; i < v.size(); ++i) {
+    if (!whole(v[i], out[i])) return false;
+  }
+  return true;
+}
+
 // Reads `key` of `j` into `out` when present (and not null); a wrong type names the key.
 template <typename T>
 Status field(const ordered_json& j, const char* key, T& out) {
   auto it = j.find(key);
   if (it == j.end() || it->is_null()) return Status::ok();
-  try {
-    out = it->get<T>();
-  } catch (const std::exception&) {
+  auto wrong = [&] {
     return invalid_argument(std::string("kv_transfer_params: '") + key + "' has the wrong type");
+  };
+  if constexpr (std::is_integral_v<T> && !std::is_same_v<T, bool>) {
+    if (!it->is_number_integer()) return wrong();
+    if (!whole(*it, out)) {
+      return invalid_argument(std::string("kv_transfer_params: '") + key + "' " + it->dump() +
+                              " is out of range");
+    }
+  } else {
+    try {
+      out = it->get<T>();
+    } catch (const std::exception&) {
+      return wrong();
+    }
   }
   return Status::ok();
 }
@@ -56,7 +97,7 @@ Expected<KvTransferParams> from_object(const ordered_json& j, int depth) {
     for (const auto& [child, params] : batch->items()) {
       auto c = from_object(params, depth + 1);
       if (!c) return c.status().with_context("child " + child);
-      p.batch.emplace_back(child, std::move(*c));
+      p.batch.push_back({child, std::move(*c)});
     }
   }
   return p;
@@ -127,19 +168,31 @@ Expected<ConnectorMetadata> decode_metadata(std::span<const std::byte> bytes) {
   ConnectorMetadata m;
   try {
     for (const auto& r : j.at("load")) {
-      if (r.size() != 4)
+      if (!r.is_array() || r.size() != 4)
         return invalid_argument("connector metadata: a load entry is not 4 fields");
-      m.load.push_back({r[0].get<std::string>(), r[1].get<std::string>(),
-                        r[2].get<std::vector<int64_t>>(), r[3].get<std::vector<int64_t>>()});
+      LoadRequest l{r[0].get<std::string>(), r[1].get<std::string>(), {}, {}};
+      if (!whole_list(r[2], l.main_blocks) || !whole_list(r[3], l.indexer_blocks)) {
+        return invalid_argument("connector metadata: load " + l.ext_id +
+                                ": block ids are not a list of integers");
+      }
+      m.load.push_back(std::move(l));
     }
     m.abort = j.at("abort").get<std::vector<std::string>>();
     for (const auto& s : j.at("save")) {
-      if (s.size() != 10)
+      if (!s.is_array() || s.size() != 10)
         return invalid_argument("connector metadata: a save entry is not 10 fields");
-      m.save.push_back({s[0].get<std::string>(), s[1].get<std::string>(), s[2].get<int>(),
-                        s[3].get<int>(), s[4].get<std::vector<int64_t>>(),
-                        s[5].get<std::vector<int64_t>>(), s[6].get<int64_t>(), s[7].get<int64_t>(),
-                        s[8].get<bool>(), s[9].get<std::string>()});
+      prefill::SendRequest q;
+      q.ext_id = s[0].get<std::string>();
+      q.d_host = s[1].get<std::string>();
+      if (!whole(s[2], q.d_base_port) || !whole(s[3], q.d_tp) ||
+          !whole_list(s[4], q.main_block_ids) || !whole_list(s[5], q.indexer_block_ids) ||
+          !whole(s[6], q.main_start) || !whole(s[7], q.indexer_start)) {
+        return invalid_argument("connector metadata: save " + q.ext_id +
+                                ": a port, size, block id or start is not an integer in range");
+      }
+      q.final_chunk = s[8].get<bool>();
+      q.d_public_key = s[9].get<std::string>();
+      m.save.push_back(std::move(q));
     }
   } catch (const std::exception& e) {
     return invalid_argument(std::string("connector metadata: ") + e.what());

@@ -1,10 +1,13 @@
 // The fields rd2h reads of an OpenAI-style completion or chat body, checked before anything
-// is registered: their types, and how many prompts and tokens a body may list. The proxy
-// and the simulator's engines use it, so both refuse the same bodies with the same words.
+// is registered: their types, how deep the body nests, and how many prompts and tokens it
+// may list. The proxy and the simulator's engines use it, so both refuse the same bodies
+// with the same words.
 #pragma once
 
 #include <cstdint>
 #include <string>
+#include <utility>
+#include <vector>
 
 #include "rd2h/common/status.h"
 
@@ -15,11 +18,41 @@ struct PromptLimits {
   size_t max_prompt_tokens = 262144;  // tokens in one token list
 };
 
+// Levels of arrays and objects a body may nest. Copying or writing a JSON value recurses
+// once per level, so a deeper body (a few hundred KB of brackets) would overflow the stack
+// of the proxy or engine thread that copies or forwards it.
+inline constexpr size_t kMaxBodyNesting = 64;
+
+// Whether `j` nests arrays and objects more than `max_depth` levels deep, found without
+// recursion, keeping one iterator pair per open level.
+template <typename Json>
+bool nests_deeper_than(const Json& j, size_t max_depth) {
+  if (!j.is_structured()) return false;
+  using It = typename Json::const_iterator;
+  std::vector<std::pair<It, It>> open{{j.cbegin(), j.cend()}};
+  while (!open.empty()) {
+    if (open.size() > max_depth) return true;
+    auto& [next, end] = open.back();
+    if (next == end) {
+      open.pop_back();
+      continue;
+    }
+    const Json& child = *next;
+    ++next;
+    if (child.is_structured()) open.emplace_back(child.cbegin(), child.cend());
+  }
+  return false;
+}
+
 // The number of prompts the body lists (1 for a single prompt and for chat), or an error
 // naming the field at fault. `Json` is nlohmann::json or nlohmann::ordered_json.
 template <typename Json>
 Expected<size_t> check_openai_body(const Json& body, bool chat, const PromptLimits& limits) {
   if (!body.is_object()) return invalid_argument("the body is not a JSON object");
+  if (nests_deeper_than(body, kMaxBodyNesting)) {
+    return invalid_argument("the body nests arrays and objects deeper than " +
+                            std::to_string(kMaxBodyNesting) + " levels");
+  }
   auto field = [&](const char* name) -> const Json* {
     auto it = body.find(name);
     return it == body.end() || it->is_null() ? nullptr : &*it;

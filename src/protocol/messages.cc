@@ -199,16 +199,21 @@ class Field {
   if (!var##_result) return var##_result.status(); \
   auto var = std::move(*var##_result)
 
-// Parses one msgpack value that must span all of `bytes`. Container sizes are bounded by
-// the byte count, so a forged header cannot make the parser allocate beyond the input.
+// Nesting of the messages read through msgpack's object tree (MF_META's layer map is 3).
+constexpr size_t kTreeDepth = 16;
+
+// Parses one msgpack value that must span all of `bytes`. msgpack-c allocates a container's
+// items when it reads its header, so every declared item is first checked to be present:
+// the tree is bounded by the bytes, whatever the headers claim.
 Expected<msgpack::object_handle> parse(std::span<const std::byte> bytes, const std::string& what) {
   if (bytes.size() > kMaxMessageBytes) {
     return invalid_argument(what + ": " + std::to_string(bytes.size()) +
                             " bytes exceed the limit of " + std::to_string(kMaxMessageBytes));
   }
   if (bytes.empty()) return invalid_argument(what + ": empty");
+  RD2H_RETURN_IF_ERROR(check_msgpack_bounds(bytes, kTreeDepth, what));
   const size_t items = std::min(bytes.size(), kMaxArrayItems);
-  msgpack::unpack_limit limit(items, items, kMaxMessageBytes, kMaxMessageBytes, 0, 16);
+  msgpack::unpack_limit limit(items, items, kMaxMessageBytes, kMaxMessageBytes, 0, kTreeDepth);
   size_t offset = 0;
   try {
     auto oh = msgpack::unpack(reinterpret_cast<const char*>(bytes.data()), bytes.size(), offset,
@@ -670,7 +675,9 @@ Expected<ReadReadyBatch> cursor_read_ready_batch(Cursor& c, size_t fields) {
                             " read requests exceed the limit of " + std::to_string(kMaxReadReqs) +
                             " per readiness");
   }
-  m.read_reqs.reserve(reqs);
+  // The smallest read request, [str "", []], is 3 bytes: a count the bytes left cannot hold
+  // reserves no more than they can.
+  m.read_reqs.reserve(std::min<size_t>(reqs, c.left() / 3));
   size_t total = 0;
   for (size_t i = 0; i < reqs; ++i) {
     RD2H_TRY(req, cursor_read_req(c, i, total));

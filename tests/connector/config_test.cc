@@ -3,8 +3,10 @@
 #include <gtest/gtest.h>
 
 #include <cstdlib>
+#include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <nlohmann/json.hpp>
 
 #include "control/curve.h"
 #include "rd2h/connector/metadata.h"
@@ -219,6 +221,48 @@ TEST(KvTransferParams, PromptListChildrenAreFoundByIdAndAMissingOneIsNamed) {
   auto wrong = KvTransferParams::from_json(R"({"remote_port": "x"})");
   ASSERT_FALSE(wrong);
   EXPECT_NE(wrong.status().message().find("'remote_port'"), std::string::npos);
+}
+
+TEST(KvTransferParams, FloatsAndOutOfRangeNumbersAreRefusedNamingTheKey) {
+  struct Case {
+    const char* json;
+    const char* key;
+  };
+  for (const Case& c : {Case{R"({"remote_port": 1e300})", "'remote_port'"},
+                        Case{R"({"remote_tp_size": 2.5})", "'remote_tp_size'"},
+                        Case{R"({"remote_cached_tokens": -1})", "'remote_cached_tokens'"},
+                        Case{R"({"remote_cached_tokens": -1e300})", "'remote_cached_tokens'"},
+                        Case{R"({"remote_pcp_size": 4294967297})", "'remote_pcp_size'"}}) {
+    auto p = KvTransferParams::from_json(c.json);
+    ASSERT_FALSE(p) << c.json;
+    EXPECT_NE(p.status().message().find(c.key), std::string::npos) << p.status().message();
+  }
+  auto big = KvTransferParams::from_json(R"({"remote_cached_tokens": 18446744073709551615})");
+  ASSERT_TRUE(big) << big.status().to_string();
+  EXPECT_EQ(big->remote_cached_tokens, UINT64_MAX);
+}
+
+TEST(ConnectorMetadata, FloatsAndOutOfRangeNumbersAreRefused) {
+  // A save entry as nlohmann writes it, with a float where an integer belongs in each case.
+  auto save_with = [](size_t field, nlohmann::json value) {
+    nlohmann::json s = {"e", "h", 30000, 2, {1}, {1}, 0, 0, true, ""};
+    s[field] = std::move(value);
+    const auto b = nlohmann::json::to_msgpack(nlohmann::json{
+        {"load", nlohmann::json::array()}, {"abort", nlohmann::json::array()}, {"save", {s}}});
+    std::vector<std::byte> out(b.size());
+    std::memcpy(out.data(), b.data(), b.size());
+    return out;
+  };
+  EXPECT_TRUE(decode_metadata(save_with(2, 30001)));
+  const std::vector<std::pair<size_t, nlohmann::json>> cases = {
+      {2, 1e300}, {3, -1e300}, {2, int64_t{1} << 40}, {4, nlohmann::json::array({1.5})},
+      {6, 1e19},  {7, -0.5}};
+  for (const auto& [field, value] : cases) {
+    auto m = decode_metadata(save_with(field, value));
+    ASSERT_FALSE(m) << "field " << field << " = " << value.dump();
+    EXPECT_NE(m.status().message().find("not an integer in range"), std::string::npos)
+        << m.status().message();
+  }
 }
 
 TEST(ConnectorMetadata, RoundTripsAndRefusesBrokenBytes) {

@@ -251,6 +251,21 @@ TEST_F(ProxyTest, AnUnknownRendezvousIs404AndOversizedOrBrokenBodiesAreRefused) 
   EXPECT_TRUE(decode_bodies_.empty()) << "a refused request reached Decode";
 }
 
+TEST_F(ProxyTest, ADeeplyNestedBodyIsRefusedWith400) {
+  start();
+  // 100k levels: copying or writing the body would recurse past a thread's stack.
+  const std::string body =
+      R"({"prompt":"x","extra":)" + std::string(100000, '[') + std::string(100000, ']') + "}";
+  httplib::Client c(proxy_->url());
+  c.set_read_timeout(60, 0);
+  auto r = c.Post("/v1/completions", body, "application/json");
+  ASSERT_TRUE(r);
+  EXPECT_EQ(r->status, 400);
+  EXPECT_NE(r->body.find("deeper than 64 levels"), std::string::npos) << r->body;
+  std::lock_guard lock(log_.mu);
+  EXPECT_TRUE(decode_bodies_.empty()) << "a refused request reached Decode";
+}
+
 TEST_F(ProxyTest, IdleInstancesAreUsedInTurn) {
   start(200, /*prefills=*/2);
   for (int i = 0; i < 4; ++i) {

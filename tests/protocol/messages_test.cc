@@ -380,6 +380,22 @@ TEST(Protocol, DeepNestingIsRefusedWithoutRecursion) {
       << m.status().message();
 }
 
+TEST(Protocol, DeclaredItemsAreCheckedBeforeAnyTreeIsBuilt) {
+  // 16 nested arrays each declaring 4096 items, too few present: msgpack-c would allocate
+  // every declared item (1 MiB) before finding the message short.
+  std::vector<std::byte> claims;
+  for (int level = 0; level < 16; ++level) {
+    const auto header = hex("dc 1000");
+    claims.insert(claims.end(), header.begin(), header.end());
+  }
+  claims.resize(4096, std::byte{0xc0});
+  auto d = decode_message(claims);
+  ASSERT_FALSE(d);
+  EXPECT_NE(d.status().message().find("message: not valid msgpack (a container of 4096 items"),
+            std::string::npos)
+      << d.status().message();
+}
+
 TEST(Protocol, DeeplyNestedStepMetadataIsRefused) {
   std::vector<std::byte> nested(60 << 10, std::byte{0x91});
   nested.push_back(std::byte{0xc0});

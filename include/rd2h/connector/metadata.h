@@ -17,6 +17,8 @@
 
 namespace rd2h::connector {
 
+struct KvTransferChild;
+
 struct KvTransferParams {
   bool do_remote_prefill = false;  // Decode: the prompt's KV comes from a Prefill
   bool do_remote_decode = false;   // Prefill: a Decode pulls the KV
@@ -34,7 +36,7 @@ struct KvTransferParams {
   // if it trusts this key.
   std::string remote_public_key;
   // A prompt list's children, by child external id (Prefill).
-  std::vector<std::pair<std::string, KvTransferParams>> batch;
+  std::vector<KvTransferChild> batch;
 
   // Parses a kv_transfer_params JSON object; a wrong type is refused naming the key.
   static Expected<KvTransferParams> from_json(std::string_view text);
@@ -43,6 +45,13 @@ struct KvTransferParams {
   // Prefill's params for the Decode of `ext_id`: this one, or its child in `batch`; a
   // missing child is an error naming it.
   Expected<KvTransferParams> for_request(const std::string& ext_id) const;
+};
+
+// A prompt list's child: its external id and its params. A struct, not a std::pair: a pair
+// of a type still being defined does not compile with every standard library.
+struct KvTransferChild {
+  std::string ext_id;
+  KvTransferParams params;
 };
 
 // Decode: a request whose KV this worker should expect, and where it lands.
