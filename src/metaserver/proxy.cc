@@ -243,6 +243,14 @@ void Proxy::Impl::handle_rendezvous(const httplib::Request& req, httplib::Respon
                     "application/json");
     return;
   }
+  if (nests_deeper_than(body, kMaxBodyNesting)) {  // it is kept and copied: bound the recursion
+    res.status = 400;
+    res.set_content(error_json("the rendezvous nests arrays and objects deeper than " +
+                                   std::to_string(kMaxBodyNesting) + " levels",
+                               400),
+                    "application/json");
+    return;
+  }
   const std::string child = body["request_id"].get<std::string>();
   std::shared_ptr<Parent> parent;
   {
