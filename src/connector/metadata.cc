@@ -5,6 +5,7 @@
 #include <type_traits>
 #include <utility>
 
+#include "common/json_number.h"
 #include "protocol/messages.h"
 
 namespace rd2h::connector {
@@ -13,30 +14,12 @@ using nlohmann::ordered_json;
 
 namespace {
 
-// `v` as a T when it is an integer T holds. nlohmann's get<T> would convert a float or an
-// integer beyond T's range by a cast (undefined for a float); such values are refused.
-template <typename T>
-bool whole(const ordered_json& v, T& out) {
-  if (v.is_number_unsigned()) {
-    const auto u = v.get<uint64_t>();
-    if (!std::in_range<T>(u)) return false;
-    out = static_cast<T>(u);
-    return true;
-  }
-  if (v.is_number_integer()) {
-    const auto i = v.get<int64_t>();
-    if (!std::in_range<T>(i)) return false;
-    out = static_cast<T>(i);
-    return true;
-  }
-  return false;
-}
-
+// A list of integers, each an int64.
 bool whole_list(const ordered_json& v, std::vector<int64_t>& out) {
   if (!v.is_array()) return false;
   out.resize(v.size());
   for (size_t i = 0; i < v.size(); ++i) {
-    if (!whole(v[i], out[i])) return false;
+    if (!whole_number(v[i], out[i])) return false;
   }
   return true;
 }
@@ -51,7 +34,7 @@ Status field(const ordered_json& j, const char* key, T& out) {
   };
   if constexpr (std::is_integral_v<T> && !std::is_same_v<T, bool>) {
     if (!it->is_number_integer()) return wrong();
-    if (!whole(*it, out)) {
+    if (!whole_number(*it, out)) {
       return invalid_argument(std::string("kv_transfer_params: '") + key + "' " + it->dump() +
                               " is out of range");
     }
@@ -184,9 +167,9 @@ Expected<ConnectorMetadata> decode_metadata(std::span<const std::byte> bytes) {
       prefill::SendRequest q;
       q.ext_id = s[0].get<std::string>();
       q.d_host = s[1].get<std::string>();
-      if (!whole(s[2], q.d_base_port) || !whole(s[3], q.d_tp) ||
+      if (!whole_number(s[2], q.d_base_port) || !whole_number(s[3], q.d_tp) ||
           !whole_list(s[4], q.main_block_ids) || !whole_list(s[5], q.indexer_block_ids) ||
-          !whole(s[6], q.main_start) || !whole(s[7], q.indexer_start)) {
+          !whole_number(s[6], q.main_start) || !whole_number(s[7], q.indexer_start)) {
         return invalid_argument("connector metadata: save " + q.ext_id +
                                 ": a port, size, block id or start is not an integer in range");
       }

@@ -8,6 +8,7 @@
 #include <utility>
 #include <vector>
 
+#include "common/json_number.h"
 #include "common/trace.h"
 #include "protocol/messages.h"
 
@@ -43,25 +44,6 @@ inline nlohmann::json to_json(const std::vector<trace::Event>& events) {
   return out;
 }
 
-// `v` as a T when it is an integer T holds. nlohmann's get<T> would convert a float or an
-// integer beyond T's range by a cast (undefined for a float); such values are refused.
-template <typename T>
-bool whole(const nlohmann::json& v, T& out) {
-  if (v.is_number_unsigned()) {
-    const auto u = v.get<uint64_t>();
-    if (!std::in_range<T>(u)) return false;
-    out = static_cast<T>(u);
-    return true;
-  }
-  if (v.is_number_integer()) {
-    const auto i = v.get<int64_t>();
-    if (!std::in_range<T>(i)) return false;
-    out = static_cast<T>(i);
-    return true;
-  }
-  return false;
-}
-
 // The well-formed events of `j`; the others are dropped.
 inline std::vector<trace::Event> events_from_json(const nlohmann::json& j) {
   std::vector<trace::Event> out;
@@ -73,8 +55,9 @@ inline std::vector<trace::Event> events_from_json(const nlohmann::json& j) {
     }
     trace::Event ev{e[0].get<std::string>(), e[1].get<std::string>(), 0, 0, 0, 0, 0,
                     e[7].get<std::string>()};
-    if (whole(e[2], ev.ts_us) && whole(e[3], ev.dur_us) && whole(e[4], ev.rank) &&
-        whole(e[5], ev.layer) && whole(e[6], ev.bytes)) {
+    if (whole_number(e[2], ev.ts_us) && whole_number(e[3], ev.dur_us) &&
+        whole_number(e[4], ev.rank) && whole_number(e[5], ev.layer) &&
+        whole_number(e[6], ev.bytes)) {
       out.push_back(std::move(ev));
     }
   }
