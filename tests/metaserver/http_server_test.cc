@@ -291,6 +291,20 @@ TEST_F(ProxyHttp, ARendezvousIsAnsweredWithin1sWhile200SlowLorisConnectionsAreHe
   EXPECT_LT(took, kAnsweredWithin) << "the metaserver was starved by slow-loris connections";
 }
 
+TEST_F(ProxyHttp, ARendezvousNestedTooDeepIs400AndTheProxyStaysUp) {
+  // Deep enough to overflow the stack of a recursive copy, far within the body limit.
+  start();
+  const std::string deep = R"({"request_id":"cmpl-x-0","a":)" + std::string(100000, '[') +
+                           std::string(100000, ']') + "}";
+  httplib::Client c(meta_origin_);
+  c.set_read_timeout(10s);
+  auto r = c.Post("/v1/metaserver", deep, "application/json");
+  ASSERT_TRUE(r) << httplib::to_string(r.error());
+  EXPECT_EQ(r->status, 400) << r->body;
+  EXPECT_NE(r->body.find("deeper than 64 levels"), std::string::npos) << r->body;
+  EXPECT_EQ(rendezvous().first, 404) << "the proxy serves on";
+}
+
 TEST_F(ProxyHttp, AChunkedBodyOverTheLimitIs413AndTheProxyStaysUp) {
   start();  // 1 MiB bodies
   for (int port : {proxy_->port(), meta_port_}) {
