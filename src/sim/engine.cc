@@ -14,6 +14,7 @@
 #include <random>
 #include <set>
 #include <thread>
+#include <utility>
 
 #include "common/trace.h"
 #include "metaserver/http_server.h"
@@ -518,6 +519,7 @@ void Engine::Impl::run_core() {
   while (true) {
     std::deque<std::shared_ptr<EngineRequest>> fresh;
     std::vector<std::promise<void>> drains;
+    bool cancels = false;  // a client went away since the last look
     {
       std::unique_lock lock(mu);
       const bool busy = !active.empty();
@@ -526,7 +528,7 @@ void Engine::Impl::run_core() {
                     return stopping || !incoming.empty() || !event_drains.empty() ||
                            cancels_pending;
                   });
-      cancels_pending = false;
+      cancels = std::exchange(cancels_pending, false);
       if (stopping) break;
       fresh.swap(incoming);
       drains.swap(event_drains);
@@ -541,7 +543,7 @@ void Engine::Impl::run_core() {
       if (!r->admit_with_previous || waiting_blocks.empty()) waiting_blocks.emplace_back();
       waiting_blocks.back().push_back(r);
     }
-    give_up_cancelled();
+    if (cancels) give_up_cancelled();
     // First come, first served: a large request is not starved by smaller ones behind it.
     while (!waiting_blocks.empty()) {
       size_t need = 0;
