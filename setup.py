@@ -6,7 +6,7 @@ The native part is the project's own CMake build (a static librd2h linked into t
 in build/python under this directory unless RD2H_BUILD_DIR names another; it is
 incremental, so a second install rebuilds only what changed. CMAKE_BUILD_PARALLEL_LEVEL
 sets the build's parallelism; RD2H_CMAKE_ARGS adds configure arguments and
-RD2H_BUILD_TARGETS builds more targets (the test suite builds everything in Release with
+RD2H_BUILD_TARGETS builds more targets (the test suite builds the rd2h binary its tests run, with
 warnings as errors this way).
 """
 

@@ -46,6 +46,7 @@ int run_engine(const EngineCommandOptions& o, connector::KvRole role) {
   config.token_budget = o.token_budget;
   config.decode_cached_tokens = o.decode_cached_tokens;
   config.host = o.host;
+  config.served_model_name = o.served_model_name;
   config.port = o.port;
   config.worker_executable = self_executable();
   config.compute_ns_per_token = o.compute_ns_per_token;

@@ -14,6 +14,7 @@ struct EngineCommandOptions {
   std::string kv_transfer_config;  // vLLM-style JSON; empty: rd2h defaults for the role
   std::string host = "127.0.0.1";
   int port = 0;
+  std::string served_model_name = "rd2h-sim";
   int tp = 1;
   int layers = 61;
   uint64_t block_size = 128;

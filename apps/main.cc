@@ -136,6 +136,14 @@ int main(int argc, char** argv) {
       ->check(CLI::Range(1u, 1u << 24));
   proxy->add_option("--max-prompt-tokens", px.max_prompt_tokens, "tokens in one token list")
       ->check(CLI::Range(1u, 1u << 30));
+  proxy->add_option("--api-key", px.api_key,
+                    "key clients must send as Authorization: Bearer <key> on /v1/* "
+                    "(default: $RD2H_API_KEY, if set; else none)");
+  int64_t proxy_drain_s = 30;
+  proxy->add_option("--drain-timeout", proxy_drain_s,
+                    "seconds requests in flight may take to finish after SIGTERM before they "
+                    "are aborted")
+      ->check(CLI::Range(int64_t{0}, int64_t{86400}));
   std::string proxy_token_file;
   proxy->add_option("--token-file", proxy_token_file,
                     "file holding the bearer token of the metaserver and the engines "
@@ -172,6 +180,8 @@ int main(int argc, char** argv) {
                     "vLLM-style kv_transfer_config JSON");
     cmd->add_option("--host", eo.host, "HTTP address to bind");
     cmd->add_option("--port", eo.port, "HTTP port (0: any)")->check(CLI::Range(0, 65535));
+    cmd->add_option("--served-model-name", eo.served_model_name,
+                    "the model name the OpenAI API serves; requests naming another are 404");
     cmd->add_option("--tp", eo.tp, "TP size (ranks)")->check(CLI::Range(1, 64));
     model_options(cmd, eo);
     cmd->add_flag("--trace", eo.trace, "record the timeline (GET /rd2h/report)");
@@ -264,7 +274,7 @@ int main(int argc, char** argv) {
   }
   if (prefill_cmd->parsed()) return rd2h::tools::run_engine(eo, rd2h::connector::KvRole::kProducer);
   if (decode_cmd->parsed()) return rd2h::tools::run_engine(eo, rd2h::connector::KvRole::kConsumer);
-  if (proxy->parsed()) return rd2h::tools::run_proxy(px, proxy_token_file);
+  if (proxy->parsed()) return rd2h::tools::run_proxy(px, proxy_token_file, std::chrono::seconds(proxy_drain_s));
   if (keygen->parsed()) {
     auto keys = rd2h::control::generate_key_pair();
     rd2h::Status st = keys ? rd2h::control::write_key_pair(keygen_stem, *keys) : keys.status();

@@ -1,19 +1,24 @@
 #include "proxy_command.h"
 
 #include <cstdio>
+#include <cstdlib>
 
 #include "metaserver/token.h"
 #include "stop_signal.h"
 
 namespace rd2h::tools {
 
-int run_proxy(metaserver::ProxyConfig config, const std::string& token_file) {
+int run_proxy(metaserver::ProxyConfig config, const std::string& token_file,
+              std::chrono::seconds drain_timeout) {
   auto token = metaserver::load_token(token_file);
   if (!token) {
     std::fprintf(stderr, "rd2h proxy: --token-file: %s\n", token.status().message().c_str());
     return 2;
   }
   config.token = *token;
+  if (config.api_key.empty()) {
+    if (const char* key = std::getenv("RD2H_API_KEY")) config.api_key = key;
+  }
   StopSignal stop;  // before the proxy starts its threads
   auto proxy = metaserver::Proxy::start(config);
   if (!proxy) {
@@ -24,7 +29,17 @@ int run_proxy(metaserver::ProxyConfig config, const std::string& token_file) {
               (*proxy)->metaserver_url().c_str());
   std::fflush(stdout);
   const int signal = stop.wait();
-  std::printf("rd2h proxy: stopping on signal %d\n", signal);
+  // Drain: new requests get 503 while those in flight finish; what is left after the bound
+  // is aborted (its engine requests closed, so the engines free its blocks).
+  std::printf("rd2h proxy: signal %d: draining for up to %lld s\n", signal,
+              static_cast<long long>(drain_timeout.count()));
+  std::fflush(stdout);
+  const bool drained = (*proxy)->drain(drain_timeout);
+  const auto stats = (*proxy)->stats();
+  proxy->reset();
+  std::printf("rd2h proxy: stopped after %llu requests (%s)\n",
+              static_cast<unsigned long long>(stats.requests),
+              drained ? "all finished" : "the rest aborted");
   return 0;
 }
 

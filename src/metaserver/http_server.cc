@@ -29,13 +29,8 @@ thread_local bool t_reject = false;  // the connection being handed over is beyo
 thread_local bool t_close = false;   // close the connection after the current answer
 thread_local int t_sock = -1;        // the connection this thread serves
 
-std::string error_body(const std::string& message, int code) {
-  return nlohmann::json{{"error", {{"message", message}, {"code", code}}}}.dump();
-}
-
 void set_error(httplib::Response& res, int code, const std::string& message) {
-  res.status = code;
-  res.set_content(error_body(message, code), "application/json");
+  set_api_error(res, code, message);
 }
 
 // One thread per connection, started on demand up to `max` and joined at shutdown. A task
@@ -235,9 +230,14 @@ bool HttpServer::Server::process_and_close_socket(socket_t sock) {
   bool ret = false;
   if (t_reject) {
     ++rejected_;
-    static const char busy[] =
-        "HTTP/1.1 503 Service Unavailable\r\nConnection: close\r\nContent-Length: 0\r\n\r\n";
-    [[maybe_unused]] ssize_t n = ::send(sock, busy, sizeof(busy) - 1, MSG_NOSIGNAL | MSG_DONTWAIT);
+    static const std::string busy = [] {
+      const std::string body = api_error_json(503, "the server is serving as many connections as "
+                                                   "it may; try again later");
+      return "HTTP/1.1 503 Service Unavailable\r\nConnection: close\r\nContent-Type: "
+             "application/json\r\nContent-Length: " +
+             std::to_string(body.size()) + "\r\n\r\n" + body;
+    }();
+    [[maybe_unused]] ssize_t n = ::send(sock, busy.data(), busy.size(), MSG_NOSIGNAL | MSG_DONTWAIT);
   } else {
     Connection conn(*this, sock);
     t_sock = sock;
@@ -267,6 +267,29 @@ bool HttpServer::Server::process_and_close_socket(socket_t sock) {
   ::shutdown(sock, SHUT_RDWR);
   ::close(sock);
   return ret;
+}
+
+std::string api_error_json(int status, const std::string& message, const std::string& param,
+                           const std::string& code) {
+  const char* type = status == 401   ? "authentication_error"
+                     : status == 403 ? "permission_error"
+                     : status == 404 ? "not_found_error"
+                     : status == 429 ? "rate_limit_error"
+                     : status >= 500 ? "server_error"
+                                     : "invalid_request_error";
+  auto or_null = [](const std::string& s) { return s.empty() ? nlohmann::json() : nlohmann::json(s); };
+  return nlohmann::json{{"error",
+                         {{"message", message},
+                          {"type", type},
+                          {"param", or_null(param)},
+                          {"code", or_null(code)}}}}
+      .dump();
+}
+
+void set_api_error(httplib::Response& res, int status, const std::string& message,
+                   const std::string& param, const std::string& code) {
+  res.status = status;
+  res.set_content(api_error_json(status, message, param, code), "application/json");
 }
 
 void close_connection_after_response() {
@@ -345,10 +368,24 @@ HttpServer::HttpServer(HttpServerConfig config)
         }
         set_error(res, 500, "internal error: " + what);
       });
+  // Errors without a body of their own (an unknown route, a wrong method) get one too.
+  server_->set_error_handler(httplib::Server::HandlerWithResponse(
+      [](const httplib::Request& req, httplib::Response& res) {
+    if (!res.body.empty()) return httplib::Server::HandlerResponse::Unhandled;
+    set_api_error(res, res.status,
+                  res.status == 404 ? "no route " + req.method + " " + req.path
+                                    : "HTTP " + std::to_string(res.status));
+    return httplib::Server::HandlerResponse::Handled;
+  }));
   server_->set_pre_routing_handler([this](const httplib::Request& req, httplib::Response& res) {
-    if (token_paths_.count(req.path) != 0 &&
-        !token_matches(req.get_header_value("Authorization"), config_.token)) {
-      set_error(res, 401, "a valid Authorization: Bearer token is required");
+    auto key = key_of_path_.find(req.path);
+    if (key != key_of_path_.end() &&
+        !token_matches(req.get_header_value("Authorization"), *key->second)) {
+      set_api_error(res, 401,
+                    key->second == &config_.api_key
+                        ? "a valid API key is required (Authorization: Bearer <key>)"
+                        : "a valid Authorization: Bearer token is required",
+                    "", "invalid_api_key");
       res.set_header("WWW-Authenticate", "Bearer");
       res.set_header("Connection", "close");
       close_connection_after_response();  // its body, if any, was not read
@@ -370,8 +407,15 @@ HttpServer::~HttpServer() {
   stop();
 }
 
+void HttpServer::require(const std::string& path, Auth auth) {
+  const std::string* secret = auth == Auth::kToken    ? &config_.token
+                              : auth == Auth::kApiKey ? &config_.api_key
+                                                      : nullptr;
+  if (secret && !secret->empty()) key_of_path_[path] = secret;
+}
+
 void HttpServer::post(const std::string& path, Auth auth, Handler handler) {
-  if (auth == Auth::kToken && !config_.token.empty()) token_paths_.insert(path);
+  require(path, auth);
   const size_t max = config_.max_body_bytes;
   server_->Post(path, [max, handler = std::move(handler)](const httplib::Request& req,
                                                           httplib::Response& res,
@@ -403,7 +447,7 @@ void HttpServer::post(const std::string& path, Auth auth, Handler handler) {
 }
 
 void HttpServer::get(const std::string& path, Auth auth, Handler handler) {
-  if (auth == Auth::kToken && !config_.token.empty()) token_paths_.insert(path);
+  require(path, auth);
   server_->Get(path, std::move(handler));
 }
 

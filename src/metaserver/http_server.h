@@ -12,7 +12,7 @@
 //   chunked, none, compressed): beyond it the answer is 413 and the connection is closed.
 // - Routes registered with `Auth::kToken` need `Authorization: Bearer <token>` when a token
 //   is configured (compared in constant time); without it the answer is 401 and the handler
-//   does not run.
+//   does not run. Routes registered with `Auth::kApiKey` need the client API key the same way.
 #pragma once
 
 #include <httplib.h>
@@ -22,7 +22,7 @@
 #include <cstdint>
 #include <functional>
 #include <memory>
-#include <set>
+#include <map>
 #include <string>
 #include <thread>
 
@@ -42,13 +42,14 @@ struct HttpServerConfig {
   std::chrono::milliseconds request_timeout{30000};    // a whole request arrives within it
   std::chrono::milliseconds write_timeout{30000};      // one write waits at most this
   size_t keep_alive_max_count = 100;                   // requests on one connection
-  std::string token;  // empty: routes need no token
+  std::string token;    // empty: routes need no token
+  std::string api_key;  // empty: Auth::kApiKey routes need none
 };
 
 class HttpServer {
  public:
   using Handler = std::function<void(const httplib::Request&, httplib::Response&)>;
-  enum class Auth { kNone, kToken };
+  enum class Auth { kNone, kToken, kApiKey };
 
   explicit HttpServer(HttpServerConfig config);
   ~HttpServer();  // stop()
@@ -71,12 +72,22 @@ class HttpServer {
   class Server;
 
  private:
+  void require(const std::string& path, Auth auth);
+
   HttpServerConfig config_;
   std::unique_ptr<Server> server_;
-  std::set<std::string> token_paths_;
+  std::map<std::string, const std::string*> key_of_path_;  // the secret a route needs
   std::thread thread_;
   int port_ = 0;
 };
+
+// OpenAI's error object, {"error": {"message", "type", "param", "code"}}: the type follows
+// from the HTTP status; an empty param or code is null.
+std::string api_error_json(int status, const std::string& message, const std::string& param = {},
+                           const std::string& code = {});
+// Answers with `status` and that object.
+void set_api_error(httplib::Response& res, int status, const std::string& message,
+                   const std::string& param = {}, const std::string& code = {});
 
 // Marks the connection of the request being handled to close after its answer (a request
 // whose body was not read to the end leaves the stream unusable).

@@ -3,22 +3,34 @@
 #include <httplib.h>
 #include <sodium.h>
 
+#include <cctype>
+#include <condition_variable>
 #include <cstdio>
+#include <deque>
 #include <list>
 #include <map>
 #include <mutex>
+#include <set>
 #include <nlohmann/json.hpp>
 #include <thread>
 
 #include "metaserver/client.h"
 #include "metaserver/http_server.h"
 #include "metaserver/openai_body.h"
+#include "rd2h/version.h"
 
 namespace rd2h::metaserver {
 
 using nlohmann::ordered_json;
+using Clock = std::chrono::steady_clock;
 
 namespace {
+
+// How often a waiting handler looks whether its client is still there.
+constexpr std::chrono::milliseconds kLook{100};
+// A Decode answer the proxy holds at once: a non-streamed one whole, a stream's backlog
+// while the client reads slower than Decode writes.
+constexpr size_t kMaxHeldAnswerBytes = 64u << 20;
 
 // A random (version 4) UUID from the operating system's cryptographic source: request ids
 // name transfers, so they must not be predictable.
@@ -34,10 +46,11 @@ std::string uuid4() {
   return out;
 }
 
-std::string error_json(const std::string& message, int code) {
-  ordered_json j;
-  j["error"] = {{"message", message}, {"code", code}};
-  return j.dump();
+// An X-Request-Id a client may give: echoed and logged, so short and printable.
+bool printable_id(const std::string& id) {
+  if (id.empty() || id.size() > 128) return false;
+  return std::all_of(id.begin(), id.end(),
+                     [](char c) { return c > 0x20 && c < 0x7f; });
 }
 
 void set_timeouts(httplib::Client& c, std::chrono::milliseconds t) {
@@ -58,21 +71,56 @@ struct Parent {
   size_t decode = 0;
   std::mutex mu;
   bool dispatched = false;
-  std::string failure;                        // set when the Prefill dispatch failed
+  // Set when the request failed outside Decode (the Prefill dispatch, the client, the
+  // proxy stopping): the status and OpenAI error object the client gets.
+  int failure_status = 0;
+  std::string failure;
   std::shared_ptr<httplib::Client> upstream;  // the Decode request, to close on failure
+  std::shared_ptr<httplib::Client> prefill;   // the Prefill dispatch, to close on failure
 
-  void fail(const std::string& why) {
-    std::shared_ptr<httplib::Client> up;
+  void fail(int status, const std::string& body) {
+    std::shared_ptr<httplib::Client> up, pre;
     {
       std::lock_guard lock(mu);
-      if (failure.empty()) failure = why;
+      if (failure.empty()) {
+        failure_status = status;
+        failure = body;
+      }
       up = upstream;
+      pre = prefill;
     }
     if (up) up->stop();
+    if (pre) pre->stop();
   }
-  std::string failed() {
+  void fail(const std::string& why) { fail(502, api_error_json(502, why)); }
+  std::pair<int, std::string> failed() {
     std::lock_guard lock(mu);
-    return failure;
+    return {failure_status, failure};
+  }
+};
+
+// The Decode request of one client request, run on a thread of its own: meanwhile the
+// client's handler watches its client, and it answers with Decode's own status once
+// Decode's headers are in (a stream's status leaves with its first event).
+struct DecodeLeg {
+  std::mutex mu;
+  std::condition_variable cv;
+  int status = 0;  // Decode's HTTP status, once its headers are in
+  std::string content_type;
+  std::deque<std::string> chunks;
+  size_t held = 0;  // bytes in `chunks`
+  bool done = false;
+  std::string error;  // why the request failed in transport, if it did
+  bool stop = false;  // the handler is gone: drop what comes
+  std::thread thread;
+
+  ~DecodeLeg() {
+    {
+      std::lock_guard lock(mu);
+      stop = true;
+    }
+    cv.notify_all();
+    if (thread.joinable()) thread.join();
   }
 };
 
@@ -83,11 +131,14 @@ struct Proxy::Impl {
   httplib::Headers auth;  // what the engines are sent: the bearer token, if any
 
   mutable std::mutex mu;
+  std::condition_variable idle_cv;  // a client request finished (drain waits on it)
   std::map<std::string, std::shared_ptr<Parent>> by_child;
+  std::set<std::shared_ptr<Parent>> parents;  // client requests in flight
   std::vector<int> decode_load, prefill_load;
   size_t decode_cursor = 0, prefill_cursor = 0;
   ProxyStats stats;
   bool stopping = false;
+  bool draining = false;
   struct Dispatcher {
     std::thread thread;
     std::shared_ptr<std::atomic<bool>> done;
@@ -113,27 +164,93 @@ struct Proxy::Impl {
   }
 
   void handle_client(const httplib::Request& req, httplib::Response& res, bool chat);
+  void start_decode_leg(const std::shared_ptr<Parent>& parent, DecodeLeg& leg,
+                        httplib::Headers headers, std::string payload);
   void handle_rendezvous(const httplib::Request& req, httplib::Response& res);
+  void handle_health(httplib::Response& res);
+  void handle_models(httplib::Response& res);
   void dispatch_prefill(std::shared_ptr<Parent> parent);
   void finish(const std::shared_ptr<Parent>& parent);
 };
 
+void Proxy::Impl::start_decode_leg(const std::shared_ptr<Parent>& parent, DecodeLeg& leg,
+                                   httplib::Headers headers, std::string payload) {
+  auto upstream = std::make_shared<httplib::Client>(config.decode[parent->decode]);
+  set_timeouts(*upstream, config.upstream_timeout);
+  {
+    std::lock_guard lock(parent->mu);
+    parent->upstream = upstream;  // from here on a failure closes the Decode request
+  }
+  const bool stream = parent->body.value("stream", ordered_json(false)).is_boolean() &&
+                      parent->body.value("stream", false);
+  const std::string origin = config.decode[parent->decode];
+  leg.thread = std::thread([parent, &leg, upstream, stream, origin, headers = std::move(headers),
+                            payload = std::move(payload)] {
+    httplib::Request up;
+    up.method = "POST";
+    up.path = parent->path;
+    up.headers = headers;
+    up.body = payload;
+    up.set_header("Content-Type", "application/json");
+    up.response_handler = [&](const httplib::Response& r) {
+      {
+        std::lock_guard lock(leg.mu);
+        leg.status = r.status;
+        leg.content_type = r.get_header_value("Content-Type");
+      }
+      leg.cv.notify_all();
+      return true;
+    };
+    up.content_receiver = [&](const char* data, size_t n, uint64_t, uint64_t) {
+      std::unique_lock lock(leg.mu);
+      if (!stream && leg.held + n > kMaxHeldAnswerBytes) {
+        leg.error = "Decode " + origin + " answered more than " +
+                    std::to_string(kMaxHeldAnswerBytes) + " bytes";
+        return false;
+      }
+      // A stream's backlog is bounded: Decode waits for a client that reads slowly.
+      while (!leg.stop && leg.held + n > kMaxHeldAnswerBytes && leg.held > 0) {
+        leg.cv.wait_for(lock, kLook);
+      }
+      if (leg.stop) return false;
+      leg.chunks.emplace_back(data, n);
+      leg.held += n;
+      lock.unlock();
+      leg.cv.notify_all();
+      return true;
+    };
+    httplib::Result r{nullptr, httplib::Error::Canceled};
+    if (parent->failed().second.empty()) r = upstream->send(up);
+    {
+      std::lock_guard lock(leg.mu);
+      if (!r && leg.error.empty()) {
+        leg.error = "Decode " + origin + " did not answer: " + httplib::to_string(r.error());
+      }
+      leg.done = true;
+    }
+    leg.cv.notify_all();
+  });
+}
+
 void Proxy::Impl::handle_client(const httplib::Request& req, httplib::Response& res, bool chat) {
+  const std::string client_id = req.get_header_value("X-Request-Id");
+  if (!client_id.empty() && !printable_id(client_id)) {
+    return set_api_error(res, 400, "X-Request-Id must be 1 to 128 printable characters",
+                         "X-Request-Id");
+  }
   auto body = ordered_json::parse(req.body, nullptr, /*allow_exceptions=*/false);
   if (body.is_discarded() || !body.is_object()) {
-    res.status = 400;
-    res.set_content(error_json("the request body is not a JSON object", 400), "application/json");
-    return;
+    return set_api_error(res, 400, "the request body is not a JSON object");
   }
+  BodyFault fault;
   const auto prompts = check_openai_body(
-      body, chat, PromptLimits{config.max_prompts, config.max_prompt_tokens});
-  if (!prompts) {
-    res.status = 400;
-    res.set_content(error_json(prompts.status().message(), 400), "application/json");
-    return;
-  }
+      body, chat, PromptLimits{config.max_prompts, config.max_prompt_tokens}, &fault);
+  if (!prompts) return set_api_error(res, 400, prompts.status().message(), fault.param, fault.code);
   auto parent = std::make_shared<Parent>();
   parent->id = uuid4();
+  // The client's id is echoed; the transfer is named by the proxy's own, which no client can
+  // predict or reuse.
+  res.set_header("X-Request-Id", client_id.empty() ? parent->id : client_id);
   parent->path = chat ? "/v1/chat/completions" : "/v1/completions";
   if (chat) {
     parent->children.push_back("chatcmpl-" + parent->id);
@@ -148,75 +265,115 @@ void Proxy::Impl::handle_client(const httplib::Request& req, httplib::Response& 
   parent->body = body;
   {
     std::lock_guard lock(mu);
+    if (stopping || draining) {
+      res.set_header("Connection", "close");
+      return set_api_error(res, 503, "the proxy is shutting down");
+    }
     if (config.decode.empty() || config.prefill.empty()) {
-      res.status = 503;
-      res.set_content(error_json("the proxy has no Prefill or no Decode instance", 503),
-                      "application/json");
-      return;
+      return set_api_error(res, 503, "the proxy has no Prefill or no Decode instance");
     }
     ++stats.requests;
     parent->decode = least_loaded(decode_load, decode_cursor);
     for (const auto& c : parent->children) by_child[c] = parent;
+    parents.insert(parent);
   }
   body["kv_transfer_params"] = {
       {"do_remote_decode", false}, {"do_remote_prefill", true}, {"metaserver", metaserver_url()}};
-  auto upstream = std::make_shared<httplib::Client>(config.decode[parent->decode]);
-  set_timeouts(*upstream, config.upstream_timeout);
-  {
-    std::lock_guard lock(parent->mu);
-    parent->upstream = upstream;  // from here on a failure closes the Decode request
-  }
   httplib::Headers headers = auth;
   headers.emplace("X-Request-Id", parent->id);
-  const std::string payload = body.dump();
-
-  if (!stream) {
-    httplib::Result r{nullptr, httplib::Error::Canceled};
-    if (parent->failed().empty()) {
-      r = upstream->Post(parent->path, headers, payload, "application/json");
+  auto leg = std::make_shared<DecodeLeg>();
+  start_decode_leg(parent, *leg, headers, body.dump());
+  // A client that hangs up gives its request up: both legs are closed, so the engines free
+  // its blocks at once.
+  auto client_left = [this, parent] {
+    if (!client_gone()) return false;
+    {
+      std::lock_guard lock(mu);
+      ++stats.client_cancelled;
     }
-    const std::string why = parent->failed();
-    if (!why.empty()) {
-      res.status = 502;
-      res.set_content(error_json(why, 502), "application/json");
-    } else if (!r) {
-      res.status = 502;
-      res.set_content(error_json("Decode " + config.decode[parent->decode] +
-                                     " did not answer: " + httplib::to_string(r.error()),
-                                 502),
-                      "application/json");
-    } else {
-      res.status = r->status;
-      res.set_content(r->body, r->get_header_value("Content-Type").empty()
-                                   ? "application/json"
-                                   : r->get_header_value("Content-Type"));
+    parent->fail(499, api_error_json(499, "the client went away"));
+    return true;
+  };
+  // Decode's status, or the end of its answer.
+  {
+    std::unique_lock lock(leg->mu);
+    while (!leg->cv.wait_for(lock, kLook, [&] { return leg->status != 0 || leg->done; })) {
+      lock.unlock();
+      const bool gone = client_left();
+      lock.lock();
+      if (gone) break;
     }
+  }
+  auto answer_failure = [&]() -> bool {
+    auto [status, failure] = parent->failed();
+    if (failure.empty()) return false;
+    res.status = status;
+    res.set_content(failure, "application/json");
+    return true;
+  };
+  bool streaming = false;
+  {
+    std::lock_guard lock(leg->mu);
+    streaming = stream && leg->status == 200;
+  }
+  if (!streaming) {
+    std::unique_lock lock(leg->mu);
+    while (!leg->cv.wait_for(lock, kLook, [&] { return leg->done; })) {
+      lock.unlock();
+      const bool gone = client_left();
+      lock.lock();
+      if (gone) break;
+    }
+    const bool done = leg->done;
+    lock.unlock();
+    if (!answer_failure()) {
+      std::lock_guard held(leg->mu);
+      if (!done || !leg->error.empty() || leg->status == 0) {
+        set_api_error(res, 502, done ? leg->error : "the client went away");
+      } else {
+        std::string answer;
+        answer.reserve(leg->held);
+        for (auto& c : leg->chunks) answer += c;
+        res.status = leg->status;
+        res.set_content(answer, leg->content_type.empty() ? "application/json"
+                                                          : leg->content_type);
+      }
+    }
+    leg.reset();  // joins the leg before the request is finished
     finish(parent);
     return;
   }
   res.set_chunked_content_provider(
       "text/event-stream",
-      [this, parent, upstream, headers, payload](size_t, httplib::DataSink& sink) {
-        httplib::Request up;
-        up.method = "POST";
-        up.path = parent->path;
-        up.headers = headers;
-        up.body = payload;
-        up.set_header("Content-Type", "application/json");
-        bool client_gone = false;
-        up.content_receiver = [&](const char* data, size_t len, uint64_t, uint64_t) {
-          if (!sink.write(data, len)) client_gone = true;
-          return !client_gone;
-        };
-        httplib::Result r{nullptr, httplib::Error::Canceled};
-        if (parent->failed().empty()) r = upstream->send(up);
-        std::string why = parent->failed();
-        if (why.empty() && !r && !client_gone) {
-          why = "Decode " + config.decode[parent->decode] +
-                " did not answer: " + httplib::to_string(r.error());
+      [parent, leg, client_left](size_t, httplib::DataSink& sink) {
+        std::unique_lock lock(leg->mu);
+        for (;;) {
+          while (!leg->chunks.empty()) {
+            std::string chunk = std::move(leg->chunks.front());
+            leg->chunks.pop_front();
+            leg->held -= chunk.size();
+            lock.unlock();
+            leg->cv.notify_all();
+            if (!sink.write(chunk.data(), chunk.size())) {
+              client_left();
+              parent->fail(499, api_error_json(499, "the client went away"));
+              return false;
+            }
+            lock.lock();
+          }
+          if (leg->done) break;
+          if (!leg->cv.wait_for(lock, kLook, [&] { return leg->done || !leg->chunks.empty(); })) {
+            lock.unlock();
+            if (client_left()) return false;
+            lock.lock();
+          }
         }
-        if (!why.empty() && !client_gone) {
-          const std::string event = "data: " + error_json(why, 502) + "\n\n";
+        std::string error = leg->error;
+        lock.unlock();
+        auto [status, failure] = parent->failed();
+        if (!failure.empty() || !error.empty()) {
+          const std::string event =
+              "data: " + (failure.empty() ? api_error_json(502, error) : failure) + "\n\n";
           sink.write(event.data(), event.size());
         }
         sink.done();
@@ -226,30 +383,27 @@ void Proxy::Impl::handle_client(const httplib::Request& req, httplib::Response& 
 }
 
 void Proxy::Impl::finish(const std::shared_ptr<Parent>& parent) {
-  std::lock_guard lock(mu);
-  for (const auto& c : parent->children) {
-    auto it = by_child.find(c);
-    if (it != by_child.end() && it->second == parent) by_child.erase(it);
+  {
+    std::lock_guard lock(mu);
+    for (const auto& c : parent->children) {
+      auto it = by_child.find(c);
+      if (it != by_child.end() && it->second == parent) by_child.erase(it);
+    }
+    if (parents.erase(parent) != 0) --decode_load[parent->decode];
   }
-  --decode_load[parent->decode];
+  idle_cv.notify_all();
 }
 
 void Proxy::Impl::handle_rendezvous(const httplib::Request& req, httplib::Response& res) {
   auto body = ordered_json::parse(req.body, nullptr, /*allow_exceptions=*/false);
   if (body.is_discarded() || !body.is_object() || !body.contains("request_id") ||
       !body["request_id"].is_string()) {
-    res.status = 400;
-    res.set_content(error_json("a rendezvous is a JSON object with a string request_id", 400),
-                    "application/json");
-    return;
+    return set_api_error(res, 400, "a rendezvous is a JSON object with a string request_id");
   }
   if (nests_deeper_than(body, kMaxBodyNesting)) {  // it is kept and copied: bound the recursion
-    res.status = 400;
-    res.set_content(error_json("the rendezvous nests arrays and objects deeper than " +
-                                   std::to_string(kMaxBodyNesting) + " levels",
-                               400),
-                    "application/json");
-    return;
+    return set_api_error(res, 400,
+                         "the rendezvous nests arrays and objects deeper than " +
+                             std::to_string(kMaxBodyNesting) + " levels");
   }
   const std::string child = body["request_id"].get<std::string>();
   std::shared_ptr<Parent> parent;
@@ -258,9 +412,7 @@ void Proxy::Impl::handle_rendezvous(const httplib::Request& req, httplib::Respon
     auto it = by_child.find(child);
     if (it == by_child.end()) {
       ++stats.unknown_rendezvous;
-      res.status = 404;
-      res.set_content(error_json("unknown request id " + child, 404), "application/json");
-      return;
+      return set_api_error(res, 404, "unknown request id " + child, "request_id");
     }
     ++stats.rendezvous;
     parent = it->second;
@@ -276,11 +428,7 @@ void Proxy::Impl::handle_rendezvous(const httplib::Request& req, httplib::Respon
   }
   if (complete) {
     std::lock_guard lock(mu);
-    if (stopping) {
-      res.status = 502;
-      res.set_content(error_json("the proxy is stopping", 502), "application/json");
-      return;
-    }
+    if (stopping) return set_api_error(res, 502, "the proxy is stopping");
     // Reap the dispatchers that ended, so a long-lived proxy does not collect threads.
     for (auto it = dispatchers.begin(); it != dispatchers.end();) {
       if (it->done->load()) {
@@ -306,6 +454,7 @@ void Proxy::Impl::dispatch_prefill(std::shared_ptr<Parent> parent) {
   body.erase("stream_options");
   body["max_tokens"] = 1;
   body["min_tokens"] = 1;
+  if (body.contains("max_completion_tokens")) body["max_completion_tokens"] = 1;
   {
     std::lock_guard lock(parent->mu);
     ordered_json params = parent->params[parent->children[0]];
@@ -328,6 +477,11 @@ void Proxy::Impl::dispatch_prefill(std::shared_ptr<Parent> parent) {
     dispatch_clients.push_back(client);  // the destructor stops it while in flight
     stopped = stopping;
   }
+  {
+    std::lock_guard lock(parent->mu);
+    parent->prefill = client;  // a failure of the request closes it too
+    stopped = stopped || !parent->failure.empty();
+  }
   // Client::stop() only cuts a request in flight: one not started must not start.
   httplib::Result r{nullptr, httplib::Error::Canceled};
   if (!stopped) {
@@ -336,13 +490,22 @@ void Proxy::Impl::dispatch_prefill(std::shared_ptr<Parent> parent) {
     r = client->Post(parent->path, headers, body.dump(), "application/json");
   }
   std::string why;
+  int status = 502;
+  std::string refusal;  // Prefill's own error object, when the client's body is at fault
   if (stopped) {
-    why = "the proxy is stopping";
+    why = "the request was given up before Prefill";
   } else if (!r) {
     why = "Prefill " + config.prefill[which] + " did not answer: " + httplib::to_string(r.error());
   } else if (r->status != 200) {
     why = "Prefill " + config.prefill[which] + " answered HTTP " + std::to_string(r->status) +
           ": " + r->body.substr(0, 200);
+    // A 4xx about the body (not the proxy's own token) is the client's to see as it is.
+    const auto e = ordered_json::parse(r->body, nullptr, false);
+    if (r->status >= 400 && r->status < 500 && r->status != 401 && r->status != 403 &&
+        e.is_object() && e.contains("error") && e["error"].is_object()) {
+      status = r->status;
+      refusal = r->body;
+    }
   }
   {
     std::lock_guard lock(mu);
@@ -353,12 +516,56 @@ void Proxy::Impl::dispatch_prefill(std::shared_ptr<Parent> parent) {
         break;
       }
     }
-    if (!why.empty()) ++stats.prefill_failures;
+    if (!why.empty() && !stopped) ++stats.prefill_failures;
   }
-  if (!why.empty()) {
+  if (!why.empty() && !stopped) {
     std::fprintf(stderr, "rd2h proxy: request %s: %s\n", parent->id.c_str(), why.c_str());
-    parent->fail(why);
+    parent->fail(status, refusal.empty() ? api_error_json(502, why) : refusal);
   }
+}
+
+void Proxy::Impl::handle_health(httplib::Response& res) {
+  {
+    std::lock_guard lock(mu);
+    if (stopping || draining) return set_api_error(res, 503, "the proxy is shutting down");
+  }
+  ordered_json out = {{"status", "ok"}};
+  std::vector<std::string> down;
+  for (const auto* role : {"prefill", "decode"}) {
+    const auto& list = role == std::string("prefill") ? config.prefill : config.decode;
+    ordered_json instances = ordered_json::array();
+    for (const auto& origin : list) {
+      httplib::Client c(origin);
+      c.set_connection_timeout(std::chrono::seconds(1));
+      c.set_read_timeout(std::chrono::seconds(2));
+      auto r = c.Get("/health");
+      const bool ok = r && r->status == 200;
+      if (!ok) down.push_back(std::string(role) + " " + origin);
+      instances.push_back({{"url", origin}, {"healthy", ok}});
+    }
+    out[role] = instances;
+  }
+  if (!down.empty()) {
+    std::string names;
+    for (const auto& d : down) names += (names.empty() ? "" : ", ") + d;
+    out["status"] = "unhealthy";
+    out["error"] = {{"message", "not answering /health: " + names}, {"type", "server_error"}};
+    res.status = 503;
+  }
+  res.set_content(out.dump(), "application/json");
+}
+
+void Proxy::Impl::handle_models(httplib::Response& res) {
+  std::string last = "no Decode instance";
+  for (const auto& origin : config.decode) {
+    httplib::Client c(origin);
+    set_timeouts(c, std::chrono::seconds(5));
+    auto r = c.Get("/v1/models", auth);
+    if (r && r->status == 200) return res.set_content(r->body, "application/json");
+    last = "Decode " + origin + (r ? " answered HTTP " + std::to_string(r->status)
+                                   : " did not answer: " + httplib::to_string(r.error()));
+  }
+  set_api_error(res, 502, last);
 }
 
 Expected<std::unique_ptr<Proxy>> Proxy::start(ProxyConfig config) {
@@ -384,10 +591,12 @@ Expected<std::unique_ptr<Proxy>> Proxy::start(ProxyConfig config) {
   api.max_body_bytes = config.max_body_bytes;
   api.max_connections = config.max_concurrent == 0 ? 1 : config.max_concurrent;
   api.token = config.token;
+  api.api_key = config.api_key;
   HttpServerConfig meta = api;
   meta.port = config.metaserver_port;
   meta.name = "metaserver";
   meta.max_connections = HttpServerConfig{}.max_connections;
+  meta.api_key.clear();
   p->api = std::make_unique<HttpServer>(api);
   p->rendezvous = std::make_unique<HttpServer>(meta);
   for (HttpServer* s : {p->api.get(), p->rendezvous.get()}) {
@@ -396,15 +605,23 @@ Expected<std::unique_ptr<Proxy>> Proxy::start(ProxyConfig config) {
               p->handle_rendezvous(req, res);
             });
   }
-  // The client-facing routes take no engine token.
-  p->api->post("/v1/completions", HttpServer::Auth::kNone,
+  // The client-facing routes take the client API key (if one is set), not the engine token.
+  using Auth = HttpServer::Auth;
+  p->api->post("/v1/completions", Auth::kApiKey,
                [p](const httplib::Request& req, httplib::Response& res) {
                  p->handle_client(req, res, false);
                });
-  p->api->post("/v1/chat/completions", HttpServer::Auth::kNone,
+  p->api->post("/v1/chat/completions", Auth::kApiKey,
                [p](const httplib::Request& req, httplib::Response& res) {
                  p->handle_client(req, res, true);
                });
+  p->api->get("/v1/models", Auth::kApiKey,
+              [p](const httplib::Request&, httplib::Response& res) { p->handle_models(res); });
+  p->api->get("/health", Auth::kNone,
+              [p](const httplib::Request&, httplib::Response& res) { p->handle_health(res); });
+  p->api->get("/version", Auth::kNone, [](const httplib::Request&, httplib::Response& res) {
+    res.set_content(ordered_json{{"version", rd2h::version()}}.dump(), "application/json");
+  });
   RD2H_RETURN_IF_ERROR(p->api->start());
   RD2H_RETURN_IF_ERROR(p->rendezvous->start());
   p->api_port = p->api->port();
@@ -414,13 +631,24 @@ Expected<std::unique_ptr<Proxy>> Proxy::start(ProxyConfig config) {
 
 Proxy::Proxy(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
 
+bool Proxy::drain(std::chrono::milliseconds bound) {
+  Impl& p = *impl_;
+  std::unique_lock lock(p.mu);
+  p.draining = true;
+  return p.idle_cv.wait_for(lock, bound, [&] { return p.parents.empty(); });
+}
+
 Proxy::~Proxy() {
   Impl& p = *impl_;
+  std::vector<std::shared_ptr<Parent>> in_flight;
   {
     std::lock_guard lock(p.mu);
     p.stopping = true;
     for (auto& c : p.dispatch_clients) c->stop();
-    for (auto& [child, parent] : p.by_child) parent->fail("the proxy is stopping");
+    in_flight.assign(p.parents.begin(), p.parents.end());
+  }
+  for (auto& parent : in_flight) {
+    parent->fail(503, api_error_json(503, "the proxy is stopping"));
   }
   p.api->stop();
   p.rendezvous->stop();

@@ -364,7 +364,7 @@ ClientRecord send(const std::string& proxy, const Request& r, const DemoOptions&
     blocks += (p.size() + o.block_size - 1) / o.block_size;
   }
   const uint64_t expected = blocks * static_cast<uint64_t>(o.layers);
-  json body = {{"model", "rd2h-demo"}, {"max_tokens", o.output_tokens}, {"stream", true}};
+  json body = {{"model", "rd2h-sim"}, {"max_tokens", o.output_tokens}, {"stream", true}};
   body["prompt"] = r.list ? json(r.prompts) : json(r.prompts.front());
   httplib::Client client(proxy);
   client.set_connection_timeout(10);

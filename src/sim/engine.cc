@@ -4,8 +4,11 @@
 
 #include <algorithm>
 #include <atomic>
+#include <cctype>
 #include <condition_variable>
+#include <ctime>
 #include <deque>
+#include <functional>
 #include <future>
 #include <map>
 #include <mutex>
@@ -15,12 +18,14 @@
 #include <set>
 #include <thread>
 #include <utility>
+#include <variant>
 
 #include "common/trace.h"
 #include "metaserver/http_server.h"
 #include "metaserver/openai_body.h"
 #include "rd2h/connector/metadata.h"
 #include "rd2h/connector/scheduler.h"
+#include "rd2h/version.h"
 #include "sim/kv_model.h"
 #include "sim/rank_set.h"
 #include "sim/shared_pool.h"
@@ -69,24 +74,44 @@ struct EngineRequest {
   int verify_pending = 0;  // ranks still checking the request's KV
   uint64_t verified_blocks = 0;
   std::promise<Result> done;
-  // Decode: the first token exists (or the request ended without one); streams wait for it.
-  std::mutex progress_mu;
-  std::condition_variable progress_cv;
-  bool first_token = false;
-  bool ended = false;
+  // What the HTTP handler of its client request watches, and which prompt of it this is.
+  std::shared_ptr<struct Progress> progress;
+  size_t index = 0;
 
-  void progress(bool token) {
-    {
-      std::lock_guard lock(progress_mu);
-      (token ? first_token : ended) = true;
-    }
-    progress_cv.notify_all();
-  }
+  void produced_token();
+  void ended();
 };
+
+// Per prompt of one client request: the tokens generated so far and whether it ended. A
+// stream sends each token as it appears.
+struct Progress {
+  std::mutex mu;
+  std::condition_variable cv;
+  std::vector<uint64_t> tokens;
+  std::vector<bool> ended;
+
+  explicit Progress(size_t prompts) : tokens(prompts, 0), ended(prompts, false) {}
+};
+
+void EngineRequest::produced_token() {
+  {
+    std::lock_guard lock(progress->mu);
+    ++progress->tokens[index];
+  }
+  progress->cv.notify_all();
+}
+void EngineRequest::ended() {
+  {
+    std::lock_guard lock(progress->mu);
+    progress->ended[index] = true;
+  }
+  progress->cv.notify_all();
+}
 
 struct Engine::Impl {
   EngineConfig config;
   bool prefill = false;
+  int64_t started_at = static_cast<int64_t>(std::time(nullptr));
   std::unique_ptr<KvModel> model;
   std::unique_ptr<connector::Scheduler> scheduler;
   std::unique_ptr<RankSet> ranks;
@@ -149,6 +174,7 @@ struct Engine::Impl {
   void give_up_cancelled();
 
   Status init();
+  struct Call;
   void serve(const httplib::Request& req, httplib::Response& res, bool chat);
   void report(httplib::Response& res);
   void run_core();
@@ -164,15 +190,20 @@ struct Engine::Impl {
 std::optional<std::string> Engine::Impl::never_fits(
     const std::vector<std::pair<std::string, std::vector<int64_t>>>& prompts,
     uint64_t max_tokens) const {
-  const std::string capacity =
-      ", and the engine has " + std::to_string(config.model.num_blocks) + " blocks in all";
+  const uint64_t bs = config.model.block_size;
+  const std::string capacity = "; the engine holds " +
+                               std::to_string(config.model.num_blocks * bs) + " tokens (" +
+                               std::to_string(config.model.num_blocks) + " blocks of " +
+                               std::to_string(bs) + ")";
+  const std::string generated =
+      prefill ? std::string() : " and up to " + std::to_string(max_tokens) + " generated";
   // Prefill computes the prompts of a list one after another; Decode holds them all at once.
   if (prefill || prompts.size() == 1) {
     for (const auto& [id, tokens] : prompts) {
       const size_t need = blocks_needed(tokens.size(), max_tokens);
       if (need > config.model.num_blocks) {
-        return "request " + id + " needs " + std::to_string(need) + " blocks of KV cache" +
-               capacity;
+        return "request " + id + " of " + std::to_string(tokens.size()) + " prompt tokens" +
+               generated + " needs " + std::to_string(need) + " blocks of KV cache" + capacity;
       }
     }
     return std::nullopt;
@@ -180,7 +211,7 @@ std::optional<std::string> Engine::Impl::never_fits(
   size_t need = 0;
   for (const auto& [id, tokens] : prompts) need += blocks_needed(tokens.size(), max_tokens);
   if (need <= config.model.num_blocks) return std::nullopt;
-  return "the list of " + std::to_string(prompts.size()) + " prompts needs " +
+  return "the list of " + std::to_string(prompts.size()) + " prompts" + generated + " each needs " +
          std::to_string(need) + " blocks of KV cache at once" + capacity;
 }
 
@@ -292,7 +323,7 @@ void Engine::Impl::complete(const std::shared_ptr<EngineRequest>& r, Result resu
     verifying.erase(it);
   }
   r->done.set_value(std::move(result));
-  r->progress(false);
+  r->ended();
   active.erase(std::remove(active.begin(), active.end(), r), active.end());
 }
 
@@ -391,10 +422,8 @@ void Engine::Impl::decode_token(EngineRequest& r) {
         reinterpret_cast<const uint64_t*>(pool->data() + model->decode_offset(layer, t, block));
     for (size_t i = 0; i < model->block_bytes()[t] / 8; ++i) checksum += p[i];
   }
-  if (++r.generated == 1) {
-    trace::instant("first token", "core", -1, r.ext_id);
-    r.progress(true);
-  }
+  if (++r.generated == 1) trace::instant("first token", "core", -1, r.ext_id);
+  r.produced_token();
 }
 
 Status Engine::Impl::step() {
@@ -585,30 +614,210 @@ void Engine::Impl::run_core() {
   for (auto& r : incoming) {
     in_flight.erase(r->ext_id);
     r->done.set_value({false, "", "the engine is stopping"});
-    r->progress(false);
+    r->ended();
   }
   incoming.clear();
 }
 
+// One client request as its handler and its stream see it.
+struct Engine::Impl::Call {
+  std::string id, object, model;
+  bool chat = false;
+  int64_t created = 0;
+  std::vector<std::string> children;      // ext ids, one per prompt
+  std::vector<uint64_t> prompt_tokens;    // per prompt
+  std::vector<std::shared_future<Result>> results;
+  std::shared_ptr<Progress> progress;
+  std::chrono::steady_clock::time_point deadline;
+  std::function<bool()> client_went_away;  // true (and the request given up) if it did
+  char token_text = 'y';                   // what one generated token reads as
+
+  json chunk(json choices) const {
+    return {{"id", id}, {"object", object + ".chunk"}, {"created", created}, {"model", model},
+            {"choices", std::move(choices)}};
+  }
+  json token_choice(size_t i, const std::string& text, json finish = nullptr) const {
+    json c = {{"index", i}};
+    if (chat) {
+      c["delta"] = text.empty() ? json::object() : json{{"content", text}};
+    } else {
+      c["text"] = text;
+    }
+    c["logprobs"] = nullptr;
+    c["finish_reason"] = std::move(finish);
+    return c;
+  }
+  json usage(const std::vector<Result>& done) const {
+    uint64_t prompt = 0, completion = 0;
+    for (uint64_t t : prompt_tokens) prompt += t;
+    for (const auto& r : done) completion += r.text.size();
+    return {{"prompt_tokens", prompt},
+            {"completion_tokens", completion},
+            {"total_tokens", prompt + completion}};
+  }
+  // Every prompt's result, or an HTTP status and why not.
+  std::variant<std::vector<Result>, std::pair<int, std::string>> wait() const {
+    std::vector<Result> done;
+    for (size_t i = 0; i < results.size(); ++i) {
+      while (results[i].wait_for(kLook) != std::future_status::ready) {
+        if (std::chrono::steady_clock::now() >= deadline) {
+          return std::pair{504, "request " + children[i] + " did not finish in time"};
+        }
+        if (client_went_away()) return std::pair{499, std::string("the client went away")};
+      }
+      const Result& r = results[i].get();
+      if (!r.ok) return std::pair{500, "request " + children[i] + ": " + r.error};
+      done.push_back(r);
+    }
+    return done;
+  }
+  json whole(const std::vector<Result>& done) const {
+    json choices = json::array();
+    uint64_t verified = 0;
+    for (size_t i = 0; i < done.size(); ++i) {
+      json c = {{"index", i}};
+      if (chat) {
+        c["message"] = {{"role", "assistant"}, {"content", done[i].text}};
+      } else {
+        c["text"] = done[i].text;
+      }
+      c["logprobs"] = nullptr;
+      c["finish_reason"] = "length";
+      choices.push_back(std::move(c));
+      verified += done[i].verified_blocks;
+    }
+    return {{"id", id},          {"object", object},     {"created", created},
+            {"model", model},    {"choices", choices},   {"usage", usage(done)},
+            {"rd2h", {{"verified_blocks", verified}}}};
+  }
+  // The stream: one event per token as the engine makes it, a last event per prompt with its
+  // finish reason, the usage if asked for, then [DONE]. False if the client went away.
+  bool stream(httplib::DataSink& sink, bool include_usage) const {
+    auto send = [&](const json& event) {
+      const std::string data = "data: " + event.dump() + "\n\n";
+      return sink.write(data.data(), data.size());
+    };
+    auto finish = [&](const std::string& data) {
+      sink.write(data.data(), data.size());
+      sink.done();
+      return true;
+    };
+    auto with_usage = [&](json event) {
+      if (include_usage) event["usage"] = nullptr;
+      return event;
+    };
+    const size_t n = children.size();
+    if (chat) {
+      json c = token_choice(0, "");
+      c["delta"] = {{"role", "assistant"}, {"content", ""}};
+      if (!send(with_usage(chunk({c})))) return false;
+    }
+    std::vector<uint64_t> sent(n, 0);
+    for (;;) {
+      std::vector<uint64_t> made;
+      bool all_ended;
+      {
+        std::unique_lock lock(progress->mu);
+        auto news = [&] {
+          for (size_t i = 0; i < n; ++i) {
+            if (progress->tokens[i] > sent[i]) return true;
+          }
+          return std::all_of(progress->ended.begin(), progress->ended.end(),
+                             [](bool e) { return e; });
+        };
+        progress->cv.wait_for(lock, kLook, news);
+        made = progress->tokens;
+        all_ended = std::all_of(progress->ended.begin(), progress->ended.end(),
+                                [](bool e) { return e; });
+      }
+      for (size_t i = 0; i < n; ++i) {
+        for (; sent[i] < made[i]; ++sent[i]) {
+          if (!send(with_usage(chunk({token_choice(i, std::string(1, token_text))})))) {
+            client_went_away();
+            return false;
+          }
+        }
+      }
+      if (all_ended) break;
+      if (std::chrono::steady_clock::now() >= deadline) {
+        return finish("data: " +
+                      metaserver::api_error_json(504, "the request did not finish in time") +
+                      "\n\ndata: [DONE]\n\n");
+      }
+      if (client_went_away()) return false;
+    }
+    auto outcome = wait();
+    if (auto* failed = std::get_if<std::pair<int, std::string>>(&outcome)) {
+      if (failed->first == 499) return false;
+      return finish("data: " + metaserver::api_error_json(failed->first, failed->second) +
+                    "\n\ndata: [DONE]\n\n");
+    }
+    const auto& done = std::get<std::vector<Result>>(outcome);
+    uint64_t verified = 0;
+    for (size_t i = 0; i < n; ++i) {
+      // What the stream has not carried yet (Prefill's one token is not generated in steps).
+      if (done[i].text.size() > sent[i] &&
+          !send(with_usage(chunk({token_choice(i, done[i].text.substr(sent[i]))})))) {
+        return false;
+      }
+      verified += done[i].verified_blocks;
+      json last = with_usage(chunk({token_choice(i, "", "length")}));
+      if (i + 1 == n) last["rd2h"] = {{"verified_blocks", verified}};
+      if (!send(last)) return false;
+    }
+    if (include_usage) {
+      json u = chunk(json::array());
+      u["usage"] = usage(done);
+      if (!send(u)) return false;
+    }
+    return finish("data: [DONE]\n\n");
+  }
+};
+
+// A request id a client may give (X-Request-Id): it becomes part of the transfer's ids, so
+// it is short and plain.
+bool plain_request_id(const std::string& id) {
+  if (id.empty() || id.size() > 128) return false;
+  return std::all_of(id.begin(), id.end(), [](char c) {
+    return std::isalnum(static_cast<unsigned char>(c)) || c == '-' || c == '_' || c == '.' ||
+           c == ':';
+  });
+}
+
 void Engine::Impl::serve(const httplib::Request& req, httplib::Response& res, bool chat) {
-  auto fail = [&](int status, const std::string& why) {
-    res.status = status;
-    res.set_content(json{{"error", {{"message", why}, {"code", status}}}}.dump(),
-                    "application/json");
+  auto fail = [&](int status, const std::string& why, const std::string& param = {},
+                  const std::string& code = {}) {
+    metaserver::set_api_error(res, status, why, param, code);
   };
+  std::string parent = req.get_header_value("X-Request-Id");
+  if (!parent.empty()) {
+    res.set_header("X-Request-Id", parent);
+    if (!plain_request_id(parent)) {
+      return fail(400,
+                  "X-Request-Id must be 1 to 128 letters, digits and the characters - _ . :",
+                  "X-Request-Id");
+    }
+  }
   auto body = json::parse(req.body, nullptr, false);
   if (body.is_discarded() || !body.is_object()) return fail(400, "the body is not a JSON object");
   const metaserver::PromptLimits limits{config.max_prompts, config.max_prompt_tokens};
-  if (auto checked = metaserver::check_openai_body(body, chat, limits); !checked) {
-    return fail(400, checked.status().message());
+  metaserver::BodyFault fault;
+  if (auto checked = metaserver::check_openai_body(body, chat, limits, &fault); !checked) {
+    return fail(400, checked.status().message(), fault.param, fault.code);
+  }
+  if (auto m = body.find("model"); m != body.end() && m->is_string() &&
+                                   *m != config.served_model_name) {
+    return fail(404,
+                "the model '" + m->get<std::string>() + "' does not exist; this engine serves '" +
+                    config.served_model_name + "'",
+                "model", "model_not_found");
   }
   std::optional<connector::KvTransferParams> params;
   if (body.contains("kv_transfer_params") && !body["kv_transfer_params"].is_null()) {
     auto p = connector::KvTransferParams::from_json(body["kv_transfer_params"].dump());
-    if (!p) return fail(400, p.status().message());
+    if (!p) return fail(400, p.status().message(), "kv_transfer_params");
     params = std::move(*p);
   }
-  std::string parent = req.get_header_value("X-Request-Id");
   if (parent.empty()) parent = random_hex(32);
   auto tokens_of = [](const json& prompt) {
     std::vector<int64_t> t;
@@ -628,11 +837,15 @@ void Engine::Impl::serve(const httplib::Request& req, httplib::Response& res, bo
   };
   std::vector<std::pair<std::string, std::vector<int64_t>>> children;
   if (chat) {
-    std::string text;
+    std::string text;  // every message's text, one token per byte
     for (const auto& m : field("messages", json::array())) {
-      if (auto c = m.find("content"); c != m.end() && c->is_string()) {
+      auto c = m.find("content");
+      if (c == m.end() || c->is_null()) continue;
+      if (c->is_string()) {
         text += c->get<std::string>();
+        continue;
       }
+      for (const auto& part : *c) text += part.value("text", std::string());
     }
     children.push_back({"chatcmpl-" + parent, tokens_of(json(text))});
   } else {
@@ -645,25 +858,40 @@ void Engine::Impl::serve(const httplib::Request& req, httplib::Response& res, bo
       children.push_back({"cmpl-" + parent + "-0", tokens_of(prompt)});
     }
   }
-  for (const auto& [id, tokens] : children) {
+  const char* prompt_param = chat ? "messages" : "prompt";
+  for (size_t i = 0; i < children.size(); ++i) {
+    const auto& [id, tokens] = children[i];
     // A text prompt is one token per byte here.
     if (tokens.size() > config.max_prompt_tokens) {
-      return fail(400, "request " + id + " has " + std::to_string(tokens.size()) +
-                           " prompt tokens; the limit is " +
-                           std::to_string(config.max_prompt_tokens));
+      return fail(400,
+                  "request " + id + " has " + std::to_string(tokens.size()) +
+                      " prompt tokens; the limit is " + std::to_string(config.max_prompt_tokens),
+                  prompt_param, "context_length_exceeded");
     }
+    if (tokens.empty()) return fail(400, "request " + id + " has an empty prompt", prompt_param);
   }
-  const uint64_t max_tokens = std::max<int64_t>(1, field("max_tokens", 16).get<int64_t>());
-  if (auto why = never_fits(children, max_tokens)) return fail(400, *why);
+  const uint64_t max_tokens = metaserver::requested_max_tokens(body, 16);
+  if (auto why = never_fits(children, max_tokens)) {
+    return fail(400, *why, prompt_param, "context_length_exceeded");
+  }
+  auto call = std::make_shared<Call>();
+  call->chat = chat;
+  call->id = chat ? "chatcmpl-" + parent : "cmpl-" + parent;
+  call->object = chat ? "chat.completion" : "text_completion";
+  call->model = config.served_model_name;
+  call->created = static_cast<int64_t>(std::time(nullptr));
+  call->token_text = prefill ? 'x' : 'y';
+  call->progress = std::make_shared<Progress>(children.size());
+  call->deadline = std::chrono::steady_clock::now() + config.request_timeout;
   std::vector<std::shared_ptr<EngineRequest>> requests;
-  std::vector<std::shared_future<Result>> results;
   {
     std::lock_guard lock(mu);
     if (stopping) return fail(503, "the engine is stopping");
     for (auto& [id, tokens] : children) {
-      if (tokens.empty()) return fail(400, "request " + id + " has an empty prompt");
       // Both sides of the transfer know a request by this id: two at once would mix.
-      if (in_flight.count(id) != 0) return fail(409, "request " + id + " is already in flight");
+      if (in_flight.count(id) != 0) {
+        return fail(409, "request " + id + " is already in flight", "X-Request-Id");
+      }
     }
     for (auto& [id, tokens] : children) in_flight.insert(id);
     for (auto& [id, tokens] : children) {
@@ -675,19 +903,20 @@ void Engine::Impl::serve(const httplib::Request& req, httplib::Response& res, bo
       r->request.params = params;
       r->max_tokens = max_tokens;
       r->admit_with_previous = !prefill && !requests.empty();
-      results.push_back(r->done.get_future().share());
+      r->progress = call->progress;
+      r->index = requests.size();
+      call->children.push_back(id);
+      call->prompt_tokens.push_back(r->request.num_prompt_tokens);
+      call->results.push_back(r->done.get_future().share());
       requests.push_back(r);
       incoming.push_back(std::move(r));
       ++stats.requests;
     }
   }
   cv.notify_all();
-  const std::string id = chat ? "chatcmpl-" + parent : "cmpl-" + parent;
-  const std::string object = chat ? "chat.completion" : "text_completion";
-  const auto deadline = std::chrono::steady_clock::now() + config.request_timeout;
   // A client that closes its connection gives its request up (as vLLM aborts it): the core
   // frees what it holds instead of waiting out the request's deadlines.
-  auto client_went_away = [this, requests] {
+  call->client_went_away = [this, requests] {
     if (!metaserver::client_gone()) return false;
     for (auto& r : requests) r->cancelled.store(true);
     {
@@ -697,64 +926,47 @@ void Engine::Impl::serve(const httplib::Request& req, httplib::Response& res, bo
     cv.notify_all();
     return true;
   };
-  // The whole answer once every prompt is done, or an HTTP error naming the prompt.
-  auto answer = [children, results, id, object, deadline,
-                 client_went_away]() -> std::pair<int, json> {
-    json choices = json::array();
-    uint64_t verified = 0;
-    for (size_t i = 0; i < results.size(); ++i) {
-      while (results[i].wait_for(kLook) != std::future_status::ready) {
-        if (std::chrono::steady_clock::now() >= deadline) {
-          return {504, "request " + children[i].first + " did not finish in time"};
-        }
-        if (client_went_away()) return {499, "the client closed its connection"};
-      }
-      const Result& r = results[i].get();
-      if (!r.ok) return {500, "request " + children[i].first + ": " + r.error};
-      verified += r.verified_blocks;
-      choices.push_back({{"index", i}, {"text", r.text}, {"finish_reason", "length"}});
-    }
-    return {200, json{{"id", id},
-                      {"object", object},
-                      {"choices", choices},
-                      {"rd2h", {{"verified_blocks", verified}}}}};
-  };
   if (!field("stream", false).get<bool>()) {
-    auto [status, out] = answer();
-    if (status != 200) return fail(status, out.get<std::string>());
-    return res.set_content(out.dump(), "application/json");
+    auto outcome = call->wait();
+    if (auto* failed = std::get_if<std::pair<int, std::string>>(&outcome)) {
+      return fail(failed->first, failed->second);
+    }
+    return res.set_content(call->whole(std::get<std::vector<Result>>(outcome)).dump(),
+                           "application/json");
   }
-  // Streaming: the first event leaves when the first prompt has its first token.
+  // The answer's status leaves with its first event: it waits for the first token (or the
+  // end of every prompt), so a request that fails before it gets an HTTP error.
   {
-    auto& first = *requests.front();
-    std::unique_lock lock(first.progress_mu);
-    while (!first.progress_cv.wait_for(lock, kLook,
-                                       [&] { return first.first_token || first.ended; }) &&
-           std::chrono::steady_clock::now() < deadline) {
+    auto& p = *call->progress;
+    std::unique_lock lock(p.mu);
+    auto started = [&] {
+      return std::any_of(p.tokens.begin(), p.tokens.end(), [](uint64_t t) { return t > 0; }) ||
+             std::all_of(p.ended.begin(), p.ended.end(), [](bool e) { return e; });
+    };
+    while (!p.cv.wait_for(lock, kLook, started) &&
+           std::chrono::steady_clock::now() < call->deadline) {
       lock.unlock();
-      const bool gone = client_went_away();
+      const bool gone = call->client_went_away();
       lock.lock();
-      if (gone) break;
+      if (gone) return fail(499, "the client went away");
     }
-    if (!first.first_token) {
-      lock.unlock();
-      auto [status, out] = answer();  // ended: an error, or Prefill's one token
-      if (status != 200) return fail(status, out.get<std::string>());
+    const bool any_token =
+        std::any_of(p.tokens.begin(), p.tokens.end(), [](uint64_t t) { return t > 0; });
+    lock.unlock();
+    if (!any_token) {
+      auto outcome = call->wait();  // ended: an error, or Prefill's one token
+      if (auto* failed = std::get_if<std::pair<int, std::string>>(&outcome)) {
+        return fail(failed->first, failed->second);
+      }
     }
   }
-  res.set_chunked_content_provider(
-      "text/event-stream", [answer, id, object](size_t, httplib::DataSink& sink) {
-        const json first = {
-            {"id", id}, {"object", object}, {"choices", {{{"index", 0}, {"text", "y"}}}}};
-        std::string chunk = "data: " + first.dump() + "\n\n";
-        if (!sink.write(chunk.data(), chunk.size())) return false;
-        auto [status, out] = answer();
-        if (status != 200) out = {{"error", {{"message", out}, {"code", status}}}};
-        chunk = "data: " + out.dump() + "\n\ndata: [DONE]\n\n";
-        sink.write(chunk.data(), chunk.size());
-        sink.done();
-        return true;
-      });
+  const json options = field("stream_options", json::object());
+  const bool include_usage = options.value("include_usage", json(false)).is_boolean() &&
+                             options.value("include_usage", false);
+  res.set_chunked_content_provider("text/event-stream",
+                                   [call, include_usage](size_t, httplib::DataSink& sink) {
+                                     return call->stream(sink, include_usage);
+                                   });
 }
 
 void Engine::Impl::report(httplib::Response& res) {
@@ -833,6 +1045,24 @@ Expected<std::unique_ptr<Engine>> Engine::start(EngineConfig config) {
                 [p](const httplib::Request& q, httplib::Response& s) { p->serve(q, s, false); });
   p->http->post("/v1/chat/completions", Auth::kToken,
                 [p](const httplib::Request& q, httplib::Response& s) { p->serve(q, s, true); });
+  p->http->get("/v1/models", Auth::kToken, [p](const httplib::Request&, httplib::Response& s) {
+    const json model = {{"id", p->config.served_model_name},
+                        {"object", "model"},
+                        {"created", p->started_at},
+                        {"owned_by", "rd2h"},
+                        {"max_model_len", p->config.model.num_blocks * p->config.model.block_size}};
+    s.set_content(json{{"object", "list"}, {"data", {model}}}.dump(), "application/json");
+  });
+  // Probes take no token, as load balancers and orchestrators send none.
+  p->http->get("/health", Auth::kNone, [p](const httplib::Request&, httplib::Response& s) {
+    std::lock_guard lock(p->mu);
+    if (p->stopping) return metaserver::set_api_error(s, 503, "the engine is stopping");
+    s.set_content(json{{"status", "ok"}, {"role", p->prefill ? "prefill" : "decode"}}.dump(),
+                  "application/json");
+  });
+  p->http->get("/version", Auth::kNone, [](const httplib::Request&, httplib::Response& s) {
+    s.set_content(json{{"version", rd2h::version()}}.dump(), "application/json");
+  });
   p->http->get("/rd2h/report", Auth::kToken,
                [p](const httplib::Request&, httplib::Response& s) { p->report(s); });
   // The core first: the destructor joins it before it stops HTTP.

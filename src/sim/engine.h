@@ -46,6 +46,8 @@ struct EngineConfig {
   uint64_t compute_min_layer_us = 0;
   std::string host = "127.0.0.1";
   int port = 0;  // HTTP; 0 picks a free one
+  // The model name the OpenAI API serves (GET /v1/models); a request naming another is a 404.
+  std::string served_model_name = "rd2h-sim";
   size_t max_body_bytes = 16u << 20;  // any framing, chunked too: larger is a 413
   size_t max_prompts = 1024;          // prompts in one prompt list: more is a 400
   size_t max_prompt_tokens = 262144;  // tokens in one prompt (a text prompt: its bytes)

@@ -85,7 +85,7 @@ class HttpLifecycle : public ::testing::Test {
 TEST_F(HttpLifecycle, ALongPromptIsChunkedTransferredVerifiedAndAnswered) {
   // 100 tokens: 7 blocks of 16, the last partial; Decode caches 2, Prefill sends 5 in
   // chunks of 48 tokens.
-  auto r = post("/v1/completions", {{"model", "m"}, {"prompt", text(100, 'a')}, {"max_tokens", 4}});
+  auto r = post("/v1/completions", {{"model", "rd2h-sim"}, {"prompt", text(100, 'a')}, {"max_tokens", 4}});
   ASSERT_TRUE(r) << httplib::to_string(r.error());
   ASSERT_EQ(r->status, 200) << r->body;
   const json out = json::parse(r->body);
@@ -96,7 +96,7 @@ TEST_F(HttpLifecycle, ALongPromptIsChunkedTransferredVerifiedAndAnswered) {
 }
 
 TEST_F(HttpLifecycle, APromptListIsDispatchedToPrefillOnceAndEveryChildArrives) {
-  auto r = post("/v1/completions", {{"model", "m"},
+  auto r = post("/v1/completions", {{"model", "rd2h-sim"},
                                     {"prompt", {text(20, 'a'), text(70, 'c'), text(33, 'e')}},
                                     {"max_tokens", 2}});
   ASSERT_TRUE(r) << httplib::to_string(r.error());
@@ -115,7 +115,7 @@ TEST_F(HttpLifecycle, ConcurrentChatAndStreamingRequestsAllComplete) {
   for (int i = 0; i < 6; ++i) {
     clients.emplace_back([&, i] {
       json body;
-      body["model"] = "m";
+      body["model"] = "rd2h-sim";
       body["max_tokens"] = 3;
       if (i % 2 == 0) {
         json message;
@@ -142,7 +142,7 @@ TEST_F(HttpLifecycle, ConcurrentChatAndStreamingRequestsAllComplete) {
 TEST_F(HttpLifecycle, TwoHundredPromptsInOneRequestComplete) {
   json prompts = json::array();
   for (int i = 0; i < 200; ++i) prompts.push_back(text(9 + static_cast<size_t>(i % 7), 'a'));
-  auto r = post("/v1/completions", {{"model", "m"}, {"prompt", prompts}, {"max_tokens", 1}});
+  auto r = post("/v1/completions", {{"model", "rd2h-sim"}, {"prompt", prompts}, {"max_tokens", 1}});
   ASSERT_TRUE(r) << httplib::to_string(r.error());
   ASSERT_EQ(r->status, 200) << r->body.substr(0, 500);
   const json out = json::parse(r->body);

@@ -360,7 +360,7 @@ TEST_F(ProxyHttp, WrongFieldTypesAndOverlongListsAre400NamingTheField) {
     EXPECT_NE(r->body.find(field), std::string::npos) << body.dump() << " -> " << r->body;
   }
   httplib::Client chat(proxy_->url());
-  auto r = chat.Post("/v1/chat/completions", R"({"messages": [{"content": 5}]})",
+  auto r = chat.Post("/v1/chat/completions", R"({"messages": [{"role": "user", "content": 5}]})",
                      "application/json");
   ASSERT_TRUE(r);
   EXPECT_EQ(r->status, 400);

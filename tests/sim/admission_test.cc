@@ -138,17 +138,22 @@ TEST_F(Admission, AListThatCanNeverFitIsRefusedAtOnceNamingItsBlocksAndTheCapaci
   auto r = post(proxy_->url(), {{"prompt", {text(150), text(150)}}, {"max_tokens", 2}});
   ASSERT_TRUE(r) << httplib::to_string(r.error());
   EXPECT_EQ(r->status, 400) << r->body;
-  EXPECT_NE(r->body.find("the list of 2 prompts needs 20 blocks of KV cache at once, and the "
-                         "engine has 16 blocks in all"),
+  EXPECT_NE(r->body.find("the list of 2 prompts and up to 2 generated each needs 20 blocks of "
+                         "KV cache at once; the engine holds 256 tokens (16 blocks of 16)"),
             std::string::npos)
       << r->body;
 
   r = post(proxy_->url(), {{"prompt", text(300)}, {"max_tokens", 2}}, "long");
   ASSERT_TRUE(r) << httplib::to_string(r.error());
   EXPECT_EQ(r->status, 400) << r->body;
-  EXPECT_NE(r->body.find("needs 19 blocks of KV cache, and the engine has 16 blocks in all"),
+  EXPECT_NE(r->body.find("of 300 prompt tokens and up to 2 generated needs 19 blocks of KV "
+                         "cache; the engine holds 256 tokens"),
             std::string::npos)
       << r->body;
+  const json error = json::parse(r->body)["error"];
+  EXPECT_EQ(error["type"], "invalid_request_error");
+  EXPECT_EQ(error["param"], "prompt");
+  EXPECT_EQ(error["code"], "context_length_exceeded");
   EXPECT_EQ(proxy_->stats().rendezvous, 0u);
   EXPECT_EQ(proxy_->stats().prefill_dispatches, 0u);
 

@@ -9,7 +9,11 @@
 // batch_kv_transfer_params for a prompt list). A metaserver post is answered at once and
 // never held; it is served by a listener of its own, so client requests cannot starve it.
 // If the Prefill dispatch fails, the client's request fails cleanly (its Decode request
-// is closed) with a 502.
+// is closed) with a 502, or with Prefill's own 4xx when it refused the client's body. A
+// client that hangs up, streamed or not, has both its Decode and Prefill requests closed,
+// so the engines give the request up and free its blocks at once. Errors are OpenAI
+// error objects; the client's X-Request-Id is echoed (the transfer is named by the proxy's
+// own random id).
 #pragma once
 
 #include <atomic>
@@ -36,6 +40,9 @@ struct ProxyConfig {
   // The shared bearer token the metaserver requires and the engines are sent
   // (Authorization: Bearer <token>); empty: none. The client API takes no token.
   std::string token;
+  // The key clients must send (Authorization: Bearer <key>) on /v1/completions,
+  // /v1/chat/completions and /v1/models; empty: none. /health and /version need none.
+  std::string api_key;
   std::chrono::milliseconds upstream_timeout{600000};
 };
 
@@ -45,6 +52,7 @@ struct ProxyStats {
   uint64_t unknown_rendezvous = 0;
   uint64_t prefill_dispatches = 0;
   uint64_t prefill_failures = 0;
+  uint64_t client_cancelled = 0;  // requests given up because their client went away
 };
 
 class Proxy {
@@ -53,6 +61,11 @@ class Proxy {
   ~Proxy();  // stops both listeners and every upstream request, joins every thread
   Proxy(const Proxy&) = delete;
   Proxy& operator=(const Proxy&) = delete;
+
+  // Stops taking client requests (they get 503, and so does /health) and waits up to
+  // `bound` for those in flight to finish; true if they all did. The destructor then
+  // aborts whatever is left.
+  bool drain(std::chrono::milliseconds bound);
 
   int port() const;
   std::string url() const;             // http://host:port
