@@ -492,6 +492,7 @@ void Proxy::Impl::dispatch_prefill(std::shared_ptr<Parent> parent) {
   std::string why;
   int status = 502;
   std::string refusal;  // Prefill's own error object, when the client's body is at fault
+  stopped = stopped || !parent->failed().second.empty();  // given up meanwhile
   if (stopped) {
     why = "the request was given up before Prefill";
   } else if (!r) {
@@ -649,6 +650,12 @@ Proxy::~Proxy() {
   }
   for (auto& parent : in_flight) {
     parent->fail(503, api_error_json(503, "the proxy is stopping"));
+  }
+  in_flight.clear();
+  {
+    // Their handlers wake within a look and answer 503 before the connections close.
+    std::unique_lock lock(p.mu);
+    p.idle_cv.wait_for(lock, std::chrono::seconds(5), [&] { return p.parents.empty(); });
   }
   p.api->stop();
   p.rendezvous->stop();
