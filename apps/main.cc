@@ -7,6 +7,7 @@
 #include <string>
 
 #include "bench_engine.h"
+#include "common/subprocess.h"
 #include "bench_layers.h"
 #include "control/curve.h"
 #include "engine_command.h"
@@ -24,6 +25,8 @@ int main(int argc, char** argv) {
     ::setenv("UCX_ERROR_SIGNALS", "", 1);
     ::execv("/proc/self/exe", argv);  // returns only if it failed: go on with them on
   }
+  // Started by `rd2h demo`: do not outlive it.
+  if (!rd2h::die_with_parent_if_asked()) return 1;
   CLI::App app{"rd2h: layerwise KV-cache transfer for prefill/decode disaggregated serving"};
   app.set_version_flag("--version", std::string("rd2h ") + rd2h::version());
   app.require_subcommand(1);

@@ -5,11 +5,13 @@
 #include <pthread.h>
 #include <signal.h>
 #include <spawn.h>
+#include <sys/prctl.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
 #include <algorithm>
 #include <cerrno>
+#include <cstdlib>
 #include <cstring>
 #include <filesystem>
 #include <fstream>
@@ -20,6 +22,17 @@
 extern char** environ;
 
 namespace rd2h {
+
+namespace {
+constexpr const char* kDieWithParent = "RD2H_DIE_WITH_PARENT";
+}  // namespace
+
+bool die_with_parent_if_asked() {
+  if (std::getenv(kDieWithParent) == nullptr) return true;
+  ::unsetenv(kDieWithParent);  // for this process only, not its own children
+  ::prctl(PR_SET_PDEATHSIG, SIGTERM);
+  return ::getppid() != 1;  // reparented: the parent died before the request was made
+}
 
 Expected<Subprocess> Subprocess::spawn(const std::vector<std::string>& argv,
                                        const Options& options) {
@@ -43,18 +56,29 @@ Expected<Subprocess> Subprocess::spawn(const std::vector<std::string>& argv,
   std::vector<char*> args;
   for (const auto& a : argv) args.push_back(const_cast<char*>(a.c_str()));
   args.push_back(nullptr);
+  std::vector<std::string> own_env = extra_env;
+  if (options.die_with_parent) own_env.push_back(std::string(kDieWithParent) + "=1");
   std::vector<char*> env;
-  for (const auto& e : extra_env) env.push_back(const_cast<char*>(e.c_str()));
+  for (const auto& e : own_env) env.push_back(const_cast<char*>(e.c_str()));
   for (char** e = environ; *e != nullptr; ++e) {
     std::string_view var(*e);
     auto name = var.substr(0, var.find('=') + 1);
-    bool overridden = std::any_of(extra_env.begin(), extra_env.end(),
+    bool overridden = std::any_of(own_env.begin(), own_env.end(),
                                   [&](const std::string& x) { return x.rfind(name, 0) == 0; });
     if (!overridden) env.push_back(*e);
   }
   env.push_back(nullptr);
+  // The child starts with no signal blocked, whatever this thread blocks (a server blocks
+  // SIGINT and SIGTERM to wait for them).
+  posix_spawnattr_t attr;
+  posix_spawnattr_init(&attr);
+  sigset_t none;
+  sigemptyset(&none);
+  posix_spawnattr_setsigmask(&attr, &none);
+  posix_spawnattr_setflags(&attr, POSIX_SPAWN_SETSIGMASK);
   pid_t pid = -1;
-  int rc = ::posix_spawn(&pid, argv[0].c_str(), &actions, nullptr, args.data(), env.data());
+  int rc = ::posix_spawn(&pid, argv[0].c_str(), &actions, &attr, args.data(), env.data());
+  posix_spawnattr_destroy(&attr);
   posix_spawn_file_actions_destroy(&actions);
   ::close(in_pipe[0]);
   if (out_pipe[1] >= 0) ::close(out_pipe[1]);

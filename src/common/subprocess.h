@@ -20,6 +20,10 @@ class Subprocess {
     bool inherit_stdout = false;         // otherwise stdout is piped back to this process
     bool merge_stderr = false;           // stderr goes where stdout goes
     std::vector<std::string> extra_env;  // "NAME=value", overriding this process's environment
+    // The child (an rd2h binary: see die_with_parent_if_asked) gets SIGTERM when the
+    // thread that spawned it ends, so it cannot outlive this process. Spawn from a thread
+    // that lives as long as the child should.
+    bool die_with_parent = false;
   };
   // Starts argv[0] (a path) with `argv`.
   static Expected<Subprocess> spawn(const std::vector<std::string>& argv, const Options& options);
@@ -66,6 +70,11 @@ class Subprocess {
 // so a fault ends the process instead of leaving it hung in UCX's handler. UCX reads it
 // when its library loads, before main().
 inline constexpr const char* kUcxErrorSignalsOff = "UCX_ERROR_SIGNALS=";
+
+// In an rd2h process spawned with Options::die_with_parent: asks the kernel for SIGTERM
+// when the parent dies, and returns false if it already has (the process should exit).
+// The request is not passed on to this process's own children.
+bool die_with_parent_if_asked();
 
 // The path of the running executable.
 std::string self_executable();

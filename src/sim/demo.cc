@@ -28,6 +28,7 @@
 #include "rd2h/common/deadline.h"
 #include "rd2h/metaserver/proxy.h"
 #include "sim/engine.h"
+#include "sim/stop_on_signal.h"
 
 namespace rd2h::sim {
 namespace {
@@ -135,7 +136,9 @@ Expected<Server> launch(const std::string& name, const std::string& wrapper,
     // A wrapper is looked up on PATH like a shell would.
     argv.insert(argv.begin(), {"/usr/bin/env"});
   }
-  auto p = Subprocess::spawn(argv);
+  Subprocess::Options options;
+  options.die_with_parent = true;  // launched from the thread that runs the demo
+  auto p = Subprocess::spawn(argv, options);
   if (!p) return p.status().with_context("starting " + name);
   const Deadline deadline(kStartTimeout);
   for (;;) {
@@ -763,7 +766,8 @@ Expected<DemoSummary> run_demo_once(const DemoOptions& options) {
                     {"--decode", join(origins, ","), "--max-body-bytes", std::to_string(64u << 20),
                      "--token-file", token.file, "--max-prompts",
                      std::to_string(std::max<uint64_t>(1024, o.prompt_list_size)),
-                     "--max-prompt-tokens", std::to_string(std::max<uint64_t>(262144, o.max_tokens))});
+                     "--max-prompt-tokens", std::to_string(std::max<uint64_t>(262144, o.max_tokens)),
+         "--drain-timeout", "5"});
   auto proxy = launch("the proxy", "", proxy_args);
   if (!proxy) return fail(proxy.status().message());
   say("rd2h demo: proxy at " + proxy->origin + " " + proxy->extra);
@@ -907,7 +911,12 @@ Expected<DemoSummary> run_demo_once(const DemoOptions& options) {
 }
 
 int run_demo(const DemoOptions& options) {
+  StopOnSignal stop(kStopTimeout);
   auto summary = run_demo_once(options);
+  if (stop.signal() != 0) {
+    std::fprintf(stderr, "rd2h demo: stopped by signal %d\n", stop.signal());
+    return 128 + stop.signal();
+  }
   if (!summary) {
     std::fprintf(stderr, "rd2h demo: FAILED: %s\n", summary.status().message().c_str());
     return 1;
@@ -924,6 +933,7 @@ int run_bench_demo(const BenchDemoOptions& options) {
     DemoSummary s;
   };
   std::vector<Row> rows;
+  StopOnSignal stop(kStopTimeout);
   for (const auto& t : options.topologies) {
     DemoOptions o = options.demo;
     const size_t colon = t.find(':');
@@ -939,6 +949,10 @@ int run_bench_demo(const BenchDemoOptions& options) {
     std::printf("rd2h bench demo: Prefill TP %d, Decode TP %d ...\n", o.prefill_tp, o.decode_tp);
     std::fflush(stdout);
     auto s = run_demo_once(o);
+    if (stop.signal() != 0) {
+      std::fprintf(stderr, "rd2h bench demo: stopped by signal %d\n", stop.signal());
+      return 128 + stop.signal();
+    }
     if (!s) {
       std::fprintf(stderr, "rd2h bench demo: %s: %s\n", t.c_str(), s.status().message().c_str());
       return 1;

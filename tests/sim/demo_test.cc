@@ -15,6 +15,7 @@
 
 #include "common/subprocess.h"
 #include "sim/demo_report.h"
+#include "support/http_server.h"
 #include "support/rd2h_run.h"
 
 namespace rd2h::sim {
@@ -185,6 +186,81 @@ TEST(Demo, APrefillEngineKilledMidRunIsNamedWithinASecondAndFailsTheRun) {
   ASSERT_TRUE(status);
   EXPECT_TRUE(WIFEXITED(*status) && WEXITSTATUS(*status) != 0) << output;
   EXPECT_NE(output.find("rd2h demo: FAILED: " + notice), std::string::npos) << output;
+}
+
+// Whether `pid` has ended (it no longer exists, or it is a zombie nobody reaped yet).
+bool ended_process(pid_t pid) {
+  std::ifstream in("/proc/" + std::to_string(pid) + "/stat");
+  std::string line;
+  if (!std::getline(in, line)) return true;
+  const size_t close = line.rfind(')');
+  return close != std::string::npos && close + 2 < line.size() && line[close + 2] == 'Z';
+}
+
+// Starts a long demo and returns it once its workload runs, with every process it started
+// (the proxy, the engines and their TP ranks).
+struct RunningDemo {
+  Subprocess demo;
+  std::vector<pid_t> processes;
+};
+std::optional<RunningDemo> running_demo(std::string& output) {
+  Subprocess::Options options;
+  options.merge_stderr = true;
+  auto demo = Subprocess::spawn(
+      {RD2H_BINARY, "demo", "--config", kSmall, "--requests", "100000", "--timeout", "60"},
+      options);
+  EXPECT_TRUE(demo) << demo.status().to_string();
+  if (!demo) return std::nullopt;
+  for (;;) {
+    auto line = demo->read_line(std::chrono::seconds(60));
+    if (!line) {
+      ADD_FAILURE() << output;
+      return std::nullopt;
+    }
+    output += *line + "\n";
+    if (line->find("requests") != std::string::npos && line->find(" s ") != std::string::npos)
+      break;
+  }
+  std::vector<pid_t> all;
+  for (pid_t child : children_of(demo->pid())) {
+    all.push_back(child);
+    for (pid_t rank : children_of(child)) all.push_back(rank);
+  }
+  return RunningDemo{std::move(*demo), all};
+}
+
+TEST(Demo, SigtermStopsEveryProcessOfTheRunAndTheDemo) {
+  std::string output;
+  auto run = running_demo(output);
+  ASSERT_TRUE(run);
+  auto& [demo, processes] = *run;
+  ASSERT_GE(processes.size(), 3u + 4u + 2u) << "proxy, engines and ranks:\n" << output;
+  ASSERT_EQ(::kill(demo.pid(), SIGTERM), 0);
+  auto rest = demo.read_all(std::chrono::seconds(90));
+  ASSERT_TRUE(rest) << "the demo did not end: " << rest.status().to_string();
+  output += *rest;
+  auto status = demo.wait(std::chrono::seconds(30));
+  ASSERT_TRUE(status);
+  EXPECT_TRUE(WIFEXITED(*status) && WEXITSTATUS(*status) == 128 + SIGTERM) << output;
+  EXPECT_NE(output.find("rd2h demo: stopped by signal 15"), std::string::npos) << output;
+  for (pid_t p : processes) {
+    EXPECT_TRUE(rd2h::testing::eventually([&] { return ended_process(p); }))
+        << "pid " << p << " (" << command_of(p) << ") outlived the demo";
+  }
+}
+
+TEST(Demo, WhenTheDemoIsKilledItsProcessesStopToo) {
+  std::string output;
+  auto run = running_demo(output);
+  ASSERT_TRUE(run);
+  auto& [demo, processes] = *run;
+  ASSERT_GE(processes.size(), 3u + 4u + 2u) << output;
+  ASSERT_EQ(::kill(demo.pid(), SIGKILL), 0);
+  ASSERT_TRUE(demo.wait(std::chrono::seconds(30)));
+  for (pid_t p : processes) {
+    EXPECT_TRUE(rd2h::testing::eventually([&] { return ended_process(p); }))
+        << "pid " << p << " (" << command_of(p) << ") outlived the killed demo";
+  }
 }
 
 TEST(Demo, BadSettingsAreRefusedBeforeAnythingStarts) {
