@@ -13,6 +13,7 @@
 #include "engine_command.h"
 #include "pd_read.h"
 #include "proxy_command.h"
+#include "rd2h/common/log.h"
 #include "rd2h/version.h"
 #include "sim/demo.h"
 #include "sim/engine.h"
@@ -30,6 +31,7 @@ int main(int argc, char** argv) {
   CLI::App app{"rd2h: layerwise KV-cache transfer for prefill/decode disaggregated serving"};
   app.set_version_flag("--version", std::string("rd2h ") + rd2h::version());
   app.require_subcommand(1);
+  app.option_defaults()->always_capture_default();  // --help shows every default
 
   rd2h::tools::PdReadOptions pd;
   auto* pd_read = app.add_subcommand(
@@ -161,14 +163,17 @@ int main(int argc, char** argv) {
   keygen->add_option("stem", keygen_stem, "path of the two files without their suffix")
       ->required();
 
-  // The model and compute flags the engines and the demo share (same field names).
-  auto model_options = [](CLI::App* cmd, auto& o) {
+  // The model and compute flags the engines and the demo share (same field names): the
+  // KV layout both sides hold, and how Prefill computes.
+  auto layout_options = [](CLI::App* cmd, auto& o) {
     cmd->add_option("--layers", o.layers, "attention layers")->check(CLI::Range(1, 1024));
     cmd->add_option("--block-size", o.block_size, "tokens per block");
     cmd->add_option("--num-blocks", o.num_blocks, "blocks per rank");
-    cmd->add_option("--slots", o.slots, "Prefill's physical layer buffers (0: one per layer)");
     cmd->add_option("--bytes-per-token", o.bytes_per_token, "K, V, indexer[, scale]")
         ->delimiter(',');
+  };
+  auto prefill_options = [](CLI::App* cmd, auto& o) {
+    cmd->add_option("--slots", o.slots, "Prefill's physical layer buffers (0: one per layer)");
     cmd->add_option("--token-budget", o.token_budget, "Prefill tokens per step (chunking)");
     cmd->add_option("--compute-ns-per-token", o.compute_ns_per_token,
                     "Prefill compute time per token per layer");
@@ -176,9 +181,13 @@ int main(int argc, char** argv) {
                     "least Prefill compute time per layer");
     cmd->add_option("--test-corrupt-layer", o.test_corrupt_layer)->group("");
   };
+  auto model_options = [&](CLI::App* cmd, auto& o) {
+    layout_options(cmd, o);
+    prefill_options(cmd, o);
+  };
 
   rd2h::tools::EngineCommandOptions eo;
-  auto engine_options = [&eo, &model_options](CLI::App* cmd) {
+  auto engine_options = [&eo, &layout_options](CLI::App* cmd) {
     cmd->add_option("--kv-transfer-config", eo.kv_transfer_config,
                     "vLLM-style kv_transfer_config JSON");
     cmd->add_option("--host", eo.host, "HTTP address to bind");
@@ -186,7 +195,7 @@ int main(int argc, char** argv) {
     cmd->add_option("--served-model-name", eo.served_model_name,
                     "the model name the OpenAI API serves; requests naming another are 404");
     cmd->add_option("--tp", eo.tp, "TP size (ranks)")->check(CLI::Range(1, 64));
-    model_options(cmd, eo);
+    layout_options(cmd, eo);
     cmd->add_flag("--trace", eo.trace, "record the timeline (GET /rd2h/report)");
     cmd->add_option("--token-file", eo.token_file,
                     "file holding the bearer token the HTTP API requires "
@@ -198,6 +207,7 @@ int main(int argc, char** argv) {
   };
   auto* prefill_cmd = app.add_subcommand("prefill", "A simulated Prefill engine (HTTP server)");
   engine_options(prefill_cmd);
+  prefill_options(prefill_cmd, eo);
   auto* decode_cmd = app.add_subcommand("decode", "A simulated Decode engine (HTTP server)");
   engine_options(decode_cmd);
   decode_cmd->add_option("--cached-tokens", eo.decode_cached_tokens,
@@ -254,7 +264,27 @@ int main(int argc, char** argv) {
   int core_pid = 0;
   worker_cmd->add_option("--core-pid", core_pid, "the engine core's process id")->required();
 
+  // The log level of each server (and the processes it starts).
+  std::string log_level;
+  for (CLI::App* cmd : {proxy, prefill_cmd, decode_cmd, demo}) {
+    cmd->add_option("--log-level", log_level,
+                    cmd == demo ? "trace|debug|info|warn|error|critical|off, of the processes the "
+                                  "demo starts (default: $RD2H_LOG_LEVEL, else warn)"
+                                : "trace|debug|info|warn|error|critical|off (default: "
+                                  "$RD2H_LOG_LEVEL, else info)");
+  }
+
   CLI11_PARSE(app, argc, argv);
+  if (log_level.empty() && demo->parsed() && std::getenv("RD2H_LOG_LEVEL") == nullptr) {
+    log_level = "warn";  // the demo's own output is its report: its servers say only what is wrong
+  }
+  if (!log_level.empty()) {
+    if (auto st = rd2h::set_log_level(log_level); !st) {
+      std::fprintf(stderr, "rd2h: --log-level: %s\n", st.message().c_str());
+      return 2;
+    }
+    ::setenv("RD2H_LOG_LEVEL", log_level.c_str(), 1);  // for the processes it starts
+  }
   if (worker_cmd->parsed()) return rd2h::sim::run_rank_worker(core_url, worker_rank, core_pid);
   // A demo config file fills in what the command line did not set.
   auto load_demo_config = [](CLI::App* cmd, const std::string& path,

@@ -44,7 +44,7 @@ endif()
 if(RD2H_STATIC)
   # Its dependencies as the shared libraries they are here (Requires.private would drag in
   # their own static dependencies, which distributions do not all ship).
-  set(RD2H_PC_PRIVATE "Libs.private: -lucp -lucs -lzmq -lcpp-httplib -lsodium -pthread -lrt")
+  set(RD2H_PC_PRIVATE "Libs.private: -lucp -lucs -lzmq -lcpp-httplib -lsodium -lspdlog -lfmt -pthread -lrt")
 else()
   set(RD2H_PC_PRIVATE "")
 endif()

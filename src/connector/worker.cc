@@ -1,7 +1,7 @@
 #include "rd2h/connector/worker.h"
 
-#include <cstdio>
 
+#include "common/log.h"
 #include "control/channel.h"
 #include "decode/worker.h"
 #include "layout/cache.h"
@@ -58,10 +58,10 @@ Status ConnectorWorker::register_kv_caches(std::vector<layout::CacheLayer> layer
                                            bool engine_allocated) {
   if (prefill_ || decode_) return failed_precondition("register_kv_caches called twice");
   if (config_.insecure) {
-    std::fprintf(stderr,
-                 "rd2h connector: WARNING: \"insecure\": true: control channels are neither "
-                 "authenticated nor encrypted; any host that reaches %s may take part\n",
-                 config_.host.c_str());
+    log::warn(
+        "connector: \"insecure\": true: control channels are neither authenticated nor "
+        "encrypted; any host that reaches {} may take part",
+        config_.host);
   }
   if (config_.role == KvRole::kProducer) {
     prefill::WorkerConfig pc;

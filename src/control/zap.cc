@@ -1,6 +1,7 @@
 #include "control/zap.h"
 
-#include <cstdio>
+
+#include "common/log.h"
 
 namespace rd2h::control {
 
@@ -66,7 +67,7 @@ void ZapHandler::run() {
       if (!request.empty()) answer(request);
     } catch (const zmq::error_t& e) {
       if (e.num() == ETERM) return;
-      std::fprintf(stderr, "rd2h control: CURVE authentication handler: %s\n", e.what());
+      log::error("control: CURVE authentication handler: {}", e.what());
     }
   }
 }
@@ -97,8 +98,7 @@ void ZapHandler::answer(std::vector<zmq::message_t>& request) {
   }
   if (!ok) {
     refused_.fetch_add(1);
-    std::fprintf(stderr, "rd2h control: refused a control connection from %s: %s\n",
-                 address.c_str(), why.c_str());
+    log::warn("control: refused a control connection from {}: {}", address, why);
   }
   const std::string code = ok ? "200" : "400";
   const std::string text = ok ? "OK" : "not trusted";

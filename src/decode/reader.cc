@@ -1,8 +1,8 @@
 #include "decode/reader.h"
 
 #include <algorithm>
-#include <cstdio>
 
+#include "common/log.h"
 #include "common/trace.h"
 
 namespace rd2h::decode {
@@ -120,8 +120,7 @@ void Reader::run() {
   while (!stopping_.load()) {
     auto in = router_->receive(config_.poll_interval);
     if (!in) {
-      std::fprintf(stderr, "rd2h decode reader %d: %s\n", config_.d_rank,
-                   in.status().to_string().c_str());
+      log::warn("decode reader {}: {}", config_.d_rank, in.status().to_string());
     } else if (in->has_value()) {
       handle(**in);
     }
@@ -336,10 +335,10 @@ void Reader::fail_owed(const std::string& identity) {
   }
   owed_.erase(owed);
   if (failed > 0) {
-    std::fprintf(stderr,
-                 "rd2h decode reader %d: a Prefill connection closed before the final layer of "
-                 "%zu request(s) it was sending; they fail\n",
-                 config_.d_rank, failed);
+    log::warn(
+        "decode reader {}: a Prefill connection closed before the final layer of {} "
+        "request(s) it was sending; they fail",
+        config_.d_rank, failed);
   }
 }
 

@@ -2,8 +2,8 @@
 
 #include <httplib.h>
 
-#include <cstdio>
 
+#include "common/log.h"
 #include "metaserver/token.h"
 
 namespace rd2h::metaserver {
@@ -110,9 +110,8 @@ void Client::attempt(Job job) {
     } else {
       // Older proxies answer errors for requests they handled: delivered, as the spec says.
       ++stats_.http_errors;
-      std::fprintf(stderr, "rd2h metaserver: request %s: HTTP %d from %s%s: %s\n", job.key.c_str(),
-                   res->status, job.url.origin.c_str(), job.url.path.c_str(),
-                   res->body.substr(0, 200).c_str());
+      log::warn("metaserver: request {}: HTTP {} from {}{}: {}", job.key, res->status,
+                job.url.origin, job.url.path, res->body.substr(0, 200));
     }
     return;
   }
@@ -121,12 +120,11 @@ void Client::attempt(Job job) {
   const auto delay =
       job.attempts < config_.attempts ? config_.backoff * job.attempts : config_.resubmit;
   if (job.attempts == config_.attempts) {
-    std::fprintf(stderr,
-                 "rd2h metaserver: request %s: %s%s unreachable after %d attempts (%s); "
-                 "resubmitting every %lld ms\n",
-                 job.key.c_str(), job.url.origin.c_str(), job.url.path.c_str(), job.attempts,
-                 httplib::to_string(res.error()).c_str(),
-                 static_cast<long long>(config_.resubmit.count()));
+    log::warn(
+        "metaserver: request {}: {}{} unreachable after {} attempts ({}); resubmitting every "
+        "{} ms",
+        job.key, job.url.origin, job.url.path, job.attempts, httplib::to_string(res.error()),
+        static_cast<long long>(config_.resubmit.count()));
   }
   if (stopping_) return;
   queue_.emplace(Clock::now() + delay, std::move(job));

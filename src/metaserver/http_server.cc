@@ -19,6 +19,8 @@
 #include <nlohmann/json.hpp>
 #include <vector>
 
+#include "common/log.h"
+
 namespace rd2h::metaserver {
 
 namespace {
@@ -28,6 +30,7 @@ using Clock = std::chrono::steady_clock;
 thread_local bool t_reject = false;  // the connection being handed over is beyond the bound
 thread_local bool t_close = false;   // close the connection after the current answer
 thread_local int t_sock = -1;        // the connection this thread serves
+thread_local Clock::time_point t_request_start;  // when the current request began to arrive
 
 void set_error(httplib::Response& res, int code, const std::string& message) {
   set_api_error(res, code, message);
@@ -243,6 +246,7 @@ bool HttpServer::Server::process_and_close_socket(socket_t sock) {
     t_sock = sock;
     for (size_t count = std::max<size_t>(1, config_.keep_alive_max_count); count > 0; --count) {
       if (!conn.wait_for_request()) break;
+      t_request_start = Clock::now();
       conn.begin_request();
       bool closed = false;
       t_close = false;
@@ -368,6 +372,15 @@ HttpServer::HttpServer(HttpServerConfig config)
         }
         set_error(res, 500, "internal error: " + what);
       });
+  server_->set_logger([this](const httplib::Request& req, const httplib::Response& res) {
+    const double ms =
+        std::chrono::duration<double, std::milli>(Clock::now() - t_request_start).count();
+    std::string id = res.get_header_value("X-Request-Id");
+    if (id.empty()) id = req.get_header_value("X-Request-Id");
+    log::logger().log(config_.access_log ? spdlog::level::info : spdlog::level::debug,
+                      "{}: {} {} {} {} {:.1f} ms", config_.name, id.empty() ? "-" : id,
+                      req.method, req.path, res.status, ms);
+  });
   // Errors without a body of their own (an unknown route, a wrong method) get one too.
   server_->set_error_handler(httplib::Server::HandlerWithResponse(
       [](const httplib::Request& req, httplib::Response& res) {

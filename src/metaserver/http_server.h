@@ -44,6 +44,9 @@ struct HttpServerConfig {
   size_t keep_alive_max_count = 100;                   // requests on one connection
   std::string token;    // empty: routes need no token
   std::string api_key;  // empty: Auth::kApiKey routes need none
+  // One log line per request (name, X-Request-Id, method and path, status, latency) at
+  // info level; false: at debug level.
+  bool access_log = true;
 };
 
 class HttpServer {

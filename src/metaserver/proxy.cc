@@ -14,6 +14,7 @@
 #include <nlohmann/json.hpp>
 #include <thread>
 
+#include "common/log.h"
 #include "metaserver/client.h"
 #include "metaserver/http_server.h"
 #include "metaserver/openai_body.h"
@@ -520,7 +521,7 @@ void Proxy::Impl::dispatch_prefill(std::shared_ptr<Parent> parent) {
     if (!why.empty() && !stopped) ++stats.prefill_failures;
   }
   if (!why.empty() && !stopped) {
-    std::fprintf(stderr, "rd2h proxy: request %s: %s\n", parent->id.c_str(), why.c_str());
+    log::warn("proxy: request {}: {}", parent->id, why);
     parent->fail(status, refusal.empty() ? api_error_json(502, why) : refusal);
   }
 }
@@ -598,6 +599,7 @@ Expected<std::unique_ptr<Proxy>> Proxy::start(ProxyConfig config) {
   meta.name = "metaserver";
   meta.max_connections = HttpServerConfig{}.max_connections;
   meta.api_key.clear();
+  meta.access_log = false;  // a post per prompt: at debug level
   p->api = std::make_unique<HttpServer>(api);
   p->rendezvous = std::make_unique<HttpServer>(meta);
   for (HttpServer* s : {p->api.get(), p->rendezvous.get()}) {

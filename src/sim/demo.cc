@@ -492,22 +492,19 @@ std::vector<std::string> engine_args(const char* command, int tp, const std::str
                                 s(o.block_size),
                                 "--num-blocks",
                                 s(o.num_blocks),
-                                "--slots",
-                                s(o.slots),
                                 "--bytes-per-token",
                                 join(bpt, ","),
-                                "--token-budget",
-                                s(o.token_budget),
-                                "--compute-ns-per-token",
-                                s(o.compute_ns_per_token),
-                                "--compute-min-layer-us",
-                                s(o.compute_min_layer_us),
                                 "--kv-transfer-config",
                                 kv};
-  if (o.timeline) a.push_back("--trace");
-  if (o.test_corrupt_layer >= 0) {
-    a.insert(a.end(), {"--test-corrupt-layer", s(o.test_corrupt_layer)});
+  if (command == std::string("prefill")) {  // how Prefill computes
+    a.insert(a.end(), {"--slots", s(o.slots), "--token-budget", s(o.token_budget),
+                       "--compute-ns-per-token", s(o.compute_ns_per_token),
+                       "--compute-min-layer-us", s(o.compute_min_layer_us)});
+    if (o.test_corrupt_layer >= 0) {
+      a.insert(a.end(), {"--test-corrupt-layer", s(o.test_corrupt_layer)});
+    }
   }
+  if (o.timeline) a.push_back("--trace");
   // The workload's lists and prompts fit the engines' limits.
   a.insert(a.end(), {"--token-file", token.file, "--max-prompts",
                      s(std::max<uint64_t>(1024, o.prompt_list_size)), "--max-prompt-tokens",

@@ -51,6 +51,7 @@
 #include <utility>
 
 #include "common/format.h"
+#include "common/log.h"
 #include "rd2h/common/deadline.h"
 #include "rd2h/transfer/transfer_engine.h"
 #include "transfer/peer_liveness.h"
@@ -648,8 +649,8 @@ class UcxEngine final : public TransferEngine {
       if (moved) {
         shared = *moved;
       } else {
-        std::fprintf(stderr, "rd2h transfer: %s; co-located peers read it through this process\n",
-                     moved.status().message().c_str());
+        log::info("transfer: {}; co-located peers read it through this process",
+                  moved.status().message());
       }
     }
     struct ReleaseUnlessKept {

@@ -1,5 +1,6 @@
 // rd2h pd-read as a user runs it: the real binary, its source and destination processes.
 #include <gtest/gtest.h>
+#include <httplib.h>
 #include <sys/wait.h>
 
 #include "common/subprocess.h"
@@ -110,6 +111,65 @@ TEST(ProxyCommand, ServesUntilSigtermAndNamesItsAddresses) {
   auto status = p->wait(30s);
   ASSERT_TRUE(status) << status.status().to_string();
   EXPECT_TRUE(WIFEXITED(*status) && WEXITSTATUS(*status) == 0);
+}
+
+// The proxy as a process, and the origin its first line names.
+std::pair<Subprocess, std::string> proxy_process(std::vector<std::string> extra) {
+  Subprocess::Options options;
+  options.merge_stderr = true;
+  std::vector<std::string> argv = {RD2H_BINARY, "proxy", "--prefill", "http://127.0.0.1:9",
+                                   "--decode", "http://127.0.0.1:10"};
+  argv.insert(argv.end(), extra.begin(), extra.end());
+  auto p = Subprocess::spawn(argv, options);
+  EXPECT_TRUE(p) << p.status().to_string();
+  auto line = p->read_line(30s);
+  EXPECT_TRUE(line) << line.status().to_string();
+  const size_t at = line ? line->find("http://") : std::string::npos;
+  std::string origin = at == std::string::npos ? "" : line->substr(at, line->find(' ', at) - at);
+  return {std::move(*p), origin};
+}
+
+TEST(ProxyCommand, EveryRequestGetsOneAccessLogLine) {
+  auto [p, origin] = proxy_process({});
+  ASSERT_FALSE(origin.empty());
+  httplib::Client c(origin);
+  auto r = c.Post("/v1/completions", {{"X-Request-Id", "access-7"}}, R"({"prompt": 5})",
+                  "application/json");
+  ASSERT_TRUE(r);
+  EXPECT_EQ(r->status, 400);
+  auto v = c.Get("/version");
+  ASSERT_TRUE(v);
+  std::string lines;
+  bool completion = false;
+  while (!completion || lines.find("GET /version 200") == std::string::npos) {
+    auto line = p.read_line(10s);
+    ASSERT_TRUE(line) << "no access log line; the proxy printed:\n" << lines;
+    lines += *line + "\n";
+    completion = completion || line->find("[info] client API: access-7 POST /v1/completions "
+                                          "400 ") != std::string::npos;
+  }
+  EXPECT_NE(lines.find(" ms"), std::string::npos) << lines;
+}
+
+TEST(ProxyCommand, ABadLogLevelIsRefusedNamingIt) {
+  auto r = run_rd2h({"proxy", "--prefill", "http://127.0.0.1:9", "--decode", "http://127.0.0.1:10",
+                     "--log-level", "loud"});
+  EXPECT_EQ(r.exit_code, 2) << r.output;
+  EXPECT_NE(r.output.find("log level 'loud' is not one of trace, debug, info, warn"),
+            std::string::npos)
+      << r.output;
+}
+
+TEST(ProxyCommand, AtLevelWarnNoAccessLinesArePrinted) {
+  auto [p, origin] = proxy_process({"--log-level", "warn"});
+  ASSERT_FALSE(origin.empty());
+  httplib::Client c(origin);
+  ASSERT_TRUE(c.Get("/version"));
+  p.kill(SIGTERM);
+  auto rest = p.read_all(30s);
+  ASSERT_TRUE(rest);
+  EXPECT_EQ(rest->find("GET /version"), std::string::npos) << *rest;
+  EXPECT_NE(rest->find("stopped after"), std::string::npos) << *rest;
 }
 
 TEST(ProxyCommand, AnEngineAddressThatIsNotAnOriginIsRefused) {
