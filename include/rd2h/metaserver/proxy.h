@@ -38,7 +38,8 @@ struct ProxyConfig {
   size_t max_prompts = 1024;          // prompts in one prompt list: more is a 400
   size_t max_prompt_tokens = 262144;  // tokens in one token list: more is a 400
   // The shared bearer token the metaserver requires and the engines are sent
-  // (Authorization: Bearer <token>); empty: none. The client API takes no token.
+  // (Authorization: Bearer <token>); empty: none. The client API never takes it (see
+  // api_key).
   std::string token;
   // The key clients must send (Authorization: Bearer <key>) on /v1/completions,
   // /v1/chat/completions and /v1/models; empty: none. /health and /version need none.
