@@ -196,6 +196,12 @@ Expected<std::vector<std::byte>> Scheduler::build_metadata(
   return encode(*meta);
 }
 
+MetaserverStats Scheduler::metaserver_stats() const {
+  if (!metaserver_) return {};
+  const auto s = metaserver_->stats();
+  return {s.delivered, s.http_errors, s.transport_errors, s.cancelled};
+}
+
 FinishedRequest Scheduler::request_finished(const Request& request) {
   if (config_.role == KvRole::kConsumer) {
     computed_.erase(request.request_id);

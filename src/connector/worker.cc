@@ -44,6 +44,21 @@ ConnectorWorker::~ConnectorWorker() {
   shutdown();
 }
 
+TransferStats ConnectorWorker::transfer_stats() const {
+  TransferStats out;
+  if (!decode_) return out;
+  const auto s = decode_->reader().stats();
+  out.layers_done = s.layers_done;
+  out.layers_failed = s.layers_failed;
+  out.reads = s.reads;
+  out.bytes_read = s.bytes_read;
+  const auto h = decode_->reader().read_latency();
+  out.read_seconds_bounds = h.bounds;
+  out.read_seconds_buckets = h.buckets;
+  out.read_seconds_sum = h.sum;
+  return out;
+}
+
 void ConnectorWorker::shutdown() {
   prefill_.reset();
   decode_.reset();

@@ -442,6 +442,7 @@ Status Reader::read_layer(const std::string& identity, const protocol::ReadReady
   reading_.clear();
   ++stats_.reads;
   stats_.read_ns += static_cast<uint64_t>(ns);
+  read_seconds_.observe(static_cast<double>(ns) / 1e9);
   if (st.is_ok()) stats_.bytes_read += bytes;
   return st.with_context(where);
 }

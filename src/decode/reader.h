@@ -17,6 +17,7 @@
 #include <thread>
 #include <vector>
 
+#include "common/metrics.h"
 #include "control/channel.h"
 #include "decode/completion_tracker.h"
 #include "layout/layout.h"
@@ -84,6 +85,8 @@ class Reader {
   // state on this rank ends here.
   Expected<Finished> get_finished(const AllGather& all_gather);
   ReaderStats stats() const;
+  // The latency of each batched read so far.
+  metrics::Histogram::Snapshot read_latency() const { return read_seconds_.snapshot(); }
   // Requests this rank holds state for (known, or signalled before they were known).
   size_t tracked_requests() const;
 
@@ -141,6 +144,7 @@ class Reader {
   std::vector<std::pair<std::string, std::string>> aborted_;  // ext, internal: to report
   CompletionTracker tracker_;
   ReaderStats stats_;
+  metrics::Histogram read_seconds_{metrics::latency_buckets()};
 
   std::atomic<bool> stopping_{false};
   std::thread thread_;

@@ -45,6 +45,7 @@ class Worker {
   int base_port() const { return base_port_; }  // what Decode advertises to Prefill
   const std::string& url() const { return reader_->url(); }
   Reader& reader() { return *reader_; }
+  const Reader& reader() const { return *reader_; }
 
   Status add_request(const std::string& ext_id, const std::string& internal_id,
                      std::vector<int64_t> main_blocks, std::vector<int64_t> indexer_blocks) {

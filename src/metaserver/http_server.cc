@@ -126,6 +126,22 @@ class HttpServer::Server final : public httplib::Server {
   // httplib listens with a backlog of 5; Linux takes a new one from a second listen().
   bool set_backlog(int backlog) { return ::listen(svr_sock_, backlog) == 0; }
   uint64_t rejected() const { return rejected_; }
+  // Waits (bounded) until no request is being handled or answered.
+  void wait_for_idle(std::chrono::milliseconds bound) {
+    std::unique_lock lock(active_mu_);
+    active_cv_.wait_for(lock, bound, [this] { return active_ == 0; });
+  }
+  void begin_active() {
+    std::lock_guard lock(active_mu_);
+    ++active_;
+  }
+  void end_active() {
+    {
+      std::lock_guard lock(active_mu_);
+      --active_;
+    }
+    active_cv_.notify_all();
+  }
 
  private:
   class Connection;
@@ -154,6 +170,9 @@ class HttpServer::Server final : public httplib::Server {
   int wake_[2] = {-1, -1};
   std::atomic<bool> stopping_{false};
   std::atomic<uint64_t> rejected_{0};
+  std::mutex active_mu_;
+  std::condition_variable active_cv_;
+  size_t active_ = 0;  // requests being handled or answered
 };
 
 // A connection's byte stream for httplib's request parser: reads are buffered and bounded
@@ -250,7 +269,11 @@ bool HttpServer::Server::process_and_close_socket(socket_t sock) {
       conn.begin_request();
       bool closed = false;
       t_close = false;
+      if (config_.metrics) config_.metrics->in_flight.with({config_.metrics_name}).add(1);
+      begin_active();
       ret = process_request(conn, count == 1, closed, nullptr);
+      end_active();
+      if (config_.metrics) config_.metrics->in_flight.with({config_.metrics_name}).add(-1);
       if (!ret || closed || t_close) break;
     }
     if (t_close) {
@@ -295,6 +318,16 @@ void set_api_error(httplib::Response& res, int status, const std::string& messag
   res.status = status;
   res.set_content(api_error_json(status, message, param, code), "application/json");
 }
+
+HttpMetrics::HttpMetrics(metrics::Registry& r)
+    : requests(r.counter("rd2h_http_requests_total", "HTTP requests answered",
+                         {"listener", "route", "status"})),
+      in_flight(r.gauge("rd2h_http_requests_in_flight", "HTTP requests being served",
+                        {"listener"})),
+      duration(r.histogram("rd2h_http_request_duration_seconds",
+                           "From a request's first byte to the end of its answer (a stream's "
+                           "last event)",
+                           {"listener", "route"}, metrics::latency_buckets())) {}
 
 void close_connection_after_response() {
   t_close = true;
@@ -375,6 +408,13 @@ HttpServer::HttpServer(HttpServerConfig config)
   server_->set_logger([this](const httplib::Request& req, const httplib::Response& res) {
     const double ms =
         std::chrono::duration<double, std::milli>(Clock::now() - t_request_start).count();
+    if (config_.metrics) {
+      // Known routes only: a label per unknown path would let clients grow the series.
+      const std::string route = routes_.count(req.path) != 0 ? req.path : "other";
+      config_.metrics->requests.with({config_.metrics_name, route, std::to_string(res.status)})
+          .inc();
+      config_.metrics->duration.with({config_.metrics_name, route}).observe(ms / 1000);
+    }
     std::string id = res.get_header_value("X-Request-Id");
     if (id.empty()) id = req.get_header_value("X-Request-Id");
     log::logger().log(config_.access_log ? spdlog::level::info : spdlog::level::debug,
@@ -421,6 +461,7 @@ HttpServer::~HttpServer() {
 }
 
 void HttpServer::require(const std::string& path, Auth auth) {
+  routes_.insert(path);
   const std::string* secret = auth == Auth::kToken    ? &config_.token
                               : auth == Auth::kApiKey ? &config_.api_key
                                                       : nullptr;
@@ -493,10 +534,11 @@ Status HttpServer::start() {
   return Status::ok();
 }
 
-void HttpServer::stop() {
+void HttpServer::stop(std::chrono::milliseconds grace) {
   if (!thread_.joinable()) return;
+  server_->stop();  // no new connections
+  server_->wait_for_idle(grace);
   server_->wake_all();
-  server_->stop();
   thread_.join();
 }
 

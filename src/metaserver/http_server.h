@@ -23,13 +23,24 @@
 #include <functional>
 #include <memory>
 #include <map>
+#include <set>
 #include <string>
 #include <thread>
 
+#include "common/metrics.h"
 #include "metaserver/token.h"
 #include "rd2h/common/status.h"
 
 namespace rd2h::metaserver {
+
+// What every HTTP server of a process counts, by listener (its HttpServerConfig::metrics_name),
+// route (a registered path, else "other") and status.
+struct HttpMetrics {
+  explicit HttpMetrics(metrics::Registry& r);
+  metrics::Family<metrics::Counter>& requests;
+  metrics::Family<metrics::Gauge>& in_flight;
+  metrics::Family<metrics::Histogram>& duration;
+};
 
 struct HttpServerConfig {
   std::string host = "127.0.0.1";
@@ -47,6 +58,8 @@ struct HttpServerConfig {
   // One log line per request (name, X-Request-Id, method and path, status, latency) at
   // info level; false: at debug level.
   bool access_log = true;
+  HttpMetrics* metrics = nullptr;   // counted here if set (it outlives the server)
+  std::string metrics_name = "api";  // the listener label of its series
 };
 
 class HttpServer {
@@ -65,9 +78,10 @@ class HttpServer {
 
   // Binds, listens and starts accepting; returns once connections are served.
   Status start();
-  // Stops accepting, wakes every connection and joins every thread. Handlers still
-  // running must return on their own (their owners stop what they wait on first).
-  void stop();
+  // Stops accepting, lets requests being handled or answered finish for up to `grace`,
+  // then wakes every connection and joins every thread. Handlers still running must return
+  // on their own (their owners stop what they wait on first).
+  void stop(std::chrono::milliseconds grace = std::chrono::milliseconds(0));
 
   int port() const { return port_; }
   uint64_t rejected_connections() const;
@@ -80,6 +94,7 @@ class HttpServer {
   HttpServerConfig config_;
   std::unique_ptr<Server> server_;
   std::map<std::string, const std::string*> key_of_path_;  // the secret a route needs
+  std::set<std::string> routes_;  // paths with a handler: the route label of the metrics
   std::thread thread_;
   int port_ = 0;
 };

@@ -127,6 +127,26 @@ struct DecodeLeg {
 
 struct Proxy::Impl {
   ProxyConfig config;
+  // GET /metrics on the client API.
+  metrics::Registry registry;
+  HttpMetrics http{registry};
+  metrics::Family<metrics::Histogram>& ttft = registry.histogram(
+      "rd2h_proxy_time_to_first_token_seconds",
+      "Streamed requests: from the request to its first event forwarded to the client", {},
+      metrics::latency_buckets());
+  metrics::Family<metrics::Counter>& rendezvous_posts = registry.counter(
+      "rd2h_proxy_rendezvous_total", "Rendezvous posted by Decode, by whether the id was known",
+      {"known"});
+  metrics::Family<metrics::Counter>& dispatches = registry.counter(
+      "rd2h_proxy_prefill_dispatches_total", "Requests dispatched to a Prefill instance",
+      {"instance"});
+  metrics::Family<metrics::Counter>& dispatch_failures = registry.counter(
+      "rd2h_proxy_prefill_failures_total", "Prefill dispatches that failed", {"instance"});
+  metrics::Family<metrics::Counter>& cancelled = registry.counter(
+      "rd2h_proxy_client_cancelled_total", "Requests given up because their client went away");
+  metrics::Family<metrics::Gauge>& upstream_in_flight = registry.gauge(
+      "rd2h_proxy_upstream_in_flight", "Requests in flight on each engine instance",
+      {"role", "instance"});
   std::unique_ptr<HttpServer> api, rendezvous;
   int api_port = 0, rendezvous_port = 0;
   httplib::Headers auth;  // what the engines are sent: the bearer token, if any
@@ -234,6 +254,7 @@ void Proxy::Impl::start_decode_leg(const std::shared_ptr<Parent>& parent, Decode
 }
 
 void Proxy::Impl::handle_client(const httplib::Request& req, httplib::Response& res, bool chat) {
+  const auto started = Clock::now();
   const std::string client_id = req.get_header_value("X-Request-Id");
   if (!client_id.empty() && !printable_id(client_id)) {
     return set_api_error(res, 400, "X-Request-Id must be 1 to 128 printable characters",
@@ -275,6 +296,7 @@ void Proxy::Impl::handle_client(const httplib::Request& req, httplib::Response& 
     }
     ++stats.requests;
     parent->decode = least_loaded(decode_load, decode_cursor);
+    upstream_in_flight.with({"decode", config.decode[parent->decode]}).add(1);
     for (const auto& c : parent->children) by_child[c] = parent;
     parents.insert(parent);
   }
@@ -292,6 +314,7 @@ void Proxy::Impl::handle_client(const httplib::Request& req, httplib::Response& 
       std::lock_guard lock(mu);
       ++stats.client_cancelled;
     }
+    cancelled.with().inc();
     parent->fail(499, api_error_json(499, "the client went away"));
     return true;
   };
@@ -344,9 +367,10 @@ void Proxy::Impl::handle_client(const httplib::Request& req, httplib::Response& 
     finish(parent);
     return;
   }
+  auto first_event = std::make_shared<bool>(true);
   res.set_chunked_content_provider(
       "text/event-stream",
-      [parent, leg, client_left](size_t, httplib::DataSink& sink) {
+      [this, parent, leg, client_left, started, first_event](size_t, httplib::DataSink& sink) {
         std::unique_lock lock(leg->mu);
         for (;;) {
           while (!leg->chunks.empty()) {
@@ -355,6 +379,9 @@ void Proxy::Impl::handle_client(const httplib::Request& req, httplib::Response& 
             leg->held -= chunk.size();
             lock.unlock();
             leg->cv.notify_all();
+            if (std::exchange(*first_event, false)) {
+              ttft.with().observe(std::chrono::duration<double>(Clock::now() - started).count());
+            }
             if (!sink.write(chunk.data(), chunk.size())) {
               client_left();
               parent->fail(499, api_error_json(499, "the client went away"));
@@ -390,7 +417,10 @@ void Proxy::Impl::finish(const std::shared_ptr<Parent>& parent) {
       auto it = by_child.find(c);
       if (it != by_child.end() && it->second == parent) by_child.erase(it);
     }
-    if (parents.erase(parent) != 0) --decode_load[parent->decode];
+    if (parents.erase(parent) != 0) {
+      --decode_load[parent->decode];
+      upstream_in_flight.with({"decode", config.decode[parent->decode]}).add(-1);
+    }
   }
   idle_cv.notify_all();
 }
@@ -413,9 +443,11 @@ void Proxy::Impl::handle_rendezvous(const httplib::Request& req, httplib::Respon
     auto it = by_child.find(child);
     if (it == by_child.end()) {
       ++stats.unknown_rendezvous;
+      rendezvous_posts.with({"false"}).inc();
       return set_api_error(res, 404, "unknown request id " + child, "request_id");
     }
     ++stats.rendezvous;
+    rendezvous_posts.with({"true"}).inc();
     parent = it->second;
   }
   bool complete = false;
@@ -473,6 +505,8 @@ void Proxy::Impl::dispatch_prefill(std::shared_ptr<Parent> parent) {
     std::lock_guard lock(mu);
     ++stats.prefill_dispatches;
     which = least_loaded(prefill_load, prefill_cursor);
+    dispatches.with({config.prefill[which]}).inc();
+    upstream_in_flight.with({"prefill", config.prefill[which]}).add(1);
     client = std::make_shared<httplib::Client>(config.prefill[which]);
     set_timeouts(*client, config.upstream_timeout);
     dispatch_clients.push_back(client);  // the destructor stops it while in flight
@@ -512,13 +546,17 @@ void Proxy::Impl::dispatch_prefill(std::shared_ptr<Parent> parent) {
   {
     std::lock_guard lock(mu);
     --prefill_load[which];
+    upstream_in_flight.with({"prefill", config.prefill[which]}).add(-1);
     for (auto it = dispatch_clients.begin(); it != dispatch_clients.end(); ++it) {
       if (*it == client) {
         dispatch_clients.erase(it);
         break;
       }
     }
-    if (!why.empty() && !stopped) ++stats.prefill_failures;
+    if (!why.empty() && !stopped) {
+      ++stats.prefill_failures;
+      dispatch_failures.with({config.prefill[which]}).inc();
+    }
   }
   if (!why.empty() && !stopped) {
     log::warn("proxy: request {}: {}", parent->id, why);
@@ -594,12 +632,14 @@ Expected<std::unique_ptr<Proxy>> Proxy::start(ProxyConfig config) {
   api.max_connections = config.max_concurrent == 0 ? 1 : config.max_concurrent;
   api.token = config.token;
   api.api_key = config.api_key;
+  api.metrics = &p->http;
   HttpServerConfig meta = api;
   meta.port = config.metaserver_port;
   meta.name = "metaserver";
   meta.max_connections = HttpServerConfig{}.max_connections;
   meta.api_key.clear();
   meta.access_log = false;  // a post per prompt: at debug level
+  meta.metrics_name = "metaserver";
   p->api = std::make_unique<HttpServer>(api);
   p->rendezvous = std::make_unique<HttpServer>(meta);
   for (HttpServer* s : {p->api.get(), p->rendezvous.get()}) {
@@ -622,6 +662,9 @@ Expected<std::unique_ptr<Proxy>> Proxy::start(ProxyConfig config) {
               [p](const httplib::Request&, httplib::Response& res) { p->handle_models(res); });
   p->api->get("/health", Auth::kNone,
               [p](const httplib::Request&, httplib::Response& res) { p->handle_health(res); });
+  p->api->get("/metrics", Auth::kNone, [p](const httplib::Request&, httplib::Response& res) {
+    res.set_content(p->registry.render(), metrics::kContentType);
+  });
   p->api->get("/version", Auth::kNone, [](const httplib::Request&, httplib::Response& res) {
     res.set_content(ordered_json{{"version", rd2h::version()}}.dump(), "application/json");
   });
@@ -659,7 +702,7 @@ Proxy::~Proxy() {
     std::unique_lock lock(p.mu);
     p.idle_cv.wait_for(lock, std::chrono::seconds(5), [&] { return p.parents.empty(); });
   }
-  p.api->stop();
+  p.api->stop(std::chrono::seconds(5));  // the 503s of what was aborted go out first
   p.rendezvous->stop();
   std::list<Impl::Dispatcher> dispatchers;
   {

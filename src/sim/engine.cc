@@ -20,6 +20,7 @@
 #include <utility>
 #include <variant>
 
+#include "common/metrics.h"
 #include "common/trace.h"
 #include "metaserver/http_server.h"
 #include "metaserver/openai_body.h"
@@ -74,6 +75,7 @@ struct EngineRequest {
   int verify_pending = 0;  // ranks still checking the request's KV
   uint64_t verified_blocks = 0;
   std::promise<Result> done;
+  std::chrono::steady_clock::time_point arrived = std::chrono::steady_clock::now();
   // What the HTTP handler of its client request watches, and which prompt of it this is.
   std::shared_ptr<struct Progress> progress;
   size_t index = 0;
@@ -110,6 +112,37 @@ void EngineRequest::ended() {
 
 struct Engine::Impl {
   EngineConfig config;
+  // GET /metrics.
+  metrics::Registry registry;
+  metaserver::HttpMetrics http_metrics{registry};
+  metrics::Family<metrics::Histogram>& ttft = registry.histogram(
+      "rd2h_engine_time_to_first_token_seconds",
+      "From a prompt's arrival to its first token (Prefill: to the end of its prefill)", {},
+      metrics::latency_buckets());
+  metrics::Family<metrics::Histogram>& e2e = registry.histogram(
+      "rd2h_engine_request_seconds", "From a prompt's arrival to its end, by outcome",
+      {"outcome"}, metrics::latency_buckets());
+  metrics::Family<metrics::Counter>& prompts_done = registry.counter(
+      "rd2h_engine_prompts_total", "Prompts ended, by outcome", {"outcome"});
+  // Decode: what its ranks' connectors read, summed over the ranks.
+  metrics::Family<metrics::Counter>& kv_layers = registry.counter(
+      "rd2h_kv_layers_total", "Layers of requests loaded (done) or failed, summed over ranks",
+      {"outcome"});
+  metrics::Family<metrics::Counter>& kv_reads =
+      registry.counter("rd2h_kv_reads_total", "Batched reads from Prefill ranks");
+  metrics::Family<metrics::Counter>& kv_bytes =
+      registry.counter("rd2h_kv_bytes_read_total", "KV bytes read from Prefill ranks");
+  metrics::Family<metrics::Histogram>& kv_read_seconds = registry.histogram(
+      "rd2h_kv_layer_read_seconds", "Latency of each batched read (one per layer and peer)", {},
+      metrics::latency_buckets());
+  void take_transfer(const json& delta) {
+    kv_layers.with({"done"}).inc(delta.value("layers_done", uint64_t{0}));
+    kv_layers.with({"failed"}).inc(delta.value("layers_failed", uint64_t{0}));
+    kv_reads.with().inc(delta.value("reads", uint64_t{0}));
+    kv_bytes.with().inc(delta.value("bytes_read", uint64_t{0}));
+    kv_read_seconds.with().add(delta.value("read_buckets", std::vector<uint64_t>{}),
+                               delta.value("read_seconds", 0.0));
+  }
   bool prefill = false;
   int64_t started_at = static_cast<int64_t>(std::time(nullptr));
   std::unique_ptr<KvModel> model;
@@ -322,6 +355,11 @@ void Engine::Impl::complete(const std::shared_ptr<EngineRequest>& r, Result resu
   if (auto it = verifying.find(r->ext_id); it != verifying.end() && it->second == r) {
     verifying.erase(it);
   }
+  const double seconds =
+      std::chrono::duration<double>(std::chrono::steady_clock::now() - r->arrived).count();
+  if (prefill && result.ok) ttft.with().observe(seconds);
+  e2e.with({result.ok ? "ok" : "failed"}).observe(seconds);
+  prompts_done.with({result.ok ? "ok" : "failed"}).inc();
   r->done.set_value(std::move(result));
   r->ended();
   active.erase(std::remove(active.begin(), active.end(), r), active.end());
@@ -422,7 +460,11 @@ void Engine::Impl::decode_token(EngineRequest& r) {
         reinterpret_cast<const uint64_t*>(pool->data() + model->decode_offset(layer, t, block));
     for (size_t i = 0; i < model->block_bytes()[t] / 8; ++i) checksum += p[i];
   }
-  if (++r.generated == 1) trace::instant("first token", "core", -1, r.ext_id);
+  if (++r.generated == 1) {
+    trace::instant("first token", "core", -1, r.ext_id);
+    ttft.with().observe(
+        std::chrono::duration<double>(std::chrono::steady_clock::now() - r.arrived).count());
+  }
   r.produced_token();
 }
 
@@ -507,6 +549,9 @@ Status Engine::Impl::step() {
       }
     }
     return Status::ok();
+  }
+  for (const auto& reply : *replies) {
+    if (auto t = reply.find("transfer"); t != reply.end() && t->is_object()) take_transfer(*t);
   }
   if (!failure.is_ok()) return failure;
   std::set<int64_t> bad;
@@ -1039,6 +1084,7 @@ Expected<std::unique_ptr<Engine>> Engine::start(EngineConfig config) {
   http.name = "engine's HTTP API";
   http.max_body_bytes = p->config.max_body_bytes;
   http.token = p->config.token;
+  http.metrics = &p->http_metrics;
   p->http = std::make_unique<metaserver::HttpServer>(http);
   using Auth = metaserver::HttpServer::Auth;
   p->http->post("/v1/completions", Auth::kToken,
@@ -1059,6 +1105,32 @@ Expected<std::unique_ptr<Engine>> Engine::start(EngineConfig config) {
     if (p->stopping) return metaserver::set_api_error(s, 503, "the engine is stopping");
     s.set_content(json{{"status", "ok"}, {"role", p->prefill ? "prefill" : "decode"}}.dump(),
                   "application/json");
+  });
+  p->registry.gauge_callback("rd2h_engine_free_blocks", "KV blocks free after the last step",
+                             [p] {
+                               std::lock_guard lock(p->mu);
+                               return static_cast<double>(p->stats.free_blocks);
+                             });
+  p->registry.gauge_callback("rd2h_engine_waiting_for_blocks",
+                             "Prompts queued until their blocks are free", [p] {
+                               std::lock_guard lock(p->mu);
+                               return static_cast<double>(p->stats.waiting_for_blocks);
+                             });
+  if (!p->prefill) {
+    connector::Scheduler* s = p->scheduler.get();
+    p->registry.counter_callback("rd2h_metaserver_posts_delivered_total",
+                                 "Rendezvous posts the metaserver answered 2xx",
+                                 [s] { return static_cast<double>(s->metaserver_stats().delivered); });
+    p->registry.counter_callback("rd2h_metaserver_posts_refused_total",
+                                 "Rendezvous posts the metaserver answered otherwise",
+                                 [s] { return static_cast<double>(s->metaserver_stats().refused); });
+    p->registry.counter_callback(
+        "rd2h_metaserver_post_retries_total",
+        "Rendezvous post attempts that got no answer (each is tried again)",
+        [s] { return static_cast<double>(s->metaserver_stats().failed_attempts); });
+  }
+  p->http->get("/metrics", Auth::kNone, [p](const httplib::Request&, httplib::Response& s) {
+    s.set_content(p->registry.render(), metrics::kContentType);
   });
   p->http->get("/version", Auth::kNone, [](const httplib::Request&, httplib::Response& s) {
     s.set_content(json{{"version", rd2h::version()}}.dump(), "application/json");

@@ -106,6 +106,9 @@ class Rank {
   Aligned indexer_;
   std::unique_ptr<RankGather> gather_;
   std::unique_ptr<connector::ConnectorWorker> worker_;
+  connector::TransferStats reported_;  // what the replies carried so far
+  // What the connector read since the last reply, for the core's metrics.
+  json transfer_delta();
 
   json check(const Blocks& b) const;
   void run_verifier();
@@ -252,8 +255,25 @@ json Rank::step(const json& j) {
       out["recving"] = finished->recving;
       out["load_errors"] = worker_->get_block_ids_with_load_errors();
     }
+    out["transfer"] = transfer_delta();
   }
   return out;
+}
+
+json Rank::transfer_delta() {
+  const connector::TransferStats now = worker_->transfer_stats();
+  std::vector<uint64_t> buckets = now.read_seconds_buckets;
+  for (size_t i = 0; i < buckets.size() && i < reported_.read_seconds_buckets.size(); ++i) {
+    buckets[i] -= reported_.read_seconds_buckets[i];
+  }
+  json d = {{"layers_done", now.layers_done - reported_.layers_done},
+            {"layers_failed", now.layers_failed - reported_.layers_failed},
+            {"reads", now.reads - reported_.reads},
+            {"bytes_read", now.bytes_read - reported_.bytes_read},
+            {"read_buckets", buckets},
+            {"read_seconds", now.read_seconds_sum - reported_.read_seconds_sum}};
+  reported_ = now;
+  return d;
 }
 
 json Rank::write(const json& j) {

@@ -215,6 +215,20 @@ describe('an rd2h stack behind the OpenAI client', () => {
     assert.deepEqual(models, [MODEL]);
   });
 
+  test('the proxy and the engines serve Prometheus metrics', async () => {
+    const proxy = await fetch(`${stack.url}/metrics`);
+    assert.equal(proxy.status, 200);
+    assert.match(proxy.headers.get('content-type'), /^text\/plain; version=0\.0\.4/);
+    const text = await proxy.text();
+    const served = text.match(
+      /^rd2h_http_requests_total\{listener="api",route="\/v1\/completions",status="200"\} (\d+)$/m);
+    assert.ok(served && Number(served[1]) > 0, text);
+    assert.match(text, /^rd2h_proxy_time_to_first_token_seconds_count \d+$/m);
+    const decode = await (await fetch(`${stack.decode.origin}/metrics`)).text();
+    const bytes = decode.match(/^rd2h_kv_bytes_read_total (\d+)$/m);
+    assert.ok(bytes && Number(bytes[1]) > 0, decode);
+  });
+
   test('health and version answer', async () => {
     const health = await fetch(`${stack.url}/health`);
     assert.equal(health.status, 200);

@@ -22,6 +22,7 @@
 
 #include "rd2h/common/status.h"
 #include "rd2h/connector/config.h"
+#include "rd2h/connector/stats.h"
 #include "rd2h/connector/kv_connector.h"
 #include "rd2h/connector/metadata.h"
 
@@ -82,6 +83,9 @@ class Scheduler final : public KvConnectorScheduler {
   // rd2h needs every block group on update_state_after_alloc, even when a composed
   // connector is the one chosen for lookup.
   bool requires_full_blocks_on_update_after_alloc() const override { return true; }
+
+  // Decode: its metaserver posts so far (Prefill: all zero).
+  MetaserverStats metaserver_stats() const;
 
   // Decode's advertised base port: kv_port + global_dp_rank * tp_size.
   int base_port() const { return base_port_; }

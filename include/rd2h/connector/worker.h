@@ -18,6 +18,7 @@
 
 #include "rd2h/common/status.h"
 #include "rd2h/connector/config.h"
+#include "rd2h/connector/stats.h"
 #include "rd2h/connector/kv_connector.h"
 #include "rd2h/connector/metadata.h"
 #include "rd2h/connector/scheduler.h"
@@ -78,6 +79,8 @@ class ConnectorWorker final : public KvConnectorWorker {
   Expected<FinishedTransfers> get_finished(const decode::AllGather& all_gather) override;
   // Decode: destination blocks of the requests that failed since the last call.
   std::vector<int64_t> get_block_ids_with_load_errors() override;
+  // Decode: what this rank has read so far.
+  TransferStats transfer_stats() const;
   // Stops the connector's threads and unregisters its memory. Idempotent.
   void shutdown() override;
 

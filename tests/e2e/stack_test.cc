@@ -1,10 +1,13 @@
-// A request nobody waits for any more is given up on every engine, at once: a client that
-// hangs up on the proxy, streamed or not, and what a stopping proxy still has in flight.
-// SIGTERM to a proxy drains it: new requests are refused while those in flight finish.
+// The stack an operator runs (a proxy over a Prefill and a Decode engine), as operators see
+// it. A request nobody waits for any more is given up on every engine, at once: a client
+// that hangs up on the proxy, streamed or not, and what a stopping proxy still has in
+// flight. SIGTERM to a proxy drains it: new requests are refused while those in flight
+// finish. GET /metrics counts what happened.
 #include <gtest/gtest.h>
 #include <httplib.h>
 
 #include <future>
+#include <optional>
 #include <nlohmann/json.hpp>
 #include <random>
 
@@ -34,7 +37,7 @@ EngineConfig engine_config(connector::KvRole role) {
   return c;
 }
 
-class Cancellation : public ::testing::Test {
+class Stack : public ::testing::Test {
  protected:
   void SetUp() override {
     std::mt19937 rng(std::random_device{}());
@@ -45,11 +48,10 @@ class Cancellation : public ::testing::Test {
       if (auto e = Engine::start(c)) decode_ = std::move(*e);
     }
     ASSERT_TRUE(decode_) << "no Decode engine came up";
-    // Each layer takes a second: a request stays in Prefill for seconds.
     EngineConfig p = engine_config(connector::KvRole::kProducer);
     p.connector.engine_id = "prefill-0";
     p.connector.kv_port = 1;
-    p.compute_min_layer_us = 1000000;
+    p.compute_min_layer_us = compute_min_layer_us_;
     auto prefill = Engine::start(p);
     ASSERT_TRUE(prefill) << prefill.status().to_string();
     prefill_ = std::move(*prefill);
@@ -76,11 +78,23 @@ class Cancellation : public ::testing::Test {
     return decode_->stats().free_blocks < kBlocks && proxy_->stats().prefill_dispatches >= 1;
   }
 
+  // The value of the series `series` (name and labels as rendered) in `origin`'s /metrics.
+  static std::optional<double> metric(const std::string& origin, const std::string& series) {
+    httplib::Client c(origin);
+    auto r = c.Get("/metrics");
+    if (!r || r->status != 200) return std::nullopt;
+    const std::string key = "\n" + series + " ";
+    const size_t at = ("\n" + r->body).find(key);
+    if (at == std::string::npos) return std::nullopt;
+    return std::stod(r->body.substr(at + key.size() - 1));
+  }
+
+  uint64_t compute_min_layer_us_ = 1000000;  // each layer takes a second: requests stay long
   std::unique_ptr<Engine> decode_, prefill_;
   std::unique_ptr<metaserver::Proxy> proxy_;
 };
 
-TEST_F(Cancellation, AClientThatHangsUpIsGivenUpOnDecodeWhichFreesItsBlocks) {
+TEST_F(Stack, AClientThatHangsUpIsGivenUpOnDecodeWhichFreesItsBlocks) {
   for (const bool stream : {false, true}) {
     SCOPED_TRACE(stream ? "streamed" : "not streamed");
     const auto before = decode_->stats().failed_requests;
@@ -100,7 +114,7 @@ TEST_F(Cancellation, AClientThatHangsUpIsGivenUpOnDecodeWhichFreesItsBlocks) {
   }
 }
 
-TEST_F(Cancellation, ADrainingProxyRefusesNewRequestsAndLetsTheOnesInFlightFinish) {
+TEST_F(Stack, ADrainingProxyRefusesNewRequestsAndLetsTheOnesInFlightFinish) {
   httplib::Client client(proxy_->url());
   auto answer = post(client, body(false));
   ASSERT_TRUE(rd2h::testing::eventually([&] { return in_both_engines(); }));
@@ -122,7 +136,7 @@ TEST_F(Cancellation, ADrainingProxyRefusesNewRequestsAndLetsTheOnesInFlightFinis
   EXPECT_EQ(decode_->stats().failed_requests, 0u);
 }
 
-TEST_F(Cancellation, WhatAStoppingProxyStillHasInFlightIsAbortedOnDecode) {
+TEST_F(Stack, WhatAStoppingProxyStillHasInFlightIsAbortedOnDecode) {
   httplib::Client client(proxy_->url());
   auto answer = post(client, body(false));
   ASSERT_TRUE(rd2h::testing::eventually([&] { return in_both_engines(); }));
@@ -136,6 +150,56 @@ TEST_F(Cancellation, WhatAStoppingProxyStillHasInFlightIsAbortedOnDecode) {
     return s.free_blocks == kBlocks && s.failed_requests == 1;
   })) << "Decode still holds the blocks of a request no proxy waits for: free "
          << decode_->stats().free_blocks << ", failed " << decode_->stats().failed_requests;
+}
+
+class FastStack : public Stack {
+ protected:
+  void SetUp() override {
+    compute_min_layer_us_ = 0;
+    Stack::SetUp();
+  }
+};
+
+TEST_F(FastStack, MetricsCountRequestsTransfersAndRendezvous) {
+  httplib::Client client(proxy_->url());
+  client.set_read_timeout(60, 0);
+  for (const bool stream : {false, true}) {
+    auto r = client.Post("/v1/completions", body(stream).dump(), "application/json");
+    ASSERT_TRUE(r) << httplib::to_string(r.error());
+    ASSERT_EQ(r->status, 200) << r->body;
+  }
+  auto refused = client.Post("/v1/completions", R"({"prompt": 5})", "application/json");
+  ASSERT_TRUE(refused);
+  const std::string proxy = proxy_->url();
+  EXPECT_EQ(metric(proxy, R"(rd2h_http_requests_total{listener="api",route="/v1/completions",status="200"})"),
+            2);
+  EXPECT_EQ(metric(proxy, R"(rd2h_http_requests_total{listener="api",route="/v1/completions",status="400"})"),
+            1);
+  EXPECT_EQ(metric(proxy, R"(rd2h_http_request_duration_seconds_count{listener="api",route="/v1/completions"})"),
+            3);
+  EXPECT_EQ(metric(proxy, R"(rd2h_http_requests_in_flight{listener="api"})"), 1)
+      << "only the scrape itself";
+  EXPECT_EQ(metric(proxy, R"(rd2h_proxy_rendezvous_total{known="true"})"), 2);
+  EXPECT_EQ(metric(proxy, "rd2h_proxy_prefill_dispatches_total{instance=\"" +
+                              prefill_->origin() + "\"}"),
+            2);
+  EXPECT_EQ(metric(proxy, "rd2h_proxy_time_to_first_token_seconds_count"), 1) << "one stream";
+  EXPECT_EQ(metric(proxy, "rd2h_proxy_upstream_in_flight{role=\"decode\",instance=\"" +
+                              decode_->origin() + "\"}"),
+            0);
+
+  const std::string decode = decode_->origin();
+  // 100 tokens are 7 blocks of 16; a block of a layer is 16 x (64 + 8 + 16) bytes; 4 layers.
+  EXPECT_EQ(metric(decode, "rd2h_kv_bytes_read_total"), 2.0 * 7 * 16 * 88 * 4);
+  const auto reads = metric(decode, "rd2h_kv_reads_total");
+  ASSERT_TRUE(reads);
+  EXPECT_GE(*reads, 2.0 * 4) << "a read per layer at least";
+  EXPECT_EQ(metric(decode, "rd2h_kv_layer_read_seconds_count"), reads);
+  EXPECT_EQ(metric(decode, R"(rd2h_kv_layers_total{outcome="failed"})"), 0);
+  EXPECT_EQ(metric(decode, "rd2h_metaserver_posts_delivered_total"), 2);
+  EXPECT_EQ(metric(decode, R"(rd2h_engine_prompts_total{outcome="ok"})"), 2);
+  EXPECT_EQ(metric(decode, "rd2h_engine_time_to_first_token_seconds_count"), 2);
+  EXPECT_EQ(metric(decode, "rd2h_engine_free_blocks"), kBlocks);
 }
 
 }  // namespace
