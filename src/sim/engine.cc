@@ -377,11 +377,16 @@ void Engine::Impl::give_up_cancelled() {
     for (auto& r : *group) complete(r, {false, "", "the client went away"});
     group = waiting_blocks.erase(group);
   }
-  // Decode, KV still coming: the connector stops expecting it now. Its blocks stay until the
-  // connector reports no read into them is in flight (the next steps). Requests computing,
-  // verifying or decoding finish on their own shortly.
-  for (auto& r : active) {
-    if (r->cancelled.load() && r->state == EngineRequest::State::kWaitingRemote) {
+  // Between steps nothing of a request is in flight but Decode's reads: a request Prefill
+  // is computing, or one Decode is generating for, ends now and frees its blocks.
+  for (auto r : std::vector<std::shared_ptr<EngineRequest>>(active)) {
+    if (!r->cancelled.load()) continue;
+    if (prefill || r->state == EngineRequest::State::kRunning) {
+      complete(r, {false, "", "the client went away"});
+    } else if (r->state == EngineRequest::State::kWaitingRemote) {
+      // Decode, KV still coming: the connector stops expecting it now. Its blocks stay until
+      // the connector reports no read into them is in flight (the next steps). A request
+      // being verified finishes on its own shortly.
       (void)scheduler->request_finished(r->request);
       r->state = EngineRequest::State::kAbandoned;
     }

@@ -114,6 +114,23 @@ TEST_F(Stack, AClientThatHangsUpIsGivenUpOnDecodeWhichFreesItsBlocks) {
   }
 }
 
+TEST_F(Stack, AClientThatHangsUpIsGivenUpOnPrefillBetweenItsSteps) {
+  httplib::Client client(proxy_->url());
+  // 100 tokens in chunks of 64: two Prefill steps of four seconds each.
+  auto answer = post(client, body(false));
+  ASSERT_TRUE(rd2h::testing::eventually(
+      [&] { return in_both_engines() && prefill_->stats().requests == 1; }));
+  client.stop();
+  (void)answer.get();
+  // Given up after its first step, not computed to the end: failed, every block back.
+  EXPECT_TRUE(rd2h::testing::eventually([&] {
+    const auto s = prefill_->stats();
+    return s.free_blocks == kBlocks && s.failed_requests == 1;
+  })) << "Prefill free blocks " << prefill_->stats().free_blocks << ", failed "
+      << prefill_->stats().failed_requests;
+  EXPECT_LE(prefill_->stats().prefill_chunks, 1u) << "its second chunk was computed";
+}
+
 TEST_F(Stack, ADrainingProxyRefusesNewRequestsAndLetsTheOnesInFlightFinish) {
   httplib::Client client(proxy_->url());
   auto answer = post(client, body(false));
