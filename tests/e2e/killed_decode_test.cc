@@ -52,10 +52,17 @@ std::unique_ptr<Engine> start_prefill() {
   EngineConfig c;
   // Deadlines short enough to find the dead Decode soon, long enough for a restarted one
   // (its rank processes seed the request while its readiness is held) under sanitizers.
+  // A restarted Decode's first transfer (new UCX endpoints, its pool mapped) takes over 3 s
+  // under ThreadSanitizer on a loaded machine.
+#if defined(__SANITIZE_THREAD__) || defined(__SANITIZE_ADDRESS__)
+  const char* reply_ms = "8000";
+#else
+  const char* reply_ms = "3000";
+#endif
   auto cfg = connector::ConnectorConfig::from_json(
-      R"({"kv_connector": "rd2h", "kv_role": "kv_producer", "kv_port": 1,
-          "kv_connector_extra_config": {"transport": "shm", "reply_timeout_ms": 3000,
-                                        "ack_timeout_ms": 3000, "send_timeout_ms": 10000}})");
+      std::string(R"({"kv_connector": "rd2h", "kv_role": "kv_producer", "kv_port": 1,
+          "kv_connector_extra_config": {"transport": "shm", "reply_timeout_ms": )") +
+      reply_ms + R"(, "ack_timeout_ms": )" + reply_ms + R"(, "send_timeout_ms": 10000}})");
   EXPECT_TRUE(cfg) << cfg.status().to_string();
   c.connector = *cfg;
   c.tp_size = 2;
