@@ -690,13 +690,17 @@ Proxy::~Proxy() {
   {
     std::lock_guard lock(p.mu);
     p.stopping = true;
-    for (auto& c : p.dispatch_clients) c->stop();
     in_flight.assign(p.parents.begin(), p.parents.end());
   }
+  // Failed first, so that the dispatches cut below are not taken for Prefill's failures.
   for (auto& parent : in_flight) {
     parent->fail(503, api_error_json(503, "the proxy is stopping"));
   }
   in_flight.clear();
+  {
+    std::lock_guard lock(p.mu);
+    for (auto& c : p.dispatch_clients) c->stop();
+  }
   {
     // Their handlers wake within a look and answer 503 before the connections close.
     std::unique_lock lock(p.mu);
