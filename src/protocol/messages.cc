@@ -583,6 +583,38 @@ class Cursor {
     return v;
   }
 
+  // Skips `count` whole values (arrays and maps with everything in them) without
+  // recursion; false when the input ends first. Each value takes a byte at least, so what
+  // is still to skip is bounded by the bytes left.
+  bool skip_values(uint64_t count) {
+    uint64_t pending = count;
+    while (pending > 0) {
+      if (pending > left()) return false;
+      Header h;
+      if (!header(h)) return false;
+      --pending;
+      switch (h.kind) {
+        case Header::kArray:
+          pending += h.n;
+          break;
+        case Header::kMap:
+          pending += 2 * static_cast<uint64_t>(h.n);
+          break;
+        case Header::kStr:
+        case Header::kBin:
+        case Header::kExt:
+        case Header::kFloat:
+          if (!skip(h.n)) return false;
+          break;
+        case Header::kInvalid:
+          return false;
+        default:
+          break;
+      }
+    }
+    return true;
+  }
+
   void set_what(std::string what) { what_ = std::move(what); }
 
  private:
@@ -645,9 +677,9 @@ Expected<ReadReq> cursor_read_req(Cursor& c, size_t i, size_t& total) {
   }
   RD2H_TRY(indexer, cursor_block_ids(c, i, 2, total));
   r.indexer_block_ids = std::move(indexer);
-  if (n > 3) {
+  if (n > 3) {  // a 4-field entry gives the main offset; the indexer's stays 0
     RD2H_TRY(start, c.integer([&] { return where() + "[3]"; }, 0, kMaxBlockId));
-    r.main_start = r.indexer_start = start;  // a 4-field entry has one offset for both
+    r.main_start = start;
   }
   if (n > 4) {
     RD2H_TRY(start, c.integer([&] { return where() + "[4]"; }, 0, kMaxBlockId));
@@ -660,9 +692,9 @@ Expected<ReadReq> cursor_read_req(Cursor& c, size_t i, size_t& total) {
 // (kMaxReadReqs requests, kMaxBlockIdsPerReadiness block ids), so it is decoded in one pass
 // into its final form without an intermediate object per element.
 Expected<ReadReadyBatch> cursor_read_ready_batch(Cursor& c, size_t fields) {
-  if (fields < 4 || fields > 7) {
+  if (fields < 4) {
     return invalid_argument("READ_READY_BATCH: " + std::to_string(fields) +
-                            " elements, expected 4 to 7");
+                            " elements, expected at least 4");
   }
   ReadReadyBatch m;
   RD2H_TRY(layer, c.integer([] { return at(1); }, 0, kMaxLayerIndex));
@@ -700,10 +732,12 @@ Expected<ReadReadyBatch> cursor_read_ready_batch(Cursor& c, size_t fields) {
     RD2H_TRY(member, c.integer([] { return at(5); }, 0, kMaxTpRatio - 1));
     m.group_member_idx = member;
   }
-  if (fields > 6) {
-    RD2H_TRY(ratio, c.integer([] { return at(6); }, 1, kMaxTpRatio));
-    m.tp_ratio = ratio;
+  if (fields > 6) {  // 0 or less means 1, as the existing connector reads it
+    RD2H_TRY(ratio, c.integer([] { return at(6); }, INT64_MIN, kMaxTpRatio));
+    m.tp_ratio = std::max<int64_t>(1, ratio);
   }
+  // Elements past the seventh are a newer sender's: skipped whole.
+  if (fields > 7 && !c.skip_values(fields - 7)) return c.truncated();
   if (m.group_member_idx >= m.tp_ratio) {
     return invalid_argument(at(5) + ": group_member_idx " + std::to_string(m.group_member_idx) +
                             " is not below tp_ratio " + std::to_string(m.tp_ratio));
@@ -807,20 +841,24 @@ Expected<Message> decode_message(std::span<const std::byte> payload) {
   }
   RD2H_TRY(t, top.array(1, 64));
   RD2H_TRY(tag, t[0].bin());
+  // READ_DONE and READ_FAILED with elements past the ones read are accepted (a newer
+  // sender's), as the existing connector does.
   if (tag == kTagReadDone) {
-    if (t.size() != 2)
-      return invalid_argument("READ_DONE: " + std::to_string(t.size()) + " elements, expected 2");
+    if (t.size() < 2) {
+      return invalid_argument("READ_DONE: " + std::to_string(t.size()) +
+                              " elements, expected at least 2");
+    }
     RD2H_TRY(layer, t[1].integer(0, kMaxLayerIndex));
     return Message(ReadDone{layer});
   }
   if (tag == kTagReadFailed) {
-    if (t.size() != 2 && t.size() != 3) {
+    if (t.size() < 2) {
       return invalid_argument("READ_FAILED: " + std::to_string(t.size()) +
-                              " elements, expected 2 or 3");
+                              " elements, expected at least 2");
     }
     RD2H_TRY(layer, t[1].integer(0, kMaxLayerIndex));
     ReadFailed m{layer, {}};
-    if (t.size() == 3) {
+    if (t.size() >= 3) {
       RD2H_TRY(error, t[2].str());
       m.error = std::move(error);
     }
