@@ -149,6 +149,10 @@ int main(int argc, char** argv) {
                     "seconds requests in flight may take to finish after SIGTERM before they "
                     "are aborted")
       ->check(CLI::Range(int64_t{0}, int64_t{86400}));
+  proxy->add_option("--prefill-attempts", px.prefill_attempts,
+                    "attempts of a Prefill dispatch that gets no answer or a 5xx, with "
+                    "exponential backoff, before the client gets a 502")
+      ->check(CLI::Range(1, 100));
   std::string proxy_token_file;
   proxy->add_option("--token-file", proxy_token_file,
                     "file holding the bearer token of the metaserver and the engines "

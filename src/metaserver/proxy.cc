@@ -190,6 +190,7 @@ struct Proxy::Impl {
   void handle_rendezvous(const httplib::Request& req, httplib::Response& res);
   void handle_health(httplib::Response& res);
   void handle_models(httplib::Response& res);
+  void handle_reset_prefix_cache(httplib::Response& res);
   void dispatch_prefill(std::shared_ptr<Parent> parent);
   void finish(const std::shared_ptr<Parent>& parent);
 };
@@ -498,67 +499,86 @@ void Proxy::Impl::dispatch_prefill(std::shared_ptr<Parent> parent) {
     }
     body["kv_transfer_params"] = params;
   }
-  size_t which;
-  std::shared_ptr<httplib::Client> client;
-  bool stopped;
-  {
-    std::lock_guard lock(mu);
-    ++stats.prefill_dispatches;
-    which = least_loaded(prefill_load, prefill_cursor);
-    dispatches.with({config.prefill[which]}).inc();
-    upstream_in_flight.with({"prefill", config.prefill[which]}).add(1);
-    client = std::make_shared<httplib::Client>(config.prefill[which]);
-    set_timeouts(*client, config.upstream_timeout);
-    dispatch_clients.push_back(client);  // the destructor stops it while in flight
-    stopped = stopping;
-  }
-  {
-    std::lock_guard lock(parent->mu);
-    parent->prefill = client;  // a failure of the request closes it too
-    stopped = stopped || !parent->failure.empty();
-  }
-  // Client::stop() only cuts a request in flight: one not started must not start.
-  httplib::Result r{nullptr, httplib::Error::Canceled};
-  if (!stopped) {
-    httplib::Headers headers = auth;
-    headers.emplace("X-Request-Id", parent->id);
-    r = client->Post(parent->path, headers, body.dump(), "application/json");
-  }
+  const std::string payload = body.dump();
+  const int attempts = std::max(1, config.prefill_attempts);
   std::string why;
   int status = 502;
   std::string refusal;  // Prefill's own error object, when the client's body is at fault
-  stopped = stopped || !parent->failed().second.empty();  // given up meanwhile
-  if (stopped) {
-    why = "the request was given up before Prefill";
-  } else if (!r) {
-    why = "Prefill " + config.prefill[which] + " did not answer: " + httplib::to_string(r.error());
-  } else if (r->status != 200) {
-    why = "Prefill " + config.prefill[which] + " answered HTTP " + std::to_string(r->status) +
-          ": " + r->body.substr(0, 200);
-    // A 4xx about the body (not the proxy's own token) is the client's to see as it is.
-    const auto e = ordered_json::parse(r->body, nullptr, false);
-    if (r->status >= 400 && r->status < 500 && r->status != 401 && r->status != 403 &&
-        e.is_object() && e.contains("error") && e["error"].is_object()) {
-      status = r->status;
-      refusal = r->body;
+  bool given_up = false;
+  for (int attempt = 1;; ++attempt) {
+    size_t which;
+    std::shared_ptr<httplib::Client> client;
+    bool stopped;
+    {
+      std::lock_guard lock(mu);
+      ++stats.prefill_dispatches;
+      which = least_loaded(prefill_load, prefill_cursor);
+      dispatches.with({config.prefill[which]}).inc();
+      upstream_in_flight.with({"prefill", config.prefill[which]}).add(1);
+      client = std::make_shared<httplib::Client>(config.prefill[which]);
+      set_timeouts(*client, config.upstream_timeout);
+      dispatch_clients.push_back(client);  // the destructor stops it while in flight
+      stopped = stopping;
     }
-  }
-  {
-    std::lock_guard lock(mu);
-    --prefill_load[which];
-    upstream_in_flight.with({"prefill", config.prefill[which]}).add(-1);
-    for (auto it = dispatch_clients.begin(); it != dispatch_clients.end(); ++it) {
-      if (*it == client) {
-        dispatch_clients.erase(it);
-        break;
+    {
+      std::lock_guard lock(parent->mu);
+      parent->prefill = client;  // a failure of the request closes it too
+      stopped = stopped || !parent->failure.empty();
+    }
+    // Client::stop() only cuts a request in flight: one not started must not start.
+    httplib::Result r{nullptr, httplib::Error::Canceled};
+    if (!stopped) {
+      httplib::Headers headers = auth;
+      headers.emplace("X-Request-Id", parent->id);
+      r = client->Post(parent->path, headers, payload, "application/json");
+    }
+    why.clear();
+    refusal.clear();
+    status = 502;
+    bool retry = false;
+    given_up = stopped || !parent->failed().second.empty();  // given up meanwhile
+    if (given_up) {
+      why = "the request was given up before Prefill";
+    } else if (!r) {
+      why = "Prefill " + config.prefill[which] + " did not answer: " + httplib::to_string(r.error());
+      retry = true;
+    } else if (r->status != 200) {
+      why = "Prefill " + config.prefill[which] + " answered HTTP " + std::to_string(r->status) +
+            ": " + r->body.substr(0, 200);
+      // A 4xx about the body (not the proxy's own token) is the client's to see as it is.
+      const auto e = ordered_json::parse(r->body, nullptr, false);
+      if (r->status >= 400 && r->status < 500 && r->status != 401 && r->status != 403 &&
+          e.is_object() && e.contains("error") && e["error"].is_object()) {
+        status = r->status;
+        refusal = r->body;
+      }
+      retry = r->status >= 500;
+    }
+    {
+      std::lock_guard lock(mu);
+      --prefill_load[which];
+      upstream_in_flight.with({"prefill", config.prefill[which]}).add(-1);
+      for (auto it = dispatch_clients.begin(); it != dispatch_clients.end(); ++it) {
+        if (*it == client) {
+          dispatch_clients.erase(it);
+          break;
+        }
+      }
+      if (!why.empty() && !given_up) {
+        ++stats.prefill_failures;
+        dispatch_failures.with({config.prefill[which]}).inc();
       }
     }
-    if (!why.empty() && !stopped) {
-      ++stats.prefill_failures;
-      dispatch_failures.with({config.prefill[which]}).inc();
-    }
+    if (!retry || attempt >= attempts) break;
+    // Exponential backoff before the next attempt, cut short if the proxy stops.
+    const auto backoff = std::min<std::chrono::milliseconds>(
+        config.prefill_retry_backoff * (1 << std::min(attempt - 1, 10)), std::chrono::seconds(5));
+    log::info("proxy: request {}: {}; attempt {} of {} in {} ms", parent->id, why, attempt + 1,
+              attempts, static_cast<long long>(backoff.count()));
+    std::unique_lock lock(mu);
+    if (idle_cv.wait_for(lock, backoff, [&] { return stopping; })) break;
   }
-  if (!why.empty() && !stopped) {
+  if (!why.empty() && !given_up) {
     log::warn("proxy: request {}: {}", parent->id, why);
     parent->fail(status, refusal.empty() ? api_error_json(502, why) : refusal);
   }
@@ -593,6 +613,25 @@ void Proxy::Impl::handle_health(httplib::Response& res) {
     res.status = 503;
   }
   res.set_content(out.dump(), "application/json");
+}
+
+void Proxy::Impl::handle_reset_prefix_cache(httplib::Response& res) {
+  std::vector<std::string> failed;
+  for (const auto* list : {&config.prefill, &config.decode}) {
+    for (const auto& origin : *list) {
+      httplib::Client c(origin);
+      set_timeouts(c, std::chrono::seconds(10));
+      auto r = c.Post("/reset_prefix_cache", auth, "", "application/json");
+      if (!r || r->status != 200) {
+        failed.push_back(origin + (r ? " (HTTP " + std::to_string(r->status) + ")"
+                                     : " (" + httplib::to_string(r.error()) + ")"));
+      }
+    }
+  }
+  if (failed.empty()) return res.set_content(R"({"status":"ok"})", "application/json");
+  std::string names;
+  for (const auto& f : failed) names += (names.empty() ? "" : ", ") + f;
+  set_api_error(res, 500, "the prefix cache was not reset on " + names);
 }
 
 void Proxy::Impl::handle_models(httplib::Response& res) {
@@ -660,6 +699,18 @@ Expected<std::unique_ptr<Proxy>> Proxy::start(ProxyConfig config) {
                });
   p->api->get("/v1/models", Auth::kApiKey,
               [p](const httplib::Request&, httplib::Response& res) { p->handle_models(res); });
+  // The existing proxy's operator routes.
+  p->api->get("/healthcheck", Auth::kNone, [p](const httplib::Request&, httplib::Response& res) {
+    res.set_content(ordered_json{{"status", "ok"},
+                                 {"prefill_instances", p->config.prefill.size()},
+                                 {"decode_instances", p->config.decode.size()}}
+                        .dump(),
+                    "application/json");
+  });
+  p->api->post("/reset_prefix_cache", Auth::kApiKey,
+               [p](const httplib::Request&, httplib::Response& res) {
+                 p->handle_reset_prefix_cache(res);
+               });
   p->api->get("/health", Auth::kNone,
               [p](const httplib::Request&, httplib::Response& res) { p->handle_health(res); });
   p->api->get("/metrics", Auth::kNone, [p](const httplib::Request&, httplib::Response& res) {
@@ -692,6 +743,7 @@ Proxy::~Proxy() {
     p.stopping = true;
     in_flight.assign(p.parents.begin(), p.parents.end());
   }
+  p.idle_cv.notify_all();  // a dispatch backing off before its next attempt stops waiting
   // Failed first, so that the dispatches cut below are not taken for Prefill's failures.
   for (auto& parent : in_flight) {
     parent->fail(503, api_error_json(503, "the proxy is stopping"));

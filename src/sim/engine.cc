@@ -1104,6 +1104,11 @@ Expected<std::unique_ptr<Engine>> Engine::start(EngineConfig config) {
                         {"max_model_len", p->config.model.num_blocks * p->config.model.block_size}};
     s.set_content(json{{"object", "list"}, {"data", {model}}}.dump(), "application/json");
   });
+  // Nothing to drop: the pretend local prefix cache is a setting, not a cache.
+  p->http->post("/reset_prefix_cache", Auth::kToken,
+                [](const httplib::Request&, httplib::Response& s) {
+                  s.set_content(R"({"status":"ok"})", "application/json");
+                });
   // Probes take no token, as load balancers and orchestrators send none.
   p->http->get("/health", Auth::kNone, [p](const httplib::Request&, httplib::Response& s) {
     std::lock_guard lock(p->mu);

@@ -24,9 +24,13 @@ using namespace std::chrono_literals;
 class Engine {
  public:
   using Handler = std::function<void(const httplib::Request&, httplib::Response&)>;
-  explicit Engine(Handler handle) {
+  explicit Engine(Handler handle, std::atomic<int>* resets = nullptr) {
     server_.Post("/v1/completions", handle);
     server_.Post("/v1/chat/completions", handle);
+    server_.Post("/reset_prefix_cache", [resets](const httplib::Request&, httplib::Response& res) {
+      if (resets) ++*resets;
+      res.set_content("{}", "application/json");
+    });
     port_ = server_.bind_to_any_port("127.0.0.1");
     thread_ = std::thread([this] { server_.listen_after_bind(); });
     EXPECT_TRUE(eventually([this] { return server_.is_running(); }));
@@ -59,8 +63,10 @@ class ProxyTest : public ::testing::Test {
   void start(int prefill_status = 200, int prefills = 1) {
     for (int i = 0; i < prefills; ++i) start_prefill(prefill_status, i);
     decode_ = std::make_unique<Engine>(
-        [this](const httplib::Request& req, httplib::Response& res) { serve_decode(req, res); });
+        [this](const httplib::Request& req, httplib::Response& res) { serve_decode(req, res); },
+        &resets_);
     ProxyConfig config;
+    config.prefill_attempts = attempts_;
     for (const auto& p : prefill_) config.prefill.push_back(p->origin());
     config.decode = {decode_->origin()};
     config.max_body_bytes = 1 << 20;
@@ -77,13 +83,24 @@ class ProxyTest : public ::testing::Test {
             log_.request_ids.push_back(req.get_header_value("X-Request-Id"));
             log_.prefill_index.push_back(index);
           }
-          res.status = prefill_status;
-          res.set_content(prefill_status == 200 ? R"({"choices":[{"text":"x"}]})" : "engine error",
+          int status = prefill_status;
+          {
+            std::lock_guard lock(log_.mu);
+            if (fail_first_ > 0) {
+              --fail_first_;
+              status = 503;
+            }
+          }
+          res.status = status;
+          res.set_content(status == 200   ? R"({"choices":[{"text":"x"}]})"
+                          : status == 400 ? R"({"error":{"message":"too long for Prefill"}})"
+                                          : "engine error",
                           "application/json");
           std::lock_guard lock(log_.mu);
-          if (prefill_status == 200) ++log_.succeeded;
+          if (status == 200) ++log_.succeeded;
           log_.cv.notify_all();
-        }));
+        },
+        &resets_));
   }
 
   // Decode as vLLM's server is toward the proxy: child ids from X-Request-Id, one
@@ -144,6 +161,9 @@ class ProxyTest : public ::testing::Test {
   }
 
   PrefillLog log_;
+  int fail_first_ = 0;  // Prefill answers 503 to this many dispatches first
+  int attempts_ = 3;
+  std::atomic<int> resets_{0};
   std::vector<json> decode_bodies_;
   Client metaserver_{ClientConfig{}};
   std::vector<std::unique_ptr<Engine>> prefill_;
@@ -207,13 +227,65 @@ TEST_F(ProxyTest, ChatAndStreamingPassDecodesOutputThrough) {
   EXPECT_EQ(log_.bodies[0]["stream"], false);
 }
 
-TEST_F(ProxyTest, AFailedPrefillDispatchFailsTheClientRequestWith502) {
+TEST_F(ProxyTest, AFailedPrefillDispatchIsTriedThreeTimesThenFailsTheClientRequestWith502) {
   start(/*prefill_status=*/500);
   auto r = client_post("/v1/completions", {{"model", "m"}, {"prompt", "hello"}});
   ASSERT_TRUE(r) << httplib::to_string(r.error());
   EXPECT_EQ(r->status, 502);
   EXPECT_NE(r->body.find("answered HTTP 500"), std::string::npos) << r->body;
-  EXPECT_EQ(proxy_->stats().prefill_failures, 1u);
+  EXPECT_EQ(proxy_->stats().prefill_dispatches, 3u);
+  EXPECT_EQ(proxy_->stats().prefill_failures, 3u);
+  std::lock_guard lock(log_.mu);
+  EXPECT_EQ(log_.bodies.size(), 3u);
+}
+
+TEST_F(ProxyTest, APrefillThatFailsOnceIsTriedAgainAndTheClientNeverSeesIt) {
+  fail_first_ = 1;
+  start();
+  auto r = client_post("/v1/completions", {{"model", "m"}, {"prompt", "hello"}});
+  ASSERT_TRUE(r) << httplib::to_string(r.error());
+  EXPECT_EQ(r->status, 200) << r->body;
+  EXPECT_EQ(proxy_->stats().prefill_dispatches, 2u);
+  std::lock_guard lock(log_.mu);
+  ASSERT_EQ(log_.bodies.size(), 2u);
+  EXPECT_EQ(log_.bodies[0], log_.bodies[1]) << "the second attempt is the same request";
+}
+
+TEST_F(ProxyTest, PrefillAttemptsAreConfigurable) {
+  attempts_ = 1;
+  start(/*prefill_status=*/503);
+  auto r = client_post("/v1/completions", {{"model", "m"}, {"prompt", "hello"}});
+  ASSERT_TRUE(r);
+  EXPECT_EQ(r->status, 502);
+  EXPECT_EQ(proxy_->stats().prefill_dispatches, 1u);
+}
+
+TEST_F(ProxyTest, AClientBodyPrefillRefusesIsNotTriedAgainAndReachesTheClientAsIs) {
+  start(/*prefill_status=*/400);
+  auto r = client_post("/v1/completions", {{"model", "m"}, {"prompt", "hello"}});
+  ASSERT_TRUE(r);
+  EXPECT_EQ(r->status, 400) << r->body;
+  EXPECT_NE(r->body.find("too long for Prefill"), std::string::npos) << r->body;
+  EXPECT_EQ(proxy_->stats().prefill_dispatches, 1u);
+}
+
+TEST_F(ProxyTest, HealthcheckCountsInstancesAndResetPrefixCacheReachesEveryEngine) {
+  start(200, /*prefills=*/2);
+  httplib::Client c(proxy_->url());
+  auto h = c.Get("/healthcheck");
+  ASSERT_TRUE(h);
+  EXPECT_EQ(h->status, 200);
+  EXPECT_EQ(json::parse(h->body),
+            json({{"status", "ok"}, {"prefill_instances", 2}, {"decode_instances", 1}}));
+  auto reset = c.Post("/reset_prefix_cache", "", "application/json");
+  ASSERT_TRUE(reset);
+  EXPECT_EQ(reset->status, 200) << reset->body;
+  EXPECT_EQ(resets_.load(), 3);
+  prefill_.pop_back();  // one engine gone: named in a 500
+  reset = c.Post("/reset_prefix_cache", "", "application/json");
+  ASSERT_TRUE(reset);
+  EXPECT_EQ(reset->status, 500);
+  EXPECT_NE(reset->body.find("not reset on http://127.0.0.1:"), std::string::npos) << reset->body;
 }
 
 TEST_F(ProxyTest, APrefillThatIsGoneFailsTheClientRequestWithinASecond) {

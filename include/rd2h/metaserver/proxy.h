@@ -5,8 +5,9 @@
 // {do_remote_decode: false, do_remote_prefill: true, metaserver: <url>}; Decode's output
 // streams back to the client. Decode posts each child's rendezvous to the metaserver; once
 // every child of a request reported, the proxy dispatches the original request to the
-// least-loaded Prefill once (max_tokens=1, first child's params plus
-// batch_kv_transfer_params for a prompt list). A metaserver post is answered at once and
+// least-loaded Prefill once (max_tokens, min_tokens and max_completion_tokens 1, no
+// stream_options, first child's params plus batch_kv_transfer_params for a prompt list),
+// tried again with backoff if it gets no answer or a 5xx. A metaserver post is answered at once and
 // never held; it is served by a listener of its own, so client requests cannot starve it.
 // If the Prefill dispatch fails, the client's request fails cleanly (its Decode request
 // is closed) with a 502, or with Prefill's own 4xx when it refused the client's body. A
@@ -45,6 +46,11 @@ struct ProxyConfig {
   // /v1/chat/completions and /v1/models; empty: none. /health and /version need none.
   std::string api_key;
   std::chrono::milliseconds upstream_timeout{600000};
+  // A Prefill dispatch that gets no answer or a 5xx is tried again, up to this many
+  // attempts in all, waiting prefill_retry_backoff, then twice as long each time (at most
+  // 5 s), before the client gets a 502.
+  int prefill_attempts = 3;
+  std::chrono::milliseconds prefill_retry_backoff{100};
 };
 
 struct ProxyStats {
