@@ -223,7 +223,9 @@ void Reader::handle(const control::Inbound& in) {
     const size_t mine = queue != held_.end() ? queue->second.size() : 0;
     const bool room = held_count_ < config_.max_held && mine < config_.max_held_per_peer;
     bool hold = mine > 0;
-    if (!hold && room) {
+    // A connection that never sent MF_META cannot be read from: answered at once (the
+    // existing connector does not hold it either).
+    if (!hold && room && peers_.count(in.identity) != 0) {
       std::lock_guard lock(mu_);
       hold = !destinations_known(*ready);
     }

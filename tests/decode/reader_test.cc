@@ -122,6 +122,20 @@ TEST_F(ReaderTest, ReadinessBeforeMfMetaIsAnsweredReadFailed) {
   EXPECT_NE(std::get<protocol::ReadFailed>(m).error.find("no MF_META"), std::string::npos);
 }
 
+TEST_F(ReaderTest, AReadinessOfUnknownRequestsWithoutMfMetaIsAnsweredAtOnceNotHeld) {
+  ReaderConfig config;
+  config.hold_timeout = 30s;  // longer than the reply is waited for below
+  start_reader(config);
+  ASSERT_TRUE(dealer_->send(protocol::encode(ready(3, {{"unknown", {1}, {1}, 0, 0}}))).is_ok());
+  auto reply = dealer_->receive(10s);
+  ASSERT_TRUE(reply && reply->has_value()) << "the readiness was held, not answered";
+  auto m = protocol::decode_message(**reply);
+  ASSERT_TRUE(m && std::holds_alternative<protocol::ReadFailed>(*m));
+  EXPECT_EQ(std::get<protocol::ReadFailed>(*m).layer_idx, 3);
+  EXPECT_NE(std::get<protocol::ReadFailed>(*m).error.find("no MF_META"), std::string::npos);
+  EXPECT_EQ(reader_->stats().readiness_held, 0u);
+}
+
 TEST_F(ReaderTest, AMalformedReadinessIsAnsweredForItsLayer) {
   send_mf_meta(mf_meta(prefill_));
   // read_reqs as a str: undecodable, but layer 7 can be read and is answered.
