@@ -273,11 +273,14 @@ Expected<LayerMeta> decode_layer_meta(const Field& f) {
       seen |= 32;
     }  // unknown keys: a newer peer's additions
   }
-  if (seen != 63)
-    return f.error(
-        "missing one of base_addrs, block_len, block_size_scale, "
-        "tensor_group_idx, main_tensor_count, has_indexer");
+  if ((seen & 3) != 3) return f.error("missing base_addrs or block_len");
+  // The rest may be left out, as the existing connector reads them: no scaled blocks, one
+  // group, K and V as the main tensors, an indexer if there are more tensors than those.
   const size_t n = m.base_addrs.size();
+  if ((seen & 4) == 0) m.block_size_scale.assign(m.block_len.size(), 1);
+  if ((seen & 8) == 0) m.tensor_group_idx.assign(n, 0);
+  if ((seen & 16) == 0) m.main_tensor_count = 2;
+  if ((seen & 32) == 0) m.has_indexer = n > m.main_tensor_count;
   if (m.block_len.size() != n || m.block_size_scale.size() != n || m.tensor_group_idx.size() != n) {
     return f.error("base_addrs, block_len, block_size_scale and tensor_group_idx have " +
                    std::to_string(n) + ", " + std::to_string(m.block_len.size()) + ", " +

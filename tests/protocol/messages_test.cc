@@ -272,6 +272,26 @@ TEST(Protocol, MalformedLayerMapsAreRejected) {
   EXPECT_NE(c.status().message().find("tensor 1 has zero bytes"), std::string::npos);
 }
 
+TEST(Protocol, ALayerMapNeedsOnlyBaseAddrsAndBlockLen) {
+  // {"L": {"base_addrs": [1, 2, 3], "block_len": [4096, 512, 512]}}
+  const std::string map =
+      "81 a1 4c 82 aa 626173655f6164647273 93 01 02 03 a9 626c6f636b5f6c656e 93 cd1000 cd0200 "
+      "cd0200";
+  auto d = decode_message(hex("93 c4 07 6d665f6d657461 a1 53 c4 27 " + map));
+  ASSERT_TRUE(d) << d.status().to_string();
+  const auto& l = std::get<MfMeta>(*d).layers.at(0).second;
+  EXPECT_EQ(l.block_size_scale, (std::vector<uint64_t>{1, 1, 1}));
+  EXPECT_EQ(l.main_tensor_count, 2u);
+  EXPECT_TRUE(l.has_indexer) << "three tensors, two of them main";
+  EXPECT_EQ(l.bytes_per_block(0), 4096u);
+  // Without block_len there is nothing to read.
+  auto e = decode_message(hex("93 c4 07 6d665f6d657461 a1 53 c4 13 81 a1 4c 81 aa "
+                              "626173655f6164647273 93 01 02 03"));
+  ASSERT_FALSE(e);
+  EXPECT_NE(e.status().message().find("missing base_addrs or block_len"), std::string::npos)
+      << e.status().message();
+}
+
 TEST(Protocol, EveryTruncationAndRandomCorruptionFailsCleanly) {
   ReadReadyBatch rrb;
   rrb.layer_idx = 12;
