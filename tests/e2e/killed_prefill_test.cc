@@ -8,12 +8,12 @@
 
 #include <future>
 #include <nlohmann/json.hpp>
-#include <random>
 
 #include "common/subprocess.h"
 #include "rd2h/metaserver/proxy.h"
 #include "sim/engine.h"
 #include "support/http_server.h"
+#include "support/sim_engine.h"
 
 namespace rd2h::sim {
 namespace {
@@ -24,23 +24,8 @@ using namespace std::chrono_literals;
 constexpr uint64_t kDecodeBlocks = 48;  // of 16 tokens: two of the requests below at once
 
 std::unique_ptr<Engine> start_decode() {
-  std::mt19937 rng(std::random_device{}());
-  for (int attempt = 0; attempt < 20; ++attempt) {
-    EngineConfig c;
-    c.connector.role = connector::KvRole::kConsumer;
-    c.connector.engine_id = "decode-0";
-    c.connector.kv_port = std::uniform_int_distribution<int>(20000, 60000)(rng);
-    c.connector.transport = transfer::Transport::kShm;
-    c.connector.prefill_tp_size = 2;
-    c.tp_size = 1;
-    c.model.layers = 4;
-    c.model.block_size = 16;
-    c.model.num_blocks = kDecodeBlocks;
-    c.model.bytes_per_token = {64, 8, 16};
-    c.worker_executable = RD2H_BINARY;
-    if (auto e = Engine::start(c)) return std::move(*e);
-  }
-  return nullptr;
+  return rd2h::testing::start_decode(
+      rd2h::testing::small_engine(connector::KvRole::kConsumer, kDecodeBlocks, /*prefill_tp=*/2));
 }
 
 struct PrefillProcess {

@@ -9,11 +9,11 @@
 #include <future>
 #include <optional>
 #include <nlohmann/json.hpp>
-#include <random>
 
 #include "rd2h/metaserver/proxy.h"
 #include "sim/engine.h"
 #include "support/http_server.h"
+#include "support/sim_engine.h"
 
 namespace rd2h::sim {
 namespace {
@@ -23,34 +23,13 @@ using namespace std::chrono_literals;
 
 constexpr uint64_t kBlocks = 64;
 
-EngineConfig engine_config(connector::KvRole role) {
-  EngineConfig c;
-  c.connector.role = role;
-  c.connector.transport = transfer::Transport::kShm;
-  c.connector.prefill_tp_size = 1;
-  c.tp_size = 1;
-  c.model.layers = 4;
-  c.model.block_size = 16;
-  c.model.num_blocks = kBlocks;
-  c.model.bytes_per_token = {64, 8, 16};
-  c.worker_executable = RD2H_BINARY;
-  return c;
-}
-
 class Stack : public ::testing::Test {
  protected:
   void SetUp() override {
-    std::mt19937 rng(std::random_device{}());
-    for (int attempt = 0; attempt < 20 && !decode_; ++attempt) {
-      EngineConfig c = engine_config(connector::KvRole::kConsumer);
-      c.connector.engine_id = "decode-0";
-      c.connector.kv_port = std::uniform_int_distribution<int>(20000, 60000)(rng);
-      if (auto e = Engine::start(c)) decode_ = std::move(*e);
-    }
+    decode_ =
+        rd2h::testing::start_decode(rd2h::testing::small_engine(connector::KvRole::kConsumer, kBlocks));
     ASSERT_TRUE(decode_) << "no Decode engine came up";
-    EngineConfig p = engine_config(connector::KvRole::kProducer);
-    p.connector.engine_id = "prefill-0";
-    p.connector.kv_port = 1;
+    EngineConfig p = rd2h::testing::small_engine(connector::KvRole::kProducer, kBlocks);
     p.compute_min_layer_us = compute_min_layer_us_;
     auto prefill = Engine::start(p);
     ASSERT_TRUE(prefill) << prefill.status().to_string();
