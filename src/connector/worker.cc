@@ -111,7 +111,7 @@ Status ConnectorWorker::register_kv_caches(std::vector<layout::CacheLayer> layer
   dc.reader.d_tp = parallel_.tp_size;
   dc.reader.host = config_.host;
   dc.reader.hold_timeout = config_.hold_timeout;
-  dc.p_tp = config_.prefill_tp_size > 0 ? config_.prefill_tp_size : parallel_.tp_size;
+  dc.p_tp = config_.prefill_tp_size;
   dc.kv_port = config_.kv_port;
   dc.global_dp_rank = parallel_.global_dp_rank;
   dc.register_memory = !engine_allocated;

@@ -4,8 +4,7 @@
 
 namespace rd2h::decode {
 
-CompletionTracker::CompletionTracker(int tp_ratio, size_t max_early)
-    : tp_ratio_(tp_ratio < 1 ? 1 : tp_ratio), max_early_(max_early) {}
+CompletionTracker::CompletionTracker(size_t max_early) : max_early_(max_early) {}
 
 Status CompletionTracker::add_request(const std::string& ext_id, const std::string& internal_id) {
   if (requests_.count(ext_id) != 0) {
@@ -17,8 +16,7 @@ Status CompletionTracker::add_request(const std::string& ext_id, const std::stri
   Request r;
   r.internal_id = internal_id;
   if (auto it = early_.find(ext_id); it != early_.end()) {
-    r.contributors_done = std::move(it->second.contributors_done);
-    r.failed = it->second.failed;
+    r.signals = std::move(it->second);
     early_.erase(it);
   }
   update_terminal(r);
@@ -38,30 +36,45 @@ void CompletionTracker::remove_request(const std::string& ext_id) {
   }
 }
 
-Status CompletionTracker::on_final_layer(const std::string& ext_id, int group_member_idx) {
-  if (group_member_idx < 0 || group_member_idx >= tp_ratio_) {
+Status CompletionTracker::record(const std::string& ext_id, Signals& s, int group_member_idx,
+                                 int tp_ratio) {
+  if (s.contributors != 0 && s.contributors != tp_ratio) {
+    s.failed = true;
+    return failed_precondition("request " + ext_id + ": contributor " +
+                               std::to_string(group_member_idx) + " says tp_ratio " +
+                               std::to_string(tp_ratio) + ", an earlier one said " +
+                               std::to_string(s.contributors) + "; the request fails");
+  }
+  s.contributors = tp_ratio;
+  s.contributors_done.insert(group_member_idx);
+  return Status::ok();
+}
+
+Status CompletionTracker::on_final_layer(const std::string& ext_id, int group_member_idx,
+                                         int tp_ratio) {
+  if (tp_ratio < 1 || group_member_idx < 0 || group_member_idx >= tp_ratio) {
     return invalid_argument("request " + ext_id + ": contributor " +
                             std::to_string(group_member_idx) + " is outside 0.." +
-                            std::to_string(tp_ratio_ - 1));
+                            std::to_string(tp_ratio - 1) + " (tp_ratio " +
+                            std::to_string(tp_ratio) + ")");
   }
   if (removed_.count(ext_id) != 0) return Status::ok();
   if (auto it = requests_.find(ext_id); it != requests_.end()) {
-    it->second.contributors_done.insert(group_member_idx);
+    Status st = record(ext_id, it->second.signals, group_member_idx, tp_ratio);
     update_terminal(it->second);
-    return Status::ok();
+    return st;
   }
   if (early_.count(ext_id) == 0 && early_.size() >= max_early_) {
     return failed_precondition("request " + ext_id + ": " + std::to_string(max_early_) +
                                " completions already wait for requests Decode does not know");
   }
-  early_[ext_id].contributors_done.insert(group_member_idx);
-  return Status::ok();
+  return record(ext_id, early_[ext_id], group_member_idx, tp_ratio);
 }
 
 void CompletionTracker::on_failed(const std::string& ext_id) {
   if (removed_.count(ext_id) != 0) return;
   if (auto it = requests_.find(ext_id); it != requests_.end()) {
-    it->second.failed = true;
+    it->second.signals.failed = true;
     update_terminal(it->second);
     return;
   }
@@ -69,7 +82,9 @@ void CompletionTracker::on_failed(const std::string& ext_id) {
 }
 
 void CompletionTracker::update_terminal(Request& r) {
-  r.terminal = r.failed || r.contributors_done.size() == static_cast<size_t>(tp_ratio_);
+  const Signals& s = r.signals;
+  r.terminal =
+      s.failed || (s.contributors > 0 && s.contributors_done.size() == static_cast<size_t>(s.contributors));
 }
 
 Finished combine(const std::vector<RankTerminal>& ranks) {
@@ -93,7 +108,7 @@ Finished combine(const std::vector<RankTerminal>& ranks) {
 RankTerminal CompletionTracker::terminal() const {
   RankTerminal mine;
   for (const auto& [ext_id, r] : requests_) {
-    if (r.terminal) mine.emplace(ext_id, r.failed);
+    if (r.terminal) mine.emplace(ext_id, r.signals.failed);
   }
   return mine;
 }

@@ -37,18 +37,21 @@ struct Ended {
 
 class CompletionTracker {
  public:
-  // `tp_ratio` contributors report to this rank. Signals for requests not yet known are
-  // kept, up to `max_early` requests, until the request is added.
-  explicit CompletionTracker(int tp_ratio, size_t max_early = 4096);
+  // Signals for requests not yet known are kept, up to `max_early` requests, until the
+  // request is added. How many contributors report a request comes with its signals (the
+  // readiness's tp_ratio), so one Decode serves Prefill instances of different TP sizes.
+  explicit CompletionTracker(size_t max_early = 4096);
 
   // Decode's scheduler expects `ext_id` from Prefill; `internal_id` is its own name for it.
   Status add_request(const std::string& ext_id, const std::string& internal_id);
   // Decode gave up on the request: its state is dropped and later signals are ignored.
   void remove_request(const std::string& ext_id);
 
-  // A contributor's READ_READY_BATCH listed `ext_id` in done_ext_ids. A second signal from
-  // the same contributor does not advance the request.
-  Status on_final_layer(const std::string& ext_id, int group_member_idx);
+  // Contributor `group_member_idx` of `tp_ratio` listed `ext_id` in a READ_READY_BATCH's
+  // done_ext_ids. A second signal from the same contributor does not advance the request;
+  // a signal whose tp_ratio differs from an earlier one's fails it (one Prefill instance
+  // sends a request, and its contributors agree on their number).
+  Status on_final_layer(const std::string& ext_id, int group_member_idx, int tp_ratio);
   // A read for the request failed on this rank: the request is terminal and failed.
   void on_failed(const std::string& ext_id);
 
@@ -65,28 +68,30 @@ class CompletionTracker {
   // Every contributor reported the request's final layer on this rank, and nothing failed.
   bool complete(const std::string& ext_id) const {
     auto it = requests_.find(ext_id);
-    return it != requests_.end() && it->second.terminal && !it->second.failed;
+    return it != requests_.end() && it->second.terminal && !it->second.signals.failed;
   }
   // Decode removed the request recently (its late readiness is answered, nothing read).
   bool aborted(const std::string& ext_id) const { return removed_.count(ext_id) != 0; }
 
  private:
+  // What the final-layer signals of one request said so far.
+  struct Signals {
+    std::set<int> contributors_done;
+    int contributors = 0;  // the tp_ratio they carry; 0 until the first
+    bool failed = false;
+  };
   struct Request {
     std::string internal_id;
-    std::set<int> contributors_done;
-    bool failed = false;
+    Signals signals;
     bool terminal = false;
   };
-  struct Early {
-    std::set<int> contributors_done;
-    bool failed = false;
-  };
   void update_terminal(Request& r);
+  // Records one signal; an error (and a failed request) if its tp_ratio disagrees.
+  static Status record(const std::string& ext_id, Signals& s, int group_member_idx, int tp_ratio);
 
-  int tp_ratio_;
   size_t max_early_;
   std::map<std::string, Request> requests_;
-  std::map<std::string, Early> early_;
+  std::map<std::string, Signals> early_;
   // Aborted ids whose late signals are ignored: the most recent max_early_ of them, so the
   // set does not grow with the life of the process.
   std::set<std::string> removed_;

@@ -6,6 +6,29 @@
 #include "common/trace.h"
 
 namespace rd2h::decode {
+namespace {
+
+// Prefill and Decode must run the same model: the same cache layers by name. Names the
+// counts and the first layer found on one side only.
+Status check_same_layers(const std::map<std::string, layout::LayerTensors>& prefill,
+                         const DecodeLayout& decode) {
+  auto first_missing = [](const auto& from, const auto& in) -> std::optional<std::string> {
+    for (const auto& entry : from) {
+      if (in.count(entry.first) == 0) return entry.first;
+    }
+    return std::nullopt;
+  };
+  const auto only_prefill = first_missing(prefill, decode);
+  const auto only_decode = first_missing(decode, prefill);
+  if (!only_prefill && !only_decode) return Status::ok();
+  std::string why = "Prefill's model has " + std::to_string(prefill.size()) +
+                    " cache layers, this Decode's has " + std::to_string(decode.size());
+  if (only_decode) why += "; layer '" + *only_decode + "' is not in Prefill's MF_META";
+  if (only_prefill) why += "; layer '" + *only_prefill + "' is not in Decode's cache";
+  return failed_precondition(why + " (another model?)");
+}
+
+}  // namespace
 
 Expected<std::unique_ptr<Reader>> Reader::start(ReaderConfig config,
                                                 std::shared_ptr<transfer::TransferEngine> engine,
@@ -14,9 +37,6 @@ Expected<std::unique_ptr<Reader>> Reader::start(ReaderConfig config,
   if (config.d_rank < 0 || config.d_rank >= config.d_tp) {
     return invalid_argument("Decode rank " + std::to_string(config.d_rank) + " is outside 0.." +
                             std::to_string(config.d_tp - 1));
-  }
-  if (config.tp_ratio < 1) {
-    return invalid_argument("tp_ratio must be at least 1, got " + std::to_string(config.tp_ratio));
   }
   auto router =
       control::RouterChannel::bind(std::move(context), config.host, config.port, config.security);
@@ -32,8 +52,7 @@ Reader::Reader(ReaderConfig config, std::shared_ptr<transfer::TransferEngine> en
     : config_(std::move(config)),
       engine_(std::move(engine)),
       layout_(std::move(layout)),
-      router_(std::move(router)),
-      tracker_(config_.tp_ratio) {}
+      router_(std::move(router)) {}
 
 Reader::~Reader() {
   stopping_.store(true);
@@ -312,6 +331,7 @@ void Reader::handle_mf_meta(const std::string& identity, const protocol::MfMeta&
     if (!tensors) return refuse(tensors.status().with_context(name));
     peer.layers.emplace(name, std::move(*tensors));
   }
+  if (Status st = check_same_layers(peer.layers, layout_); !st) return refuse(st);
   auto session = engine_->connect(meta.backend_metadata);
   if (!session) return refuse(session.status().with_context("connecting to " + meta.p_session));
   peer.session = std::move(*session);
@@ -356,7 +376,11 @@ void Reader::handle_ready(const std::string& identity, const protocol::ReadReady
     if (owed.empty()) owed_.erase(identity);
     ++stats_.layers_done;
     for (const auto& ext_id : ready.done_ext_ids) {
-      (void)tracker_.on_final_layer(ext_id, static_cast<int>(ready.group_member_idx));
+      // Each readiness carries its Prefill's contributor count: one Decode serves Prefill
+      // instances of different TP sizes.
+      Status st = tracker_.on_final_layer(ext_id, static_cast<int>(ready.group_member_idx),
+                                          static_cast<int>(ready.tp_ratio));
+      if (!st) log::warn("decode reader {}: {}", config_.d_rank, st.message());
       if (trace::enabled() && tracker_.complete(ext_id)) {
         trace::instant("kv complete", "reader", ready.layer_idx, ext_id);
       }
@@ -377,10 +401,6 @@ Status Reader::read_layer(const std::string& identity, const protocol::ReadReady
   auto peer = peers_.find(identity);
   if (peer == peers_.end()) {
     return failed_precondition(where + ": no MF_META on this connection");
-  }
-  if (ready.tp_ratio != config_.tp_ratio) {
-    return failed_precondition(where + ": Prefill says tp_ratio " + std::to_string(ready.tp_ratio) +
-                               ", this Decode expects " + std::to_string(config_.tp_ratio));
   }
   auto p_layer = peer->second.layers.find(ready.layer_name);
   auto d_layer = layout_.find(ready.layer_name);

@@ -33,7 +33,6 @@ using DecodeLayout = std::map<std::string, layout::LayerTensors>;
 struct ReaderConfig {
   int d_rank = 0;
   int d_tp = 1;
-  int tp_ratio = 1;  // Prefill contributors per Decode rank
   std::string host = "127.0.0.1";
   int port = 0;  // the rank port; 0 picks a free one (tests)
   std::chrono::milliseconds poll_interval{20};

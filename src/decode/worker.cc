@@ -9,9 +9,10 @@ Expected<std::unique_ptr<Worker>> Worker::create(WorkerConfig config,
                                                  std::shared_ptr<control::Context> context,
                                                  const std::vector<layout::CacheLayer>& layers) {
   ReaderConfig reader = config.reader;
-  auto tp = topology::make_tp_mapping(config.p_tp, reader.d_tp);
-  if (!tp) return tp.status();
-  reader.tp_ratio = tp->ratio;
+  if (config.p_tp > 0) {
+    auto tp = topology::make_tp_mapping(config.p_tp, reader.d_tp);
+    if (!tp) return tp.status();
+  }
   auto worker = std::unique_ptr<Worker>(new Worker(std::move(engine)));
   if (config.kv_port != 0) {
     auto base = topology::base_port(config.kv_port, config.global_dp_rank, reader.d_tp);

@@ -19,10 +19,13 @@
 namespace rd2h::decode {
 
 struct WorkerConfig {
-  // reader.d_rank, reader.d_tp and reader.host are this rank's; reader.port and
-  // reader.tp_ratio are derived from the fields below.
+  // reader.d_rank, reader.d_tp and reader.host are this rank's; reader.port is derived
+  // from the fields below.
   ReaderConfig reader;
-  int p_tp = 1;  // Prefill TP size: tp_ratio = p_tp / d_tp
+  // The Prefill TP size configured, checked against Decode's (a multiple of it); 0: none.
+  // The contributor count each readiness carries is what the reader uses, so Prefill
+  // instances of other TP sizes are served as well.
+  int p_tp = 0;
   // The rank binds base_port + d_rank, base_port = kv_port + global_dp_rank * d_tp.
   // kv_port 0 binds any free port (tests); base_port() is then meaningless.
   int kv_port = 0;

@@ -17,13 +17,13 @@ AllGather group_with(std::vector<RankTerminal> others) {
 const AllGather kAlone = group_with({});
 
 TEST(CompletionTracker, CompletesAfterEveryContributorReportsTheFinalLayer) {
-  CompletionTracker t(/*tp_ratio=*/4);
+  CompletionTracker t;
   ASSERT_TRUE(t.add_request("ext-1", "int-1").is_ok());
   for (int member : {0, 2, 3}) {
-    ASSERT_TRUE(t.on_final_layer("ext-1", member).is_ok());
+    ASSERT_TRUE(t.on_final_layer("ext-1", member, 4).is_ok());
     EXPECT_TRUE(t.get_finished(kAlone)->finished.empty()) << "after member " << member;
   }
-  ASSERT_TRUE(t.on_final_layer("ext-1", 1).is_ok());
+  ASSERT_TRUE(t.on_final_layer("ext-1", 1, 4).is_ok());
   auto done = t.get_finished(kAlone);
   ASSERT_TRUE(done);
   EXPECT_EQ(done->finished, std::vector<std::string>{"int-1"});
@@ -32,17 +32,17 @@ TEST(CompletionTracker, CompletesAfterEveryContributorReportsTheFinalLayer) {
 }
 
 TEST(CompletionTracker, DuplicateFinalSignalDoesNotAdvance) {
-  CompletionTracker t(2);
+  CompletionTracker t;
   ASSERT_TRUE(t.add_request("r", "i").is_ok());
-  ASSERT_TRUE(t.on_final_layer("r", 0).is_ok());
-  ASSERT_TRUE(t.on_final_layer("r", 0).is_ok());
+  ASSERT_TRUE(t.on_final_layer("r", 0, 2).is_ok());
+  ASSERT_TRUE(t.on_final_layer("r", 0, 2).is_ok());
   EXPECT_TRUE(t.get_finished(kAlone)->finished.empty());
-  ASSERT_TRUE(t.on_final_layer("r", 1).is_ok());
+  ASSERT_TRUE(t.on_final_layer("r", 1, 2).is_ok());
   EXPECT_EQ(t.get_finished(kAlone)->finished, std::vector<std::string>{"i"});
 }
 
 TEST(CompletionTracker, AFailedReadMakesTheRequestTerminalAndFailed) {
-  CompletionTracker t(2);
+  CompletionTracker t;
   ASSERT_TRUE(t.add_request("r", "i").is_ok());
   t.on_failed("r");
   auto done = t.get_finished(kAlone);
@@ -51,9 +51,9 @@ TEST(CompletionTracker, AFailedReadMakesTheRequestTerminalAndFailed) {
 }
 
 TEST(CompletionTracker, EveryDecodeRankMustBeTerminal) {
-  CompletionTracker t(1);
+  CompletionTracker t;
   ASSERT_TRUE(t.add_request("r", "i").is_ok());
-  ASSERT_TRUE(t.on_final_layer("r", 0).is_ok());
+  ASSERT_TRUE(t.on_final_layer("r", 0, 1).is_ok());
   // Another rank has not finished "r": nothing is reported and the state stays.
   EXPECT_TRUE(t.get_finished(group_with({RankTerminal{}}))->finished.empty());
   EXPECT_EQ(t.tracked(), 1u);
@@ -64,50 +64,78 @@ TEST(CompletionTracker, EveryDecodeRankMustBeTerminal) {
 }
 
 TEST(CompletionTracker, ACompletionBeforeTheRequestIsKnownIsKept) {
-  CompletionTracker t(2);
-  ASSERT_TRUE(t.on_final_layer("r", 1).is_ok());
-  ASSERT_TRUE(t.on_final_layer("r", 0).is_ok());
+  CompletionTracker t;
+  ASSERT_TRUE(t.on_final_layer("r", 1, 2).is_ok());
+  ASSERT_TRUE(t.on_final_layer("r", 0, 2).is_ok());
   EXPECT_TRUE(t.get_finished(kAlone)->finished.empty());
   ASSERT_TRUE(t.add_request("r", "i").is_ok());
   EXPECT_EQ(t.get_finished(kAlone)->finished, std::vector<std::string>{"i"});
 }
 
 TEST(CompletionTracker, EarlyCompletionsAreBounded) {
-  CompletionTracker t(1, /*max_early=*/2);
-  ASSERT_TRUE(t.on_final_layer("a", 0).is_ok());
-  ASSERT_TRUE(t.on_final_layer("b", 0).is_ok());
-  Status st = t.on_final_layer("c", 0);
+  CompletionTracker t(/*max_early=*/2);
+  ASSERT_TRUE(t.on_final_layer("a", 0, 1).is_ok());
+  ASSERT_TRUE(t.on_final_layer("b", 0, 1).is_ok());
+  Status st = t.on_final_layer("c", 0, 1);
   EXPECT_EQ(st.code(), StatusCode::kFailedPrecondition);
   EXPECT_NE(st.message().find("request c"), std::string::npos) << st.message();
   EXPECT_EQ(t.tracked(), 2u);
 }
 
 TEST(CompletionTracker, AbortedRequestsIgnoreLateSignalsAndAreForgotten) {
-  CompletionTracker t(1, /*max_early=*/3);
+  CompletionTracker t(/*max_early=*/3);
   ASSERT_TRUE(t.add_request("r", "i").is_ok());
   t.remove_request("r");
-  ASSERT_TRUE(t.on_final_layer("r", 0).is_ok());
+  ASSERT_TRUE(t.on_final_layer("r", 0, 1).is_ok());
   t.on_failed("r");
   EXPECT_EQ(t.tracked(), 0u);
   EXPECT_TRUE(t.get_finished(kAlone)->finished.empty());
   // Re-adding the same id starts afresh.
   ASSERT_TRUE(t.add_request("r", "i2").is_ok());
-  ASSERT_TRUE(t.on_final_layer("r", 0).is_ok());
+  ASSERT_TRUE(t.on_final_layer("r", 0, 1).is_ok());
   EXPECT_EQ(t.get_finished(kAlone)->finished, std::vector<std::string>{"i2"});
 }
 
 TEST(CompletionTracker, ContributorOutsideTheRatioIsRejected) {
-  CompletionTracker t(2);
+  CompletionTracker t;
   ASSERT_TRUE(t.add_request("r", "i").is_ok());
-  EXPECT_EQ(t.on_final_layer("r", 2).code(), StatusCode::kInvalidArgument);
-  EXPECT_EQ(t.on_final_layer("r", -1).code(), StatusCode::kInvalidArgument);
+  EXPECT_EQ(t.on_final_layer("r", 2, 2).code(), StatusCode::kInvalidArgument);
+  EXPECT_EQ(t.on_final_layer("r", -1, 2).code(), StatusCode::kInvalidArgument);
   EXPECT_EQ(t.add_request("r", "again").code(), StatusCode::kAlreadyExists);
 }
 
-TEST(CompletionTracker, AFailingGatherIsReportedAndLosesNothing) {
-  CompletionTracker t(1);
+TEST(CompletionTracker, TheContributorCountComesWithEachRequestsSignals) {
+  CompletionTracker t;
+  ASSERT_TRUE(t.add_request("two", "i2").is_ok());
+  ASSERT_TRUE(t.add_request("one", "i1").is_ok());
+  ASSERT_TRUE(t.on_final_layer("two", 0, 2).is_ok());
+  ASSERT_TRUE(t.on_final_layer("one", 0, 1).is_ok());
+  EXPECT_EQ(t.get_finished(kAlone)->finished, std::vector<std::string>{"i1"});
+  ASSERT_TRUE(t.on_final_layer("two", 1, 2).is_ok());
+  EXPECT_EQ(t.get_finished(kAlone)->finished, std::vector<std::string>{"i2"});
+}
+
+TEST(CompletionTracker, ContributorsDisagreeingOnTheirCountFailTheRequest) {
+  CompletionTracker t;
   ASSERT_TRUE(t.add_request("r", "i").is_ok());
-  ASSERT_TRUE(t.on_final_layer("r", 0).is_ok());
+  ASSERT_TRUE(t.on_final_layer("r", 0, 4).is_ok());
+  Status st = t.on_final_layer("r", 1, 2);
+  EXPECT_EQ(st.code(), StatusCode::kFailedPrecondition);
+  EXPECT_NE(st.message().find("says tp_ratio 2, an earlier one said 4"), std::string::npos)
+      << st.message();
+  auto done = t.get_finished(kAlone);
+  EXPECT_EQ(done->failed, std::vector<std::string>{"i"});
+  // Before the request is known as well.
+  ASSERT_TRUE(t.on_final_layer("early", 0, 2).is_ok());
+  EXPECT_FALSE(t.on_final_layer("early", 0, 1).is_ok());
+  ASSERT_TRUE(t.add_request("early", "ie").is_ok());
+  EXPECT_EQ(t.get_finished(kAlone)->failed, std::vector<std::string>{"ie"});
+}
+
+TEST(CompletionTracker, AFailingGatherIsReportedAndLosesNothing) {
+  CompletionTracker t;
+  ASSERT_TRUE(t.add_request("r", "i").is_ok());
+  ASSERT_TRUE(t.on_final_layer("r", 0, 1).is_ok());
   AllGather broken = [](const RankTerminal&) -> Expected<std::vector<RankTerminal>> {
     return timeout_error("rank 1 did not answer");
   };

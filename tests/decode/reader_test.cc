@@ -326,6 +326,29 @@ TEST_F(ReaderTest, AnMfMetaFailingItsChecksIsRefusedWithTheReason) {
   EXPECT_NE(error.find("they must match"), std::string::npos) << error;
 }
 
+TEST_F(ReaderTest, APrefillOfAnotherModelIsRefusedAtMfMetaNamingTheDifference) {
+  auto fewer = mf_meta(prefill_);
+  fewer.layers.pop_back();  // a model with one layer less
+  auto m = exchange_message(protocol::encode(fewer));
+  ASSERT_TRUE(std::holds_alternative<protocol::ReadFailed>(m)) << "no refusal";
+  auto error = std::get<protocol::ReadFailed>(m).error;
+  EXPECT_NE(error.find("Prefill's model has 2 cache layers, this Decode's has 3; layer '" +
+                       layer_name(2) + "' is not in Prefill's MF_META"),
+            std::string::npos)
+      << error;
+  auto renamed = mf_meta(prefill_);
+  renamed.layers[0].first = "model.layers.0.attn";
+  m = exchange_message(protocol::encode(renamed));
+  ASSERT_TRUE(std::holds_alternative<protocol::ReadFailed>(m)) << "no refusal";
+  error = std::get<protocol::ReadFailed>(m).error;
+  EXPECT_NE(error.find("layer 'model.layers.0.attn' is not in Decode's cache"), std::string::npos)
+      << error;
+  // Nothing was kept: a readiness on this connection has no MF_META behind it.
+  m = exchange_message(protocol::encode(ready(1, {})));
+  ASSERT_TRUE(std::holds_alternative<protocol::ReadFailed>(m));
+  EXPECT_NE(std::get<protocol::ReadFailed>(m).error.find("no MF_META"), std::string::npos);
+}
+
 TEST_F(ReaderTest, AReadinessOverAnItemLimitIsAnsweredForItsLayerNamingTheLimit) {
   send_mf_meta(mf_meta(prefill_));
   auto big = ready(2, {});

@@ -21,7 +21,7 @@ const decode::AllGather kAlone =
 
 class SenderTest : public ::testing::Test {
  protected:
-  void start_reader(int tp_ratio, int port = 0) {
+  void start_reader(int port = 0) {
     reader_.reset();
     if (!decode_engine_) {
       decode_engine_ = std::shared_ptr<transfer::TransferEngine>(std::move(decode_.engine));
@@ -29,7 +29,6 @@ class SenderTest : public ::testing::Test {
     decode::DecodeLayout layout;
     for (int l = 0; l < kLayers; ++l) layout[layer_name(l)] = decode_.tensors(l);
     decode::ReaderConfig config;
-    config.tp_ratio = tp_ratio;
     config.port = port;
     auto r = decode::Reader::start(config, decode_engine_, std::move(layout), context_);
     ASSERT_TRUE(r) << r.status().to_string();
@@ -65,7 +64,7 @@ class SenderTest : public ::testing::Test {
 };
 
 TEST_F(SenderTest, LayersFlowThroughTheSlotGatesAndTheBytesArrive) {
-  start_reader(1);
+  start_reader();
   auto s = sender();
   ASSERT_TRUE(reader_->add_request("r", "i", {3, 9, 4}, {11, 12, 13}).is_ok());
   SlotGate gate;  // one physical slot reused by every layer
@@ -86,7 +85,7 @@ TEST_F(SenderTest, LayersFlowThroughTheSlotGatesAndTheBytesArrive) {
 }
 
 TEST_F(SenderTest, TwoContributorsSplitTheIndexerAndBothMustFinish) {
-  start_reader(/*tp_ratio=*/2);
+  start_reader();
   auto member0 = sender(), member1 = sender();
   ASSERT_TRUE(reader_->add_request("r", "i", {1, 2, 3, 4}, {5, 6, 7, 8}).is_ok());
   const protocol::ReadReq req{"r", {10, 11, 12, 13}, {0, 1, 2, 3}, 0, 0};
@@ -104,6 +103,28 @@ TEST_F(SenderTest, TwoContributorsSplitTheIndexerAndBothMustFinish) {
         << "indexer block " << i;
   }
   EXPECT_EQ(reader_->get_finished(kAlone)->finished, std::vector<std::string>{"i"});
+}
+
+TEST_F(SenderTest, OneDecodeServesPrefillInstancesOfDifferentTpSizes) {
+  start_reader();
+  // A Prefill of two contributors per Decode rank and one of a single contributor.
+  auto pair0 = sender(), pair1 = sender(), single = sender();
+  ASSERT_TRUE(reader_->add_request("a", "ia", {1, 2}, {5, 6}).is_ok());
+  ASSERT_TRUE(reader_->add_request("b", "ib", {3, 4}, {7, 8}).is_ok());
+  const protocol::ReadReq a{"a", {10, 11}, {0, 1}, 0, 0}, b{"b", {12, 13}, {2, 3}, 0, 0};
+  SlotGate g0, g1, g2;
+  ASSERT_TRUE(send_and_wait(*single, ready(0, {b}, {"b"}, 0, 1), g2).is_ok());
+  ASSERT_TRUE(send_and_wait(*pair0, ready(0, {a}, {"a"}, 0, 2), g0).is_ok());
+  EXPECT_EQ(reader_->get_finished(kAlone)->finished, std::vector<std::string>{"ib"});
+  ASSERT_TRUE(send_and_wait(*pair1, ready(0, {a}, {"a"}, 1, 2), g1).is_ok());
+  EXPECT_EQ(reader_->get_finished(kAlone)->finished, std::vector<std::string>{"ia"});
+  sync_with_reader();
+  for (int64_t i = 0; i < 2; ++i) {
+    EXPECT_TRUE(decode_.holds(0, 0, 1 + i, 10 + i)) << "a main block " << i;
+    EXPECT_TRUE(decode_.holds(0, 2, 5 + i, i)) << "a indexer block " << i;
+    EXPECT_TRUE(decode_.holds(0, 0, 3 + i, 12 + i)) << "b main block " << i;
+    EXPECT_TRUE(decode_.holds(0, 2, 7 + i, 2 + i)) << "b indexer block " << i;
+  }
 }
 
 TEST_F(SenderTest, ADecodeThatNeverAcknowledgesFailsTheGateInTime) {
@@ -136,7 +157,7 @@ TEST_F(SenderTest, StoppingTheSenderFailsWhatIsStillPending) {
 }
 
 TEST_F(SenderTest, ARestartedDecodeGetsMfMetaAgainAndLaterLayersSucceed) {
-  start_reader(1);
+  start_reader();
   const std::string url = reader_->url();
   const int port = std::stoi(url.substr(url.rfind(':') + 1));
   SenderConfig config;
@@ -152,7 +173,7 @@ TEST_F(SenderTest, ARestartedDecodeGetsMfMetaAgainAndLaterLayersSucceed) {
   Status st = send_and_wait(*s, ready(1, {{"r", {1}, {1}, 0, 0}}), gate);
   EXPECT_FALSE(st.is_ok()) << "a layer with no Decode to read it succeeded";
 
-  start_reader(1, port);  // Decode is back on the same port, knowing nothing of Prefill
+  start_reader(port);  // Decode is back on the same port, knowing nothing of Prefill
   ASSERT_TRUE(reader_->add_request("r", "i", {3}, {3}).is_ok());
   st = send_and_wait(*s, ready(2, {{"r", {1}, {1}, 0, 0}}), gate);
   ASSERT_TRUE(st.is_ok()) << st.to_string();
@@ -164,7 +185,7 @@ TEST_F(SenderTest, ARestartedDecodeGetsMfMetaAgainAndLaterLayersSucceed) {
 }
 
 TEST_F(SenderTest, ADecodeRestartedBetweenLayersIsToldMfMetaAgainBeforeTheNextLayer) {
-  start_reader(1);
+  start_reader();
   const std::string url = reader_->url();
   const int port = std::stoi(url.substr(url.rfind(':') + 1));
   auto s = sender();
@@ -178,7 +199,7 @@ TEST_F(SenderTest, ADecodeRestartedBetweenLayersIsToldMfMetaAgainBeforeTheNextLa
   reader_.reset();
   ASSERT_TRUE(eventually([&] { return s->stats().connections_lost == 1; }))
       << "the closed connection went unnoticed";
-  start_reader(1, port);
+  start_reader(port);
   ASSERT_TRUE(reader_->add_request("r", "i", {3, 4}, {3, 4}).is_ok());
   Status st = send_and_wait(*s, ready(1, {{"r", {2}, {2}, 1, 1}}), gate);
   ASSERT_TRUE(st.is_ok()) << st.to_string();

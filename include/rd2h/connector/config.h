@@ -44,8 +44,9 @@ struct ConnectorConfig {
   // wait_for_save (false: needs one physical buffer per layer).
   bool use_layerwise = true;
   RequestIdRule request_ids;
-  // Decode: the TP size of the Prefill instances it serves (their contributors per Decode
-  // rank follow from it); 0 means the same as Decode's own.
+  // Decode: the TP size of the Prefill instances it expects, checked at start to be a
+  // multiple of Decode's; 0: not checked. Each readiness carries its own contributor count,
+  // so Prefill instances of any TP size that is a multiple of Decode's are served.
   int prefill_tp_size = 0;
   std::chrono::milliseconds ack_timeout{10000};
   std::chrono::milliseconds reply_timeout{30000};
