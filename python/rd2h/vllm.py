@@ -68,7 +68,7 @@ def layer_index(name: str) -> Optional[int]:
 
 
 def is_indexer_layer(name: str) -> bool:
-    return "indexer" in name
+    return "indexer" in name.lower()
 
 
 class Rd2hConnectorMetadata(KVConnectorMetadata):
@@ -188,7 +188,11 @@ class Rd2hConnector(KVConnectorBase_V1, SupportsHMA):
     def build_connector_meta(self, scheduler_output: Any) -> KVConnectorMetadata:
         assert self._scheduler is not None, "a scheduler-role call on the worker role"
         scheduled = []
-        counts = scheduler_output.num_scheduled_tokens
+        # Speculative tokens are scheduled but not computed until they are accepted: they
+        # do not count.
+        spec = getattr(scheduler_output, "scheduled_spec_decode_tokens", None) or {}
+        plain = dict(scheduler_output.num_scheduled_tokens)
+        counts = {r: n - len(spec.get(r, ())) for r, n in plain.items()}
         # New requests: their blocks reached update_state_after_alloc already.
         for r in scheduler_output.scheduled_new_reqs:
             scheduled.append((r.req_id, [], r.num_computed_tokens + counts.get(r.req_id, 0), False))

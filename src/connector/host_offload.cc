@@ -95,13 +95,14 @@ Expected<const layout::CacheLayer*> HostOffloadWorker::layer(std::string_view na
 Status HostOffloadWorker::wait_for_layer_load(std::string_view layer_name) {
   auto l = layer(layer_name);
   if (!l) return l.status();
-  if (metadata_.load.empty()) return Status::ok();
-  // The buffers may still be read for their previous owner: wait before overwriting them.
+  // The buffers may still be read for their previous owner: wait before they are written,
+  // by this load or by the layer's compute (the waiter's owner leaves that wait to us).
   if (waiter_) {
     ++stats_.reuse_waits;
     RD2H_RETURN_IF_ERROR(
         waiter_(layer_name).with_context("host offload, loading " + std::string(layer_name)));
   }
+  if (metadata_.load.empty()) return Status::ok();
   for (const auto& b : metadata_.load) {
     auto saved = store_->get(b.key, (*l)->name);
     if (!saved) {

@@ -45,8 +45,9 @@ MultiConnectorWorker::MultiConnectorWorker(
     order_.push_back(c.get());
     if (provider_) {
       KvConnectorWorker* rd2h = provider_;
-      c->set_buffer_reuse_waiter(
+      const bool taken = c->set_buffer_reuse_waiter(
           [rd2h](std::string_view layer) { return rd2h->wait_for_layer_send(layer); });
+      provider_wait_delegated_ = provider_wait_delegated_ || taken;
     }
   }
 }
@@ -90,7 +91,10 @@ Status MultiConnectorWorker::start_load_kv() {
 }
 
 Status MultiConnectorWorker::wait_for_layer_load(std::string_view layer) {
-  return each([&](KvConnectorWorker& c) { return c.wait_for_layer_load(layer); });
+  return each([&](KvConnectorWorker& c) {
+    if (&c == provider_ && provider_wait_delegated_) return Status::ok();  // waited through
+    return c.wait_for_layer_load(layer);
+  });
 }
 
 Status MultiConnectorWorker::save_kv_layer(std::string_view layer,
@@ -136,7 +140,16 @@ void MultiConnectorWorker::shutdown() {
 
 MatchedTokens MultiConnectorScheduler::get_num_new_matched_tokens(const Request& request,
                                                                   uint64_t num_computed_tokens) {
+  // A connector holding the request from before its preemption decides its match first;
+  // then the others, in composition order.
+  std::vector<size_t> order;
   for (size_t i = 0; i < connectors_.size(); ++i) {
+    if (connectors_[i]->reports_preempted(request)) order.push_back(i);
+  }
+  for (size_t i = 0; i < connectors_.size(); ++i) {
+    if (!connectors_[i]->reports_preempted(request)) order.push_back(i);
+  }
+  for (size_t i : order) {
     const MatchedTokens m =
         connectors_[i]->get_num_new_matched_tokens(request, num_computed_tokens);
     if (m.tokens > 0) {

@@ -1,5 +1,8 @@
 #include "rd2h/connector/scheduler.h"
 
+#include <algorithm>
+#include <cctype>
+
 #include "layout/cache.h"
 #include "metaserver/client.h"
 #include "metaserver/token.h"
@@ -7,19 +10,32 @@
 
 namespace rd2h::connector {
 
+bool is_indexer_layer(std::string_view name) {
+  constexpr std::string_view kWord = "indexer";
+  auto lower = [](char a, char b) {
+    return std::tolower(static_cast<unsigned char>(a)) == static_cast<unsigned char>(b);
+  };
+  return std::search(name.begin(), name.end(), kWord.begin(), kWord.end(), lower) != name.end();
+}
+
 Expected<GroupRoles> find_group_roles(const std::vector<KvCacheGroup>& groups) {
+  if (groups.empty()) return invalid_argument("the engine has no KV-cache groups");
   std::optional<size_t> main, indexer;
   for (size_t g = 0; g < groups.size(); ++g) {
     if (groups[g].block_size == 0) {
       return invalid_argument("KV-cache group " + std::to_string(g) + " has block size 0");
     }
     for (const auto& name : groups[g].layer_names) {
-      const bool is_indexer = name.find("indexer") != std::string::npos;
-      if (is_indexer && !indexer) indexer = g;
-      if (!is_indexer && !main) main = g;
+      const bool indexer_layer = is_indexer_layer(name);
+      if (indexer_layer && !indexer) indexer = g;
+      if (!indexer_layer && !main) main = g;
     }
   }
-  if (!main) return invalid_argument("no KV-cache group holds a main attention layer");
+  if (!main && indexer) {
+    return invalid_argument("KV-cache group " + std::to_string(*indexer) +
+                            " holds indexer layers, but no group holds a main attention layer");
+  }
+  if (!main) return invalid_argument("no KV-cache group holds a layer");
   return GroupRoles{*main, indexer.value_or(*main)};
 }
 
@@ -86,10 +102,9 @@ Status Scheduler::update_decode(Request& request,
                                 const std::vector<std::vector<int64_t>>& block_ids) {
   auto ext = config_.request_ids.to_external(request.request_id);
   if (!ext) return ext.status();
-  if (request.params->metaserver.empty()) {
-    return invalid_argument("request " + *ext +
-                            " asks for a remote prefill but names no metaserver");
-  }
+  // Without a metaserver, or for a virtual request, the rendezvous reaches Prefill some
+  // other way (or never): nothing is posted, and Decode still expects the KV.
+  const bool post = !request.params->metaserver.empty() && !request.params->is_virtual;
   KvTransferParams rendezvous;
   rendezvous.request_id = *ext;
   rendezvous.remote_engine_id = config_.engine_id;
@@ -101,8 +116,10 @@ Status Scheduler::update_decode(Request& request,
   rendezvous.remote_public_key = config_.curve.public_key;
   auto computed = computed_.find(request.request_id);
   rendezvous.remote_cached_tokens = computed == computed_.end() ? 0 : computed->second;
-  RD2H_RETURN_IF_ERROR(
-      metaserver_->post(*ext, request.params->metaserver, rendezvous.rendezvous_json()));
+  if (post) {
+    RD2H_RETURN_IF_ERROR(
+        metaserver_->post(*ext, request.params->metaserver, rendezvous.rendezvous_json()));
+  }
   if (computed != computed_.end()) computed_.erase(computed);
   pending_.load.push_back(
       {*ext, request.request_id, block_ids[roles_.main], block_ids[roles_.indexer]});
@@ -117,11 +134,9 @@ Status Scheduler::update_prefill(Request& request,
   if (!ext) return ext.status();
   auto decode = request.params->for_request(*ext);
   if (!decode) return decode.status();
-  if (decode->remote_host.empty() || decode->remote_port <= 0) {
-    return invalid_argument("request " + *ext +
-                            ": kv_transfer_params name no Decode endpoint "
-                            "(remote_host, remote_port)");
-  }
+  // No Decode endpoint: nothing to send, so the request is not tracked (no readiness, no
+  // gate closed for it).
+  if (decode->remote_host.empty() || decode->remote_port <= 0) return Status::ok();
   Send s;
   s.ext_id = *ext;
   s.decode = std::move(*decode);
@@ -136,7 +151,7 @@ Status Scheduler::update_prefill(Request& request,
 Expected<ConnectorMetadata> Scheduler::build_connector_meta(
     const std::vector<ScheduledRequest>& scheduled) {
   ConnectorMetadata meta;
-  std::swap(meta, pending_);
+  std::vector<std::string> last_out;  // internal ids whose last chunk this step publishes
   for (const auto& step : scheduled) {
     auto it = send_.find(step.request_id);
     if (it == send_.end()) continue;  // not a request this connector publishes
@@ -169,6 +184,7 @@ Expected<ConnectorMetadata> Scheduler::build_connector_meta(
     if (!indexer) return indexer.status().with_context("request " + s.ext_id + ", indexer blocks");
     s.transferred_tokens = std::max(s.transferred_tokens, step.num_computed_tokens);
     if (main->size() == 0 && indexer->size() == 0 && !final_chunk) continue;
+    if (final_chunk) last_out.push_back(it->first);
     prefill::SendRequest out;
     out.ext_id = s.ext_id;
     out.d_host = s.decode.remote_host;
@@ -186,6 +202,13 @@ Expected<ConnectorMetadata> Scheduler::build_connector_meta(
     out.final_chunk = final_chunk;
     meta.save.push_back(std::move(out));
   }
+  // A request whose last chunk is out is done here: a later schedule of it (a decode
+  // step, a recompute) never sends its last partial block again.
+  for (const auto& id : last_out) send_.erase(id);
+  // Decode's loads and aborts go out with a step that succeeded, not before: a step that
+  // fails loses none of them.
+  meta.load = std::exchange(pending_.load, {});
+  meta.abort = std::exchange(pending_.abort, {});
   return meta;
 }
 

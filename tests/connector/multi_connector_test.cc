@@ -163,7 +163,8 @@ TEST_F(OffloadWithRd2h, AReusedPrefixIsLoadedIntoSharedSlotsOnlyAfterRd2hRelease
   }
   auto& offload = static_cast<HostOffloadWorker&>(prefill_->connector(0));
   EXPECT_EQ(offload.stats().blocks_loaded, 2u * kLayers);
-  EXPECT_EQ(offload.stats().reuse_waits, static_cast<uint64_t>(kLayers));
+  // The offload holds rd2h's waiter: it waits before every layer of both forwards.
+  EXPECT_EQ(offload.stats().reuse_waits, 2u * kLayers);
 }
 
 // A connector that records the calls it gets, to check the composition's order.
@@ -194,7 +195,12 @@ class Recorder final : public KvConnectorWorker {
   }
   std::vector<int64_t> get_block_ids_with_load_errors() override { return {}; }
   void shutdown() override {}
-  void set_buffer_reuse_waiter(BufferReuseWaiter w) override { waiter_ = std::move(w); }
+  bool set_buffer_reuse_waiter(BufferReuseWaiter w) override {
+    if (!takes_waiter_) return false;
+    waiter_ = std::move(w);
+    return true;
+  }
+  bool takes_waiter_ = true;
 
  private:
   Status note(const std::string& what) {
@@ -220,13 +226,26 @@ TEST(MultiConnector, Rd2hRunsFirstAndIsTheOthersBufferReuseWaiter) {
   ASSERT_TRUE(multi.wait_for_layer_load("L").is_ok());
   ASSERT_TRUE(multi.save_kv_layer("L", nullptr).is_ok());
   ASSERT_TRUE(multi.on_kv_cache_written("L").is_ok());
-  EXPECT_EQ(log, (std::vector<std::string>{"store:bind:S", "rd2h:bind:R", "rd2h:load",
+  // The store calls rd2h's wait itself: rd2h's own wait_for_layer_load is not called too.
+  EXPECT_EQ(log, (std::vector<std::string>{"store:bind:S", "rd2h:bind:R",
                                            "rd2h:send_wait", "store:load", "rd2h:save",
                                            "store:save", "rd2h:written", "store:written"}));
   auto f = multi.get_finished({});
   ASSERT_TRUE(f);
   EXPECT_EQ(f->sending, (std::vector<std::string>{"rd2h-sent", "store-sent"}));
   EXPECT_FALSE(multi.bind_connector_metadata(encode_multi({blob("only one")})).is_ok());
+}
+
+TEST(MultiConnector, Rd2hsOwnLoadWaitRunsWhenNoOtherConnectorTookItsWaiter) {
+  std::vector<std::string> log;
+  auto store = std::make_unique<Recorder>("store", &log);
+  store->takes_waiter_ = false;
+  std::vector<std::unique_ptr<KvConnectorWorker>> parts;
+  parts.push_back(std::move(store));
+  parts.push_back(std::make_unique<Recorder>("rd2h", &log));
+  MultiConnectorWorker multi(std::move(parts));
+  ASSERT_TRUE(multi.wait_for_layer_load("L").is_ok());
+  EXPECT_EQ(log, (std::vector<std::string>{"rd2h:load", "store:load"}));
 }
 
 TEST(MultiConnectorScheduler, TheOffloadLoadsAPrefixWhileRd2hSeesAndPublishesEveryBlock) {
@@ -299,6 +318,49 @@ class ParamsOnFinish final : public KvConnectorScheduler {
  private:
   std::string name_;
 };
+
+// A scheduler that matches a fixed number of tokens and may report requests preempted.
+class Matcher final : public KvConnectorScheduler {
+ public:
+  Matcher(std::string name, uint64_t tokens, std::string preempted = {})
+      : name_(std::move(name)), tokens_(tokens), preempted_(std::move(preempted)) {}
+  std::string_view name() const override { return name_; }
+  MatchedTokens get_num_new_matched_tokens(const Request&, uint64_t) override {
+    return {tokens_, false};
+  }
+  Status update_state_after_alloc(Request&, const std::vector<std::vector<int64_t>>& blocks,
+                                  uint64_t external) override {
+    if (external > 0) loaded_ = !blocks.empty();
+    return Status::ok();
+  }
+  Expected<std::vector<std::byte>> build_metadata(const std::vector<ScheduledRequest>&) override {
+    return std::vector<std::byte>{};
+  }
+  Expected<FinishedRequest> finish(const Request&) override { return FinishedRequest{}; }
+  bool reports_preempted(const Request& r) const override { return r.request_id == preempted_; }
+  bool loaded_ = false;
+
+ private:
+  std::string name_;
+  uint64_t tokens_;
+  std::string preempted_;
+};
+
+TEST(MultiConnectorScheduler, AConnectorReportingARequestPreemptedDecidesItsMatchFirst) {
+  std::vector<std::unique_ptr<KvConnectorScheduler>> parts;
+  parts.push_back(std::make_unique<Matcher>("first", 16));
+  parts.push_back(std::make_unique<Matcher>("holder", 48, "p-abcdefgh"));
+  MultiConnectorScheduler multi(std::move(parts));
+  Request preempted{"p-abcdefgh", 64, std::nullopt, {}}, fresh{"f-abcdefgh", 64, std::nullopt, {}};
+  EXPECT_EQ(multi.get_num_new_matched_tokens(preempted, 0).tokens, 48u)
+      << "the connector holding the preempted request was not asked first";
+  ASSERT_TRUE(multi.update_state_after_alloc(preempted, {{1, 2, 3}}, 48).is_ok());
+  auto& first = static_cast<Matcher&>(multi.connector(0));
+  auto& holder = static_cast<Matcher&>(multi.connector(1));
+  EXPECT_TRUE(holder.loaded_);
+  EXPECT_FALSE(first.loaded_);
+  EXPECT_EQ(multi.get_num_new_matched_tokens(fresh, 0).tokens, 16u) << "composition order";
+}
 
 TEST(MultiConnectorScheduler, AtMostOneConnectorMayReturnKvTransferParams) {
   std::vector<std::unique_ptr<KvConnectorScheduler>> one;

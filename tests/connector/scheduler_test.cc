@@ -33,8 +33,31 @@ TEST(GroupRoles, FoundFromLayerNamesNotFromGroupOrder) {
   ASSERT_TRUE(uniform);
   EXPECT_EQ(uniform->main, 0u);
   EXPECT_EQ(uniform->indexer, 0u);
-  EXPECT_FALSE(find_group_roles({{{kIndexer}, 64}})) << "no main group";
   EXPECT_FALSE(find_group_roles({{{kMain}, 0}})) << "block size 0";
+}
+
+TEST(GroupRoles, IndexerLayersAreFoundInAnyCase) {
+  auto split = find_group_roles({{{kMain}, 128}, {{"model.layers.0.self_attn.INDEXER"}, 64}});
+  ASSERT_TRUE(split);
+  EXPECT_EQ(split->main, 0u);
+  EXPECT_EQ(split->indexer, 1u) << "the upper-case indexer group was taken for main KV";
+  EXPECT_TRUE(is_indexer_layer("model.layers.3.Indexer.k_cache"));
+  EXPECT_FALSE(is_indexer_layer("model.layers.3.self_attn"));
+}
+
+TEST(GroupRoles, OnlyIndexerGroupsOrNoGroupsAreRefusedNamingTheProblem) {
+  auto only_indexer = find_group_roles({{{kIndexer}, 64}});
+  ASSERT_FALSE(only_indexer);
+  EXPECT_NE(only_indexer.status().message().find(
+                "group 0 holds indexer layers, but no group holds a main attention layer"),
+            std::string::npos)
+      << only_indexer.status().to_string();
+  auto none = find_group_roles({});
+  ASSERT_FALSE(none);
+  EXPECT_NE(none.status().message().find("no KV-cache groups"), std::string::npos)
+      << none.status().to_string();
+  EXPECT_FALSE(Scheduler::create(config(KvRole::kConsumer), {}, {{{kIndexer}, 64}}))
+      << "a scheduler over indexer layers only";
 }
 
 TEST(DecodeScheduler, MatchesAllocatesAndPostsTheRendezvousOnce) {
@@ -83,11 +106,43 @@ TEST(DecodeScheduler, RequestsWithoutRemotePrefillAreLeftAlone) {
   EXPECT_EQ((*s)->get_num_new_matched_tokens(plain, 0).tokens, 0u);
   EXPECT_TRUE((*s)->update_state_after_alloc(plain, {{1}}, 0).is_ok());
   EXPECT_TRUE((*s)->build_connector_meta({})->empty());
-  KvTransferParams p;
-  p.do_remote_prefill = true;  // but no metaserver to post to
-  Request bad{"r-abcdefgh", 100, p, {}};
-  Status st = (*s)->update_state_after_alloc(bad, {{1}}, 100);
-  EXPECT_NE(st.message().find("names no metaserver"), std::string::npos) << st.to_string();
+}
+
+TEST(DecodeScheduler, WithoutAMetaserverOrWhenVirtualNothingIsPostedButTheRequestIsTracked) {
+  auto s = Scheduler::create(config(KvRole::kConsumer), {}, {{{kMain}, 128}});
+  ASSERT_TRUE(s);
+  const auto* client = testing::SchedulerAccess::metaserver(**s);
+  // A metaserver nobody listens on: a post to it stays pending (retried) until cancelled.
+  const std::string nowhere = "http://127.0.0.1:1/v1/metaserver";
+  KvTransferParams none;
+  none.do_remote_prefill = true;
+  KvTransferParams virt = none;
+  virt.metaserver = nowhere;
+  virt.is_virtual = true;
+  KvTransferParams posted = none;
+  posted.metaserver = nowhere;
+  Request a{"a-abcdefgh", 100, none, {}}, b{"b-abcdefgh", 100, virt, {}},
+      c{"c-abcdefgh", 100, posted, {}};
+  for (Request* r : {&a, &b, &c}) {
+    ASSERT_TRUE((*s)->update_state_after_alloc(*r, {{1, 2}}, 100).is_ok()) << r->request_id;
+    EXPECT_FALSE(r->params->do_remote_prefill) << r->request_id;
+  }
+  EXPECT_FALSE(client->pending("a")) << "posted without a metaserver";
+  EXPECT_FALSE(client->pending("b")) << "a virtual request was posted";
+  EXPECT_TRUE(client->pending("c")) << "the control request was not posted";
+  auto m = (*s)->build_connector_meta({});
+  ASSERT_TRUE(m);
+  ASSERT_EQ(m->load.size(), 3u) << "every request is still expected";
+  EXPECT_EQ(testing::SchedulerAccess::tracked(**s), 3u);
+  for (Request* r : {&a, &b, &c}) (*s)->request_finished(*r);
+  EXPECT_EQ(testing::SchedulerAccess::tracked(**s), 0u);
+}
+
+TEST(KvTransferParams, VirtualIsReadAsABoolean) {
+  auto p = KvTransferParams::from_json(R"({"do_remote_prefill":true,"virtual":true})");
+  ASSERT_TRUE(p);
+  EXPECT_TRUE(p->is_virtual);
+  EXPECT_FALSE(KvTransferParams::from_json(R"({"virtual":"yes"})"));
 }
 
 KvTransferParams from_decode(uint64_t cached) {
@@ -129,6 +184,38 @@ TEST(PrefillScheduler, EachChunkPublishesItsNewlyCompleteBlocksAndTheLastItsPart
   EXPECT_TRUE(last->save[0].final_chunk);
   (*s)->request_finished(r);
   EXPECT_EQ(testing::SchedulerAccess::tracked(**s), 0u);
+}
+
+TEST(PrefillScheduler, ARequestIsForgottenOnceItsLastChunkIsPublished) {
+  auto s = Scheduler::create(config(KvRole::kProducer), {}, {{{kMain, kIndexer}, 16}});
+  ASSERT_TRUE(s);
+  Request r{"cmpl-x-0-abcdefgh", 40, from_decode(0), {}};
+  ASSERT_TRUE((*s)->update_state_after_alloc(r, {{10, 11, 12}}, 0).is_ok());
+  auto last = (*s)->build_connector_meta({{r.request_id, {}, 40}});
+  ASSERT_TRUE(last);
+  ASSERT_EQ(last->save.size(), 1u);
+  EXPECT_TRUE(last->save[0].final_chunk);
+  EXPECT_EQ(testing::SchedulerAccess::tracked(**s), 0u);
+  // A later step of the same request (its first decode step) publishes nothing.
+  auto later = (*s)->build_connector_meta({{r.request_id, {{13}}, 41}});
+  ASSERT_TRUE(later);
+  EXPECT_TRUE(later->save.empty()) << "the last partial block was sent again";
+}
+
+TEST(PrefillScheduler, ADecodeEndpointWithoutHostOrPortHasNothingToSend) {
+  auto s = Scheduler::create(config(KvRole::kProducer), {}, {{{kMain}, 16}});
+  ASSERT_TRUE(s);
+  auto no_port = from_decode(0);
+  no_port.remote_port = 0;
+  auto no_host = from_decode(0);
+  no_host.remote_host.clear();
+  Request a{"a-abcdefgh", 16, no_port, {}}, b{"b-abcdefgh", 16, no_host, {}};
+  ASSERT_TRUE((*s)->update_state_after_alloc(a, {{1}}, 0).is_ok());
+  ASSERT_TRUE((*s)->update_state_after_alloc(b, {{2}}, 0).is_ok());
+  EXPECT_EQ(testing::SchedulerAccess::tracked(**s), 0u);
+  auto m = (*s)->build_connector_meta({{a.request_id, {}, 16}, {b.request_id, {}, 16}});
+  ASSERT_TRUE(m);
+  EXPECT_TRUE(m->save.empty()) << "a readiness would go nowhere";
 }
 
 TEST(PrefillScheduler, AResumedRequestPublishesFromItsNewBlocks) {

@@ -304,3 +304,38 @@ def test_a_resumed_request_replaces_its_blocks():
     # Past the 32 tokens Decode holds, a resumed request publishes blocks 7 and 3 of its new
     # list; appended to the old list ([0, 1, 5, 6, 7, 3]) they would be 5 and 6.
     assert publish(resumed=True) != publish(resumed=False)
+
+
+def test_speculative_tokens_are_not_counted_as_computed():
+    """A step's speculative tokens are scheduled, not computed: 40 scheduled of which 8 are
+    speculative publish what 32 plain tokens publish, not the prompt's final chunk."""
+    from rd2h.vllm import KVConnectorRole
+
+    def publish(scheduled: int, speculative: int) -> bytes:
+        c = load(kv_config("kv_producer", free_ports(1)), KVConnectorRole.SCHEDULER)
+        try:
+            params = {"do_remote_decode": True, "request_id": "cmpl-s-0", "remote_host": "127.0.0.1",
+                      "remote_port": 30000, "remote_tp_size": 1}
+            req = V.Request("cmpl-s-0-abcdefgh", list(range(40)),
+                            V.SamplingParams(max_tokens=1, extra_args={"kv_transfer_params": params}))
+            blocks = V.KVCacheBlocks(((V.KVCacheBlock(0), V.KVCacheBlock(1), V.KVCacheBlock(2)),))
+            c.update_state_after_alloc(req, blocks, 0)
+            so = V.SchedulerOutput(
+                [V.NewRequestData(req.request_id, req.prompt_token_ids, req.sampling_params,
+                                  ([0, 1, 2],), 0)],
+                V.CachedRequestData(), {req.request_id: scheduled}, scheduled,
+                scheduled_spec_decode_tokens={req.request_id: list(range(speculative))})
+            return c.build_connector_meta(so).data
+        finally:
+            c.shutdown()
+
+    assert publish(40, 8) == publish(32, 0)
+    assert publish(40, 8) != publish(40, 0), "the speculative tokens completed the prompt"
+
+
+def test_indexer_layers_are_found_in_any_case():
+    from rd2h.vllm import is_indexer_layer
+
+    assert is_indexer_layer("model.layers.0.self_attn.INDEXER")
+    assert is_indexer_layer("model.layers.0.Indexer.k_cache")
+    assert not is_indexer_layer("model.layers.0.self_attn")

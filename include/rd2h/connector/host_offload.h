@@ -75,7 +75,10 @@ class HostOffloadWorker final : public KvConnectorWorker {
   }
   std::vector<int64_t> get_block_ids_with_load_errors() override { return {}; }
   void shutdown() override {}
-  void set_buffer_reuse_waiter(BufferReuseWaiter waiter) override { waiter_ = std::move(waiter); }
+  bool set_buffer_reuse_waiter(BufferReuseWaiter waiter) override {
+    waiter_ = std::move(waiter);
+    return true;
+  }
 
   OffloadStats stats() const { return stats_; }
 

@@ -71,6 +71,12 @@ class KvConnectorScheduler {
   // Whether update_state_after_alloc must see the request's full block groups even when
   // another connector was chosen to load it.
   virtual bool requires_full_blocks_on_update_after_alloc() const { return false; }
+  // Whether this connector holds state for the request from before a preemption (it saved
+  // or was loading the request's KV): a MultiConnector then asks it first for the match.
+  virtual bool reports_preempted(const Request& request) const {
+    (void)request;
+    return false;
+  }
 };
 
 // Returns once what a layer's physical buffers hold may be overwritten.
@@ -97,9 +103,14 @@ class KvConnectorWorker {
   virtual std::vector<int64_t> get_block_ids_with_load_errors() = 0;
   virtual void shutdown() = 0;
 
-  // A connector that overwrites or publishes physical layer buffers waits on this first;
-  // MultiConnector hands rd2h's wait_for_layer_send to the others.
-  virtual void set_buffer_reuse_waiter(BufferReuseWaiter waiter) { (void)waiter; }
+  // MultiConnector hands rd2h's wait_for_layer_send to the others. A connector that takes
+  // it returns true and calls it in its wait_for_layer_load before any of that layer's
+  // buffers may be written (whether or not it writes them itself): rd2h's own
+  // wait_for_layer_load is then not called on top of it.
+  virtual bool set_buffer_reuse_waiter(BufferReuseWaiter waiter) {
+    (void)waiter;
+    return false;
+  }
 };
 
 }  // namespace rd2h::connector

@@ -23,6 +23,9 @@ struct KvTransferParams {
   bool do_remote_prefill = false;  // Decode: the prompt's KV comes from a Prefill
   bool do_remote_decode = false;   // Prefill: a Decode pulls the KV
   std::string metaserver;          // Decode: where to post the rendezvous
+  // Decode: "virtual": the request's rendezvous is not posted (it reaches Prefill some other
+  // way, or the request is a stand-in); Decode still expects its KV.
+  bool is_virtual = false;
   // What Decode posts, and Prefill receives.
   std::string request_id;  // the external id
   std::string remote_engine_id;

@@ -2,7 +2,8 @@
 // connectors behind one KvConnectorWorker. rd2h's completion provider runs first for
 // wait_for_layer_load, save_kv_layer and on_kv_cache_written, so rd2h's storage-reuse gate
 // closes before another connector publishes or reuses the same physical buffer; rd2h's
-// wait_for_layer_send is handed to the others as their buffer-reuse waiter. The per-step
+// wait_for_layer_send is handed to the others as their buffer-reuse waiter (and once one
+// takes it, rd2h's own wait_for_layer_load is not called on top of it). The per-step
 // metadata is one blob per connector, in composition order.
 #pragma once
 
@@ -51,10 +52,13 @@ class MultiConnectorWorker final : public KvConnectorWorker {
   std::vector<std::unique_ptr<KvConnectorWorker>> connectors_;
   std::vector<KvConnectorWorker*> order_;  // the completion provider first
   KvConnectorWorker* provider_ = nullptr;
+  // Another connector calls the provider's wait in its own wait_for_layer_load: the
+  // provider's wait_for_layer_load is not called on top of it.
+  bool provider_wait_delegated_ = false;
 };
 
 // MultiConnector, scheduler role: the first connector that matches tokens for a request
-// loads it; every connector that requires full blocks (rd2h does) still sees the request's
+// loads it, those that report the request preempted asked before the others; every connector that requires full blocks (rd2h does) still sees the request's
 // complete block groups on update_state_after_alloc; at most one connector may return
 // kv_transfer_params when a request finishes.
 class MultiConnectorScheduler final : public KvConnectorScheduler {

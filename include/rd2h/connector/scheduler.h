@@ -38,7 +38,7 @@ struct SchedulerAccess;
 
 // One KV-cache group of the host engine: the layers whose blocks it allocates, and its block
 // size in tokens. The main group is the one whose layers carry no "indexer" in their name,
-// the indexer group the one whose layers do; a uniform group serves both.
+// the indexer group the one whose layers do (in any case); a uniform group serves both.
 struct KvCacheGroup {
   std::vector<std::string> layer_names;
   uint64_t block_size = 0;
@@ -51,7 +51,11 @@ struct Parallel {
   int global_dp_rank = 0;
 };
 
-// Which group holds main KV and which the indexer, found from layer names.
+// Whether a layer holds an indexer cache: "indexer" in its name, in any case.
+bool is_indexer_layer(std::string_view name);
+
+// Which group holds main KV and which the indexer, found from layer names. No groups, or
+// only indexer groups, is an error naming the problem.
 struct GroupRoles {
   size_t main = 0;
   size_t indexer = 0;
