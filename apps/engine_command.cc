@@ -45,6 +45,7 @@ int run_engine(const EngineCommandOptions& o, connector::KvRole role) {
   config.model.bytes_per_token = o.bytes_per_token;
   config.token_budget = o.token_budget;
   config.decode_cached_tokens = o.decode_cached_tokens;
+  config.test_recompute_after = o.test_recompute_after;
   config.host = o.host;
   config.served_model_name = o.served_model_name;
   config.port = o.port;

@@ -24,6 +24,7 @@ struct EngineCommandOptions {
   std::vector<uint64_t> bytes_per_token{1024, 128, 128, 4};
   uint64_t token_budget = 2048;
   uint64_t decode_cached_tokens = 0;
+  uint64_t test_recompute_after = 0;
   uint64_t compute_ns_per_token = 1000;  // per layer: a Prefill step's layer time
   uint64_t compute_min_layer_us = 0;
   bool trace = false;

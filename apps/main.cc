@@ -153,6 +153,10 @@ int main(int argc, char** argv) {
                     "attempts of a Prefill dispatch that gets no answer or a 5xx, with "
                     "exponential backoff, before the client gets a 502")
       ->check(CLI::Range(1, 100));
+  proxy->add_option("--max-reissues", px.max_reissues,
+                    "times a stream Decode ends with stop reason recomputed is continued from "
+                    "a new Prefill and Decode (prompt plus text so far), 0: never")
+      ->check(CLI::Range(0, 100));
   std::string proxy_token_file;
   proxy->add_option("--token-file", proxy_token_file,
                     "file holding the bearer token of the metaserver and the engines "
@@ -216,6 +220,7 @@ int main(int argc, char** argv) {
   engine_options(decode_cmd);
   decode_cmd->add_option("--cached-tokens", eo.decode_cached_tokens,
                          "tokens of each prompt held in a pretend local prefix cache");
+  decode_cmd->add_option("--test-recompute-after", eo.test_recompute_after)->group("");
 
   rd2h::sim::DemoOptions dm;
   std::string demo_config;

@@ -681,6 +681,8 @@ struct Engine::Impl::Call {
   std::chrono::steady_clock::time_point deadline;
   std::function<bool()> client_went_away;  // true (and the request given up) if it did
   char token_text = 'y';                   // what one generated token reads as
+  uint64_t recompute_after = 0;            // end the stream "recomputed" after this many
+  std::function<void()> give_up;           // cancels the request in the engine core
 
   json chunk(json choices) const {
     return {{"id", id}, {"object", object + ".chunk"}, {"created", created}, {"model", model},
@@ -740,6 +742,25 @@ struct Engine::Impl::Call {
             {"model", model},    {"choices", choices},   {"usage", usage(done)},
             {"rd2h", {{"verified_blocks", verified}}}};
   }
+  // Ends the stream as a Decode that lost the request's KV: the request is given up, its
+  // last event has stop reason "recomputed".
+  bool recomputed(httplib::DataSink& sink, uint64_t tokens, bool include_usage) const {
+    give_up();
+    json c = token_choice(0, "", "stop");
+    c["stop_reason"] = "recomputed";
+    std::string out = "data: " + chunk({c}).dump() + "\n\n";
+    if (include_usage) {
+      json u = chunk(json::array());
+      u["usage"] = {{"prompt_tokens", prompt_tokens[0]},
+                    {"completion_tokens", tokens},
+                    {"total_tokens", prompt_tokens[0] + tokens}};
+      out += "data: " + u.dump() + "\n\n";
+    }
+    out += "data: [DONE]\n\n";
+    sink.write(out.data(), out.size());
+    sink.done();
+    return true;
+  }
   // The stream: one event per token as the engine makes it, a last event per prompt with its
   // finish reason, the usage if asked for, then [DONE]. False if the client went away.
   bool stream(httplib::DataSink& sink, bool include_usage) const {
@@ -787,6 +808,9 @@ struct Engine::Impl::Call {
             return false;
           }
         }
+      }
+      if (recompute_after > 0 && n == 1 && sent[0] >= recompute_after && !all_ended) {
+        return recomputed(sink, sent[0], include_usage);
       }
       if (all_ended) break;
       if (std::chrono::steady_clock::now() >= deadline) {
@@ -931,6 +955,7 @@ void Engine::Impl::serve(const httplib::Request& req, httplib::Response& res, bo
   call->model = config.served_model_name;
   call->created = static_cast<int64_t>(std::time(nullptr));
   call->token_text = prefill ? 'x' : 'y';
+  if (!prefill) call->recompute_after = config.test_recompute_after;
   call->progress = std::make_shared<Progress>(children.size());
   call->deadline = std::chrono::steady_clock::now() + config.request_timeout;
   std::vector<std::shared_ptr<EngineRequest>> requests;
@@ -966,6 +991,14 @@ void Engine::Impl::serve(const httplib::Request& req, httplib::Response& res, bo
   cv.notify_all();
   // A client that closes its connection gives its request up (as vLLM aborts it): the core
   // frees what it holds instead of waiting out the request's deadlines.
+  call->give_up = [this, requests] {
+    for (auto& r : requests) r->cancelled.store(true);
+    {
+      std::lock_guard lock(mu);
+      cancels_pending = true;
+    }
+    cv.notify_all();
+  };
   call->client_went_away = [this, requests] {
     if (!metaserver::client_gone()) return false;
     for (auto& r : requests) r->cancelled.store(true);

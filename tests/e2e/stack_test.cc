@@ -26,8 +26,9 @@ constexpr uint64_t kBlocks = 64;
 class Stack : public ::testing::Test {
  protected:
   void SetUp() override {
-    decode_ =
-        rd2h::testing::start_decode(rd2h::testing::small_engine(connector::KvRole::kConsumer, kBlocks));
+    EngineConfig d = rd2h::testing::small_engine(connector::KvRole::kConsumer, kBlocks);
+    d.test_recompute_after = recompute_after_;
+    decode_ = rd2h::testing::start_decode(d);
     ASSERT_TRUE(decode_) << "no Decode engine came up";
     EngineConfig p = rd2h::testing::small_engine(connector::KvRole::kProducer, kBlocks);
     p.compute_min_layer_us = compute_min_layer_us_;
@@ -37,6 +38,7 @@ class Stack : public ::testing::Test {
     metaserver::ProxyConfig pc;
     pc.prefill = {prefill_->origin()};
     pc.decode = {decode_->origin()};
+    pc.max_reissues = max_reissues_;
     auto proxy = metaserver::Proxy::start(pc);
     ASSERT_TRUE(proxy) << proxy.status().to_string();
     proxy_ = std::move(*proxy);
@@ -69,6 +71,8 @@ class Stack : public ::testing::Test {
   }
 
   uint64_t compute_min_layer_us_ = 1000000;  // each layer takes a second: requests stay long
+  uint64_t recompute_after_ = 0;             // Decode ends streams "recomputed" after this
+  int max_reissues_ = 3;
   std::unique_ptr<Engine> decode_, prefill_;
   std::unique_ptr<metaserver::Proxy> proxy_;
 };
@@ -199,6 +203,114 @@ TEST_F(FastStack, MetricsCountRequestsTransfersAndRendezvous) {
   EXPECT_EQ(metric(decode, R"(rd2h_engine_prompts_total{outcome="ok"})"), 2);
   EXPECT_EQ(metric(decode, "rd2h_engine_time_to_first_token_seconds_count"), 2);
   EXPECT_EQ(metric(decode, "rd2h_engine_free_blocks"), kBlocks);
+}
+
+// Decode ends every stream "recomputed" after 3 tokens, as one that lost the KV does.
+class RecomputingStack : public Stack {
+ protected:
+  void SetUp() override {
+    compute_min_layer_us_ = 0;
+    recompute_after_ = 3;
+    Stack::SetUp();
+  }
+  // The data of every event of a stream, in order.
+  static std::vector<std::string> events(const std::string& stream) {
+    std::vector<std::string> out;
+    size_t at = 0, end;
+    while ((end = stream.find("\n\n", at)) != std::string::npos) {
+      const std::string e = stream.substr(at, end - at);
+      at = end + 2;
+      if (e.rfind("data: ", 0) == 0) out.push_back(e.substr(6));
+    }
+    return out;
+  }
+};
+
+TEST_F(RecomputingStack, AStreamDecodeRecomputesGoesOnInANewRoundAsOneAnswer) {
+  const json completion = {{"prompt", std::string(100, 'q')},
+                           {"max_tokens", 8},
+                           {"stream", true},
+                           {"stream_options", {{"include_usage", true}}}};
+  json chat = {{"messages", {{{"role", "user"}, {"content", std::string(100, 'q')}}}},
+               {"max_completion_tokens", 8},
+               {"stream", true},
+               {"stream_options", {{"include_usage", true}}}};
+  uint64_t rounds_before = 0;
+  for (const bool is_chat : {false, true}) {
+    SCOPED_TRACE(is_chat ? "chat" : "completions");
+    httplib::Client client(proxy_->url());
+    client.set_read_timeout(60, 0);
+    auto r = client.Post(is_chat ? "/v1/chat/completions" : "/v1/completions",
+                         (is_chat ? chat : completion).dump(), "application/json");
+    ASSERT_TRUE(r) << httplib::to_string(r.error());
+    ASSERT_EQ(r->status, 200) << r->body;
+    const auto data = events(r->body);
+    ASSERT_FALSE(data.empty());
+    EXPECT_EQ(data.back(), "[DONE]");
+    std::string text, id;
+    int finishes = 0, roles = 0, dones = 0;
+    std::optional<json> usage;
+    for (const auto& d : data) {
+      if (d == "[DONE]") {
+        ++dones;
+        continue;
+      }
+      const json e = json::parse(d);
+      ASSERT_FALSE(e.contains("error")) << d;
+      if (id.empty()) id = e["id"];
+      EXPECT_EQ(e["id"], id) << "one answer has one id";
+      if (e.contains("usage") && e["usage"].is_object()) usage = e["usage"];
+      if (e["choices"].empty()) continue;
+      const json& c = e["choices"][0];
+      EXPECT_FALSE(c.contains("stop_reason") && c["stop_reason"] == "recomputed") << d;
+      if (!c["finish_reason"].is_null()) {
+        ++finishes;
+        EXPECT_EQ(c["finish_reason"], "length") << d;
+      }
+      if (is_chat) {
+        if (c["delta"].contains("role")) ++roles;
+        text += c["delta"].value("content", std::string());
+      } else {
+        text += c["text"].get<std::string>();
+      }
+    }
+    EXPECT_EQ(dones, 1);
+    EXPECT_EQ(finishes, 1);
+    if (is_chat) {
+      EXPECT_EQ(roles, 1);
+    }
+    EXPECT_EQ(text.size(), 8u) << "every token of the budget, across rounds: " << text;
+    ASSERT_TRUE(usage);
+    EXPECT_EQ((*usage)["prompt_tokens"], 100) << usage->dump();
+    EXPECT_EQ((*usage)["completion_tokens"], 8) << usage->dump();
+    const auto rounds = proxy_->stats().reissued;
+    EXPECT_GE(rounds, rounds_before + 2) << "8 tokens, 3 at most per round";
+    rounds_before = rounds;
+    EXPECT_TRUE(rd2h::testing::eventually(
+        [&] { return decode_->stats().free_blocks == kBlocks; }));
+  }
+  EXPECT_EQ(metric(proxy_->url(), "rd2h_proxy_recomputed_reissues_total"), rounds_before);
+}
+
+class RecomputingStackNoReissue : public RecomputingStack {
+ protected:
+  void SetUp() override {
+    max_reissues_ = 0;
+    RecomputingStack::SetUp();
+  }
+};
+
+TEST_F(RecomputingStackNoReissue, WithReissuesOffTheClientSeesDecodesRecomputedEnd) {
+  httplib::Client client(proxy_->url());
+  client.set_read_timeout(60, 0);
+  auto r = client.Post("/v1/completions",
+                       json({{"prompt", std::string(100, 'q')}, {"max_tokens", 8}, {"stream", true}})
+                           .dump(),
+                       "application/json");
+  ASSERT_TRUE(r) << httplib::to_string(r.error());
+  ASSERT_EQ(r->status, 200) << r->body;
+  EXPECT_NE(r->body.find(R"("stop_reason":"recomputed")"), std::string::npos) << r->body;
+  EXPECT_EQ(proxy_->stats().reissued, 0u);
 }
 
 }  // namespace

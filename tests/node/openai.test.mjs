@@ -260,3 +260,44 @@ describe('a proxy that requires an API key', () => {
     assert.equal((await fetch(`${stack.url}/health`)).status, 200);
   });
 });
+
+describe('a Decode that ends streams recomputed', () => {
+  let stack;
+  let client;
+  before(async () => {
+    stack = await startStack({ decodeArgs: ['--test-recompute-after', '3'] });
+    client = new OpenAI({ baseURL: `${stack.url}/v1`, apiKey: 'unused', maxRetries: 0,
+      timeout: 60000 });
+  });
+  after(async () => { await stack?.stop(); });
+
+  test('a stream goes on from a new Prefill and Decode and reads as one answer', async () => {
+    const stream = await client.chat.completions.create({
+      model: MODEL, messages: [{ role: 'user', content: 'Tell me a long story' }],
+      max_completion_tokens: 9, stream: true, stream_options: { include_usage: true },
+    });
+    const ids = new Set();
+    let content = '';
+    let finishes = 0;
+    let usage;
+    for await (const event of stream) {
+      ids.add(event.id);
+      if (event.usage) usage = event.usage;
+      const c = event.choices[0];
+      if (!c) continue;
+      assert.notEqual(c.stop_reason, 'recomputed');
+      content += c.delta?.content ?? '';
+      if (c.finish_reason) {
+        ++finishes;
+        assert.equal(c.finish_reason, 'length');
+      }
+    }
+    assert.equal(ids.size, 1);
+    assert.equal(content.length, 9);
+    assert.equal(finishes, 1);
+    assert.equal(usage.completion_tokens, 9);
+    const metrics = await (await fetch(`${stack.url}/metrics`)).text();
+    const reissues = Number(metrics.match(/^rd2h_proxy_recomputed_reissues_total (\d+)/m)[1]);
+    assert.ok(reissues >= 2, `${reissues} rounds begun for 9 tokens at 3 per round`);
+  });
+});

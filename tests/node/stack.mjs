@@ -46,8 +46,9 @@ async function stop(p) {
   clearTimeout(timer);
 }
 
-// The whole stack; `proxyArgs` go to the proxy (e.g. ['--api-key', k]).
-export async function startStack({ proxyArgs = [] } = {}) {
+// The whole stack; `proxyArgs` go to the proxy (e.g. ['--api-key', k]), `decodeArgs` to
+// Decode.
+export async function startStack({ proxyArgs = [], decodeArgs = [] } = {}) {
   const started = [];
   try {
     let decode;
@@ -56,7 +57,8 @@ export async function startStack({ proxyArgs = [] } = {}) {
       const config = JSON.stringify({ kv_connector: 'rd2h', kv_role: 'kv_consumer',
         kv_port: kvPort, kv_connector_extra_config: { transport: 'shm', prefill_tp_size: 1 } });
       try {
-        decode = await serve(['decode', ...model, '--kv-transfer-config', config], 'rd2h decode');
+        decode = await serve(['decode', ...model, '--kv-transfer-config', config, ...decodeArgs],
+          'rd2h decode');
       } catch (e) {
         if (attempt >= 5) throw e;  // its kv ports may have been taken: try others
       }

@@ -51,6 +51,11 @@ struct ProxyConfig {
   // 5 s), before the client gets a 502.
   int prefill_attempts = 3;
   std::chrono::milliseconds prefill_retry_backoff{100};
+  // A stream Decode ends with stop reason "recomputed" (it lost the request's KV) is
+  // continued: the prompt plus the text so far and the rest of the token budget go to
+  // Prefill and Decode again, up to this many times, and the client sees one answer. For
+  // a single prompt (a text prompt or chat messages); 0: never.
+  int max_reissues = 3;
 };
 
 struct ProxyStats {
@@ -60,6 +65,7 @@ struct ProxyStats {
   uint64_t prefill_dispatches = 0;
   uint64_t prefill_failures = 0;
   uint64_t client_cancelled = 0;  // requests given up because their client went away
+  uint64_t reissued = 0;          // rounds begun to continue a stream Decode recomputed
 };
 
 class Proxy {
