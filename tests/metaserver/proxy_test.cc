@@ -53,6 +53,7 @@ struct PrefillLog {
   std::condition_variable cv;
   std::vector<json> bodies;
   std::vector<std::string> request_ids;
+  std::vector<std::string> authorization;  // the Authorization header of each dispatch
   std::vector<int> prefill_index;  // which Prefill got each dispatch
   int succeeded = 0;               // Prefill runs that answered 200
   bool released = false;           // the test lets Decode's handlers return
@@ -61,12 +62,16 @@ struct PrefillLog {
 class ProxyTest : public ::testing::Test {
  protected:
   void start(int prefill_status = 200, int prefills = 1) {
+    ClientConfig mc;
+    mc.token = token_;
+    metaserver_ = std::make_unique<Client>(mc);
     for (int i = 0; i < prefills; ++i) start_prefill(prefill_status, i);
     decode_ = std::make_unique<Engine>(
         [this](const httplib::Request& req, httplib::Response& res) { serve_decode(req, res); },
         &resets_);
     ProxyConfig config;
     config.prefill_attempts = attempts_;
+    config.token = token_;
     for (const auto& p : prefill_) config.prefill.push_back(p->origin());
     config.decode = {decode_->origin()};
     config.max_body_bytes = 1 << 20;
@@ -81,6 +86,7 @@ class ProxyTest : public ::testing::Test {
             std::lock_guard lock(log_.mu);
             log_.bodies.push_back(json::parse(req.body));
             log_.request_ids.push_back(req.get_header_value("X-Request-Id"));
+            log_.authorization.push_back(req.get_header_value("Authorization"));
             log_.prefill_index.push_back(index);
           }
           int status = prefill_status;
@@ -127,7 +133,7 @@ class ProxyTest : public ::testing::Test {
       json r = {{"request_id", children[i]},  {"do_remote_prefill", false},
                 {"do_remote_decode", true},   {"remote_engine_id", "decode-0"},
                 {"remote_host", "127.0.0.1"}, {"remote_port", 30000 + static_cast<int>(i)}};
-      EXPECT_TRUE(metaserver_.post(children[i], url, r.dump()).is_ok());
+      EXPECT_TRUE(metaserver_->post(children[i], url, r.dump()).is_ok());
     }
     // Like a Decode whose KV arrives only if Prefill ran: without it, it waits on.
     std::unique_lock lock(log_.mu);
@@ -162,10 +168,11 @@ class ProxyTest : public ::testing::Test {
 
   PrefillLog log_;
   int fail_first_ = 0;  // Prefill answers 503 to this many dispatches first
+  std::string token_;   // the engines' bearer token, if any
   int attempts_ = 3;
   std::atomic<int> resets_{0};
   std::vector<json> decode_bodies_;
-  Client metaserver_{ClientConfig{}};
+  std::unique_ptr<Client> metaserver_;  // Decode's rendezvous posts, with the token
   std::vector<std::unique_ptr<Engine>> prefill_;
   std::unique_ptr<Engine> decode_;
   std::unique_ptr<Proxy> proxy_;
@@ -192,6 +199,33 @@ TEST_F(ProxyTest, ASinglePromptGoesToDecodeThenPrefillOnceWithDecodesRendezvous)
   EXPECT_EQ(to_prefill["kv_transfer_params"]["request_id"], "cmpl-" + log_.request_ids[0] + "-0");
   EXPECT_EQ(to_prefill["kv_transfer_params"]["do_remote_decode"], true);
   EXPECT_FALSE(to_prefill["kv_transfer_params"].contains("batch_kv_transfer_params"));
+}
+
+TEST_F(ProxyTest, PrefillGetsOneTokenToMakeNoStreamOptionsAndTheTokenAndRequestId) {
+  token_ = "engine-token";
+  start();
+  auto r = client_post("/v1/chat/completions",
+                       {{"model", "m"},
+                        {"messages", {{{"role", "user"}, {"content", "hi"}}}},
+                        {"max_completion_tokens", 8},
+                        {"max_tokens", 8},
+                        {"min_tokens", 4},
+                        {"stream", true},
+                        {"stream_options", {{"include_usage", true}}}});
+  ASSERT_TRUE(r) << httplib::to_string(r.error());
+  EXPECT_EQ(r->status, 200);
+  std::lock_guard lock(log_.mu);
+  ASSERT_EQ(log_.bodies.size(), 1u);
+  const json& to_prefill = log_.bodies[0];
+  EXPECT_EQ(to_prefill["max_completion_tokens"], 1);
+  EXPECT_EQ(to_prefill["max_tokens"], 1);
+  EXPECT_EQ(to_prefill["min_tokens"], 1);
+  EXPECT_EQ(to_prefill["stream"], false);
+  EXPECT_FALSE(to_prefill.contains("stream_options")) << to_prefill.dump();
+  EXPECT_EQ(log_.authorization[0], "Bearer engine-token");
+  EXPECT_FALSE(log_.request_ids[0].empty()) << "no X-Request-Id to Prefill";
+  ASSERT_EQ(decode_bodies_.size(), 1u);
+  EXPECT_EQ(decode_bodies_[0]["max_completion_tokens"], 8) << "Decode gets the client's budget";
 }
 
 TEST_F(ProxyTest, APromptListOf200IsDispatchedToPrefillOnceAfterEveryChildReported) {
