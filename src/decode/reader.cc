@@ -4,14 +4,15 @@
 
 #include "common/log.h"
 #include "common/trace.h"
+#include "layout/cache.h"
 
 namespace rd2h::decode {
 namespace {
 
 // Prefill and Decode must run the same model: the same cache layers by name. Names the
 // counts and the first layer found on one side only.
-Status check_same_layers(const std::map<std::string, layout::LayerTensors>& prefill,
-                         const DecodeLayout& decode) {
+template <typename PrefillLayers>
+Status check_same_layers(const PrefillLayers& prefill, const DecodeLayout& decode) {
   auto first_missing = [](const auto& from, const auto& in) -> std::optional<std::string> {
     for (const auto& entry : from) {
       if (in.count(entry.first) == 0) return entry.first;
@@ -329,9 +330,17 @@ void Reader::handle_mf_meta(const std::string& identity, const protocol::MfMeta&
   for (const auto& [name, layer_meta] : meta.layers) {
     auto tensors = layout::from_layer_meta(layer_meta);
     if (!tensors) return refuse(tensors.status().with_context(name));
-    peer.layers.emplace(name, std::move(*tensors));
+    peer.layers.emplace(name, PeerLayer{std::move(*tensors), nullptr, Status::ok()});
   }
   if (Status st = check_same_layers(peer.layers, layout_); !st) return refuse(st);
+  // The layouts are fixed from here on: checked once, not on every readiness.
+  for (auto& [name, layer] : peer.layers) {
+    const auto& mine = layout_.at(name);
+    layer.decode = &mine;
+    const auto index = layout::layer_index_from_name(name);
+    layer.layout = layout::validate_layer(index ? *index : -1, layer.tensors, mine)
+                       .with_context("Decode rank " + std::to_string(config_.d_rank));
+  }
   auto session = engine_->connect(meta.backend_metadata);
   if (!session) return refuse(session.status().with_context("connecting to " + meta.p_session));
   peer.session = std::move(*session);
@@ -396,23 +405,27 @@ void Reader::handle_ready(const std::string& identity, const protocol::ReadReady
 }
 
 Status Reader::read_layer(const std::string& identity, const protocol::ReadReadyBatch& ready) {
-  const std::string where = "Decode rank " + std::to_string(config_.d_rank) + ", layer " +
-                            std::to_string(ready.layer_idx);
+  // Named only when something fails: the hot path builds no strings.
+  auto where = [&] {
+    return "Decode rank " + std::to_string(config_.d_rank) + ", layer " +
+           std::to_string(ready.layer_idx);
+  };
   auto peer = peers_.find(identity);
   if (peer == peers_.end()) {
-    return failed_precondition(where + ": no MF_META on this connection");
+    return failed_precondition(where() + ": no MF_META on this connection");
   }
   auto p_layer = peer->second.layers.find(ready.layer_name);
-  auto d_layer = layout_.find(ready.layer_name);
-  if (p_layer == peer->second.layers.end() || d_layer == layout_.end()) {
-    return not_found(
-        where + ": layer '" + ready.layer_name + "' is not in " +
-        (p_layer == peer->second.layers.end() ? "Prefill's MF_META" : "Decode's cache"));
+  if (p_layer == peer->second.layers.end()) {
+    // MF_META was checked to name Decode's layers: one it lacks is in neither.
+    return not_found(where() + ": layer '" + ready.layer_name + "' is not in Prefill's MF_META");
   }
-  RD2H_RETURN_IF_ERROR(layout::validate_layer(ready.layer_idx, p_layer->second, d_layer->second)
-                           .with_context("Decode rank " + std::to_string(config_.d_rank)));
+  const PeerLayer& layer = p_layer->second;
+  RD2H_RETURN_IF_ERROR(layer.layout);
 
-  std::vector<layout::Descriptor> descriptors;
+  // Buffers kept from one readiness to the next (reader thread only): no allocation per
+  // block once they have grown.
+  auto& descriptors = scratch_.descriptors;
+  descriptors.clear();
   {
     std::lock_guard lock(mu_);
     const layout::ReadRole role{config_.d_rank, config_.d_tp,
@@ -424,23 +437,26 @@ Status Reader::read_layer(const std::string& identity, const protocol::ReadReady
       if (dest == requests_.end()) {
         // Decode gave the request up: nothing to read for it, and no reason to fail Prefill.
         if (tracker_.aborted(req.ext_id)) continue;
-        return not_found(where + ": request " + req.ext_id + " has no destination on Decode");
+        return not_found(where() + ": request " + req.ext_id + " has no destination on Decode");
       }
-      RD2H_RETURN_IF_ERROR(layout::append_request_descriptors(
-                               p_layer->second, d_layer->second,
-                               {&req, &dest->second.main, &dest->second.indexer}, role, descriptors)
-                               .with_context(where));
+      if (Status st = layout::append_request_descriptors(
+              layer.tensors, *layer.decode, {&req, &dest->second.main, &dest->second.indexer},
+              role, descriptors);
+          !st) {
+        return st.with_context(where());
+      }
       batch.push_back(req.ext_id);
     }
     if (!descriptors.empty()) reading_.insert(batch.begin(), batch.end());
   }
   if (descriptors.empty()) return Status::ok();  // nothing on this rank: still answered
 
-  std::vector<uintptr_t> local, remote;
-  std::vector<size_t> length;
-  local.reserve(descriptors.size());
-  remote.reserve(descriptors.size());
-  length.reserve(descriptors.size());
+  auto& local = scratch_.local;
+  auto& remote = scratch_.remote;
+  auto& length = scratch_.length;
+  local.clear();
+  remote.clear();
+  length.clear();
   for (const auto& d : descriptors) {
     local.push_back(d.local);
     remote.push_back(d.remote);
@@ -465,8 +481,11 @@ Status Reader::read_layer(const std::string& identity, const protocol::ReadReady
   ++stats_.reads;
   stats_.read_ns += static_cast<uint64_t>(ns);
   read_seconds_.observe(static_cast<double>(ns) / 1e9);
-  if (st.is_ok()) stats_.bytes_read += bytes;
-  return st.with_context(where);
+  if (st.is_ok()) {
+    stats_.bytes_read += bytes;
+    return st;
+  }
+  return st.with_context(where());
 }
 
 }  // namespace rd2h::decode

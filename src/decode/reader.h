@@ -90,9 +90,15 @@ class Reader {
   size_t tracked_requests() const;
 
  private:
+  // One layer of a Prefill connection, checked against Decode's once, at MF_META.
+  struct PeerLayer {
+    layout::LayerTensors tensors;
+    const layout::LayerTensors* decode = nullptr;  // Decode's tensors of the same layer
+    Status layout;  // the layouts' verdict: a layer that does not match fails when read
+  };
   struct Peer {
     std::string session;
-    std::map<std::string, layout::LayerTensors> layers;
+    std::map<std::string, PeerLayer, std::less<>> layers;
   };
   struct Destinations {
     std::vector<int64_t> main;
@@ -126,6 +132,12 @@ class Reader {
   DecodeLayout layout_;
   std::unique_ptr<control::RouterChannel> router_;
   std::map<std::string, Peer> peers_;  // by ZMQ identity; reader thread only
+  struct Scratch {  // read_layer's buffers, reused (reader thread only)
+    std::vector<layout::Descriptor> descriptors;
+    std::vector<uintptr_t> local, remote;
+    std::vector<size_t> length;
+  };
+  Scratch scratch_;
   struct Held {
     protocol::ReadReadyBatch ready;
     std::chrono::steady_clock::time_point since;

@@ -38,12 +38,19 @@ Sender::~Sender() {
   ::close(wake_fd_);
 }
 
-void Sender::send(const std::string& url, protocol::ReadReadyBatch ready,
+void Sender::send(const std::string& url, const protocol::ReadReadyBatch& ready,
+                  std::vector<GateTicket> tickets, std::shared_ptr<WriteEvent> event,
+                  std::string server_key) {
+  send(url, ready.layer_idx, protocol::encode(ready), std::move(tickets), std::move(event),
+       std::move(server_key));
+}
+
+void Sender::send(const std::string& url, int64_t layer_idx, std::vector<std::byte> payload,
                   std::vector<GateTicket> tickets, std::shared_ptr<WriteEvent> event,
                   std::string server_key) {
   {
     std::lock_guard lock(mu_);
-    tasks_.push_back({url, std::move(ready), std::move(tickets), std::move(event),
+    tasks_.push_back({url, layer_idx, std::move(payload), std::move(tickets), std::move(event),
                       std::move(server_key)});
   }
   uint64_t one = 1;
@@ -115,7 +122,7 @@ void Sender::dispatch(Task task) {
     if (Status st = task.event->wait(Deadline(config_.event_timeout)); !st) {
       return settle(
           task.tickets, false,
-          "layer " + std::to_string(task.ready.layer_idx) + " was not published: " + st.message());
+          "layer " + std::to_string(task.layer_idx) + " was not published: " + st.message());
     }
   }
   Endpoint& ep = endpoints_[task.url];
@@ -146,12 +153,12 @@ void Sender::dispatch(Task task) {
 }
 
 void Sender::transmit(Endpoint& ep, Task task) {
-  if (Status st = ep.dealer->send(protocol::encode(task.ready)); !st) {
+  if (Status st = ep.dealer->send(task.payload); !st) {
     return settle(task.tickets, false, st.message());
   }
   ep.pending.push_back(
-      {task.ready.layer_idx, std::move(task.tickets), Clock::now() + config_.reply_timeout});
-  trace::instant("readiness", "sender", task.ready.layer_idx);
+      {task.layer_idx, std::move(task.tickets), Clock::now() + config_.reply_timeout});
+  trace::instant("readiness", "sender", task.layer_idx);
   std::lock_guard lock(mu_);
   ++stats_.readiness_sent;
 }

@@ -56,15 +56,22 @@ class Sender {
   // completed; its answer goes to every ticket's gate generation (SlotGate::open counted
   // this endpoint there). Tasks are sent in the order they were queued.
   // With CURVE keys, `server_key` is the Decode's public key (Z85).
-  void send(const std::string& url, protocol::ReadReadyBatch ready, std::vector<GateTicket> tickets,
-            std::shared_ptr<WriteEvent> event = nullptr, std::string server_key = {});
+  void send(const std::string& url, const protocol::ReadReadyBatch& ready,
+            std::vector<GateTicket> tickets, std::shared_ptr<WriteEvent> event = nullptr,
+            std::string server_key = {});
+  // The same with the readiness encoded already (protocol::encode_readiness): the hot path,
+  // which encodes a step's requests once, not once per layer.
+  void send(const std::string& url, int64_t layer_idx, std::vector<std::byte> payload,
+            std::vector<GateTicket> tickets, std::shared_ptr<WriteEvent> event = nullptr,
+            std::string server_key = {});
 
   SenderStats stats() const;
 
  private:
   struct Task {
     std::string url;
-    protocol::ReadReadyBatch ready;
+    int64_t layer_idx = 0;
+    std::vector<std::byte> payload;  // the encoded readiness
     std::vector<GateTicket> tickets;
     std::shared_ptr<WriteEvent> event;
     std::string server_key;

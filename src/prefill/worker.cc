@@ -181,6 +181,12 @@ Status Worker::bind_step(std::vector<SendRequest> requests) {
     }
     if (r.final_chunk) target->final_ids.push_back(r.ext_id);
   }
+  for (auto& t : targets) {
+    t.body = protocol::encode_readiness_body(t.ready);
+    t.ready.done_ext_ids = t.final_ids;
+    t.body_last = protocol::encode_readiness_body(t.ready);
+    t.ready.done_ext_ids.clear();
+  }
   targets_ = std::move(targets);
   ++step_;
   return Status::ok();
@@ -210,11 +216,9 @@ Status Worker::save_kv_layer(std::string_view layer_name, std::shared_ptr<WriteE
     tickets.push_back({gate, gate->open(layer.index, sending.size(), step_)});
   }
   for (const Target* t : sending) {
-    protocol::ReadReadyBatch ready = t->ready;
-    ready.layer_idx = layer.index;
-    ready.layer_name = layer.name;
-    if (last) ready.done_ext_ids = t->final_ids;
-    sender_->send(t->url, std::move(ready), tickets, event, t->server_key);
+    sender_->send(t->url, layer.index,
+                  protocol::encode_readiness(layer.index, layer.name, last ? t->body_last : t->body),
+                  tickets, event, t->server_key);
   }
   ++stats_.layers_saved;
   stats_.readiness_queued += sending.size();

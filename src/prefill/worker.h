@@ -101,6 +101,9 @@ class Worker {
     std::string server_key;          // Decode's CURVE key when this Prefill has keys
     protocol::ReadReadyBatch ready;  // read_reqs, group_member_idx, tp_ratio
     std::vector<std::string> final_ids;
+    // The readiness without its layer, encoded once per step: for every layer, and for
+    // the last one (with final_ids as done_ext_ids).
+    std::vector<std::byte> body, body_last;
   };
 
   Worker(WorkerConfig config, std::shared_ptr<transfer::TransferEngine> engine);

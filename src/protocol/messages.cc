@@ -780,11 +780,23 @@ std::vector<std::byte> encode(const MfMeta& m) {
 }
 
 std::vector<std::byte> encode(const ReadReadyBatch& m) {
+  return encode_readiness(m.layer_idx, m.layer_name, encode_readiness_body(m));
+}
+
+std::vector<std::byte> encode_readiness(int64_t layer_idx, std::string_view layer_name,
+                                        std::span<const std::byte> body) {
+  msgpack::sbuffer buf(64 + layer_name.size() + body.size());
+  Packer pk(&buf);
+  pk.pack_array(7);
+  pack_bin(pk, kTagReadReadyBatch);
+  pk.pack_int64(layer_idx);
+  pack_str(pk, layer_name);
+  buf.write(reinterpret_cast<const char*>(body.data()), body.size());
+  return bytes_of(buf);
+}
+
+std::vector<std::byte> encode_readiness_body(const ReadReadyBatch& m) {
   return packed([&](Packer& pk) {
-    pk.pack_array(7);
-    pack_bin(pk, kTagReadReadyBatch);
-    pk.pack_int64(m.layer_idx);
-    pack_str(pk, m.layer_name);
     pk.pack_array(static_cast<uint32_t>(m.read_reqs.size()));
     for (const auto& r : m.read_reqs) {
       pk.pack_array(5);

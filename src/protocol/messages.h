@@ -102,6 +102,13 @@ using Message = std::variant<MfMeta, ReadReadyBatch, ReadDone, ReadFailed>;
 
 std::vector<std::byte> encode(const MfMeta& m);
 std::vector<std::byte> encode(const ReadReadyBatch& m);
+// A readiness in two parts: what stays the same for every layer of a step (read_reqs,
+// done_ext_ids, group_member_idx, tp_ratio), encoded once, and the layer's own fields,
+// put in front for each layer. encode_readiness(i, name, encode_readiness_body(m)) is
+// encode(m) with m's layer_idx and layer_name replaced by i and name.
+std::vector<std::byte> encode_readiness_body(const ReadReadyBatch& m);
+std::vector<std::byte> encode_readiness(int64_t layer_idx, std::string_view layer_name,
+                                        std::span<const std::byte> body);
 std::vector<std::byte> encode(const ReadDone& m);
 std::vector<std::byte> encode(const ReadFailed& m);
 

@@ -142,6 +142,29 @@ TEST(Protocol, TupleLengthGuardsFillLegacyDefaults) {
   EXPECT_EQ(std::get<ReadFailed>(*bare).error, "");
 }
 
+TEST(Protocol, AReadinessEncodedInTwoPartsIsTheSameBytesAsWhole) {
+  ReadReadyBatch m;
+  m.layer_idx = 3;
+  m.layer_name = "model.layers.3.self_attn";
+  m.read_reqs.push_back({"a", {1, 2, 3}, {4, 5}, 7, 9});
+  m.read_reqs.push_back({"b", {}, {6}, 0, 2});
+  m.done_ext_ids = {"a"};
+  m.group_member_idx = 1;
+  m.tp_ratio = 2;
+  const auto body = encode_readiness_body(m);
+  EXPECT_EQ(encode_readiness(3, "model.layers.3.self_attn", body), encode(m));
+  // Another layer from the same body: only the layer's fields differ.
+  auto other = decode_message(encode_readiness(40, "model.layers.40.self_attn", body));
+  ASSERT_TRUE(other) << other.status().to_string();
+  const auto& back = std::get<ReadReadyBatch>(*other);
+  EXPECT_EQ(back.layer_idx, 40);
+  EXPECT_EQ(back.layer_name, "model.layers.40.self_attn");
+  ASSERT_EQ(back.read_reqs.size(), 2u);
+  EXPECT_EQ(back.read_reqs[1].indexer_block_ids, std::vector<int64_t>{6});
+  EXPECT_EQ(back.done_ext_ids, std::vector<std::string>{"a"});
+  EXPECT_EQ(back.tp_ratio, 2);
+}
+
 TEST(Protocol, UnequalTpFieldsRoundTrip) {
   ReadReadyBatch m;
   m.layer_idx = 60;
