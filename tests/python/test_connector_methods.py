@@ -278,6 +278,18 @@ def test_a_blocking_call_releases_the_gil():
         s.shutdown()
 
 
+def prefill_request(ext_id: str, tokens: int) -> V.Request:
+    """A Prefill request of `tokens` prompt tokens bound for a Decode on port 30000."""
+    params = {"do_remote_decode": True, "request_id": ext_id, "remote_host": "127.0.0.1",
+              "remote_port": 30000, "remote_tp_size": 1}
+    return V.Request(ext_id + "-abcdefgh", list(range(tokens)),
+                     V.SamplingParams(max_tokens=1, extra_args={"kv_transfer_params": params}))
+
+
+def allocated(blocks: list) -> V.KVCacheBlocks:
+    return V.KVCacheBlocks((tuple(V.KVCacheBlock(b) for b in blocks),))
+
+
 def test_a_resumed_request_replaces_its_blocks():
     """vLLM gives a request resumed after a preemption its whole new block list."""
     from rd2h.vllm import KVConnectorRole
@@ -285,11 +297,8 @@ def test_a_resumed_request_replaces_its_blocks():
     def publish(resumed: bool) -> bytes:
         c = load(kv_config("kv_producer", free_ports(1)), KVConnectorRole.SCHEDULER)
         try:
-            params = {"do_remote_decode": True, "request_id": "cmpl-r-0", "remote_host": "127.0.0.1",
-                      "remote_port": 30000, "remote_tp_size": 1}
-            req = V.Request("cmpl-r-0-abcdefgh", list(range(64)),
-                            V.SamplingParams(max_tokens=1, extra_args={"kv_transfer_params": params}))
-            c.update_state_after_alloc(req, V.KVCacheBlocks(((V.KVCacheBlock(0), V.KVCacheBlock(1)),)), 0)
+            req = prefill_request("cmpl-r-0", 64)
+            c.update_state_after_alloc(req, allocated([0, 1]), 0)
             c.build_connector_meta(V.SchedulerOutput(
                 [V.NewRequestData(req.request_id, req.prompt_token_ids, req.sampling_params, ([0, 1],), 0)],
                 V.CachedRequestData(), {req.request_id: 32}, 32))
@@ -314,12 +323,8 @@ def test_speculative_tokens_are_not_counted_as_computed():
     def publish(scheduled: int, speculative: int) -> bytes:
         c = load(kv_config("kv_producer", free_ports(1)), KVConnectorRole.SCHEDULER)
         try:
-            params = {"do_remote_decode": True, "request_id": "cmpl-s-0", "remote_host": "127.0.0.1",
-                      "remote_port": 30000, "remote_tp_size": 1}
-            req = V.Request("cmpl-s-0-abcdefgh", list(range(40)),
-                            V.SamplingParams(max_tokens=1, extra_args={"kv_transfer_params": params}))
-            blocks = V.KVCacheBlocks(((V.KVCacheBlock(0), V.KVCacheBlock(1), V.KVCacheBlock(2)),))
-            c.update_state_after_alloc(req, blocks, 0)
+            req = prefill_request("cmpl-s-0", 40)
+            c.update_state_after_alloc(req, allocated([0, 1, 2]), 0)
             so = V.SchedulerOutput(
                 [V.NewRequestData(req.request_id, req.prompt_token_ids, req.sampling_params,
                                   ([0, 1, 2],), 0)],
