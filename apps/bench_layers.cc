@@ -7,8 +7,10 @@
 #include <cstdio>
 #include <cstring>
 #include <mutex>
+#include <optional>
 #include <thread>
 
+#include "common/trace.h"
 #include "decode/worker.h"
 #include "prefill/worker.h"
 
@@ -21,7 +23,19 @@ using Clock = std::chrono::steady_clock;
 struct Sample {
   double round_trip_us = 0;
   double read_us = 0;
+  int64_t start_us = 0, end_us = 0;  // on the trace clock
 };
+
+// Where one layer's round trip goes, from the trace: the hops in order.
+constexpr const char* kStages[] = {
+    "save_kv_layer -> readiness sent (Prefill: gate, hand-off to the sender, send)",
+    "-> readiness at the reader (ZeroMQ one way, reader wake-up, decode)",
+    "-> read starts (the reader's checks and descriptors)",
+    "-> read ends (the engine)",
+    "-> answer sent (the reader's bookkeeping, reply)",
+    "-> answer at the sender (ZeroMQ one way, sender wake-up)",
+    "-> wait_for_layer_send returns (gate, compute thread wake-up)"};
+constexpr size_t kStageCount = sizeof(kStages) / sizeof(kStages[0]);
 
 double percentile(std::vector<double> v, double p) {
   if (v.empty()) return 0;
@@ -137,18 +151,57 @@ Status run_layers(Setup& s, uint32_t count, bool record) {
     const std::string name =
         "model.layers." + std::to_string(s.next_layer++ % kNames) + ".self_attn";
     const uint64_t read_ns_before = s.decode->reader().stats().read_ns;
+    const int64_t start_us = trace::now_us();
     const auto start = Clock::now();
     RD2H_RETURN_IF_ERROR(s.prefill->save_kv_layer(name));
     RD2H_RETURN_IF_ERROR(s.prefill->wait_for_layer_send(name));
     const auto end = Clock::now();
+    const int64_t end_us = trace::now_us();
     // The reader counts a read before it answers, so the answer implies the count.
     const uint64_t read_ns = s.decode->reader().stats().read_ns - read_ns_before;
     if (record) {
       s.samples.push_back({std::chrono::duration<double, std::micro>(end - start).count(),
-                           static_cast<double>(read_ns) / 1e3});
+                           static_cast<double>(read_ns) / 1e3, start_us, end_us});
     }
   }
   return Status::ok();
+}
+
+// Runs `count` more layers with the timeline on and returns, per stage, the time of each
+// layer whose every hop the trace shows.
+std::vector<std::vector<double>> stage_times(Setup& s, uint32_t count) {
+  std::vector<std::vector<double>> stages(kStageCount);
+  s.samples.clear();
+  (void)trace::drain();
+  trace::set_enabled(true);
+  const Status st = run_layers(s, count, true);
+  trace::set_enabled(false);
+  auto events = trace::drain();
+  if (!st) return stages;
+  std::sort(events.begin(), events.end(),
+            [](const trace::Event& a, const trace::Event& b) { return a.ts_us < b.ts_us; });
+  auto first = [&](int64_t from, int64_t to, const char* name) -> std::optional<int64_t> {
+    auto it = std::lower_bound(events.begin(), events.end(), from,
+                               [](const trace::Event& e, int64_t t) { return e.ts_us < t; });
+    for (; it != events.end() && it->ts_us <= to; ++it) {
+      if (it->name == name) return it->ts_us;
+    }
+    return std::nullopt;
+  };
+  for (const auto& x : s.samples) {
+    const auto sent = first(x.start_us, x.end_us, "readiness");
+    const auto in = first(x.start_us, x.end_us, "readiness in");
+    const auto read = first(x.start_us, x.end_us, "read");
+    const auto out = first(x.start_us, x.end_us, "answer out");
+    const auto answer = first(x.start_us, x.end_us, "answer");
+    if (!sent || !in || !read || !out || !answer) continue;
+    const int64_t read_end = *read + static_cast<int64_t>(x.read_us);
+    const int64_t points[] = {x.start_us, *sent, *in, *read, read_end, *out, *answer, x.end_us};
+    for (size_t k = 0; k < kStageCount; ++k) {
+      stages[k].push_back(static_cast<double>(std::max<int64_t>(0, points[k + 1] - points[k])));
+    }
+  }
+  return stages;
 }
 
 // The floor under any control overhead on this machine: a bare DEALER/ROUTER round trip
@@ -255,6 +308,12 @@ int run_bench_layers(const BenchLayersOptions& o) {
       }
     }
   }
+  std::vector<std::vector<std::vector<double>>> stages;
+  for (auto& s : setups) {
+    auto kept = std::move(s->samples);
+    stages.push_back(stage_times(*s, std::max<uint32_t>(50, o.layers / 5)));
+    s->samples = std::move(kept);
+  }
   const auto zmq = zmq_round_trips(o.layers);
   const auto wake = wakeup_round_trips(o.layers);
   const double zmq_p50 = percentile(zmq, 0.5);
@@ -302,6 +361,16 @@ int run_bench_layers(const BenchLayersOptions& o) {
   std::printf(
       "\noverhead = round trip (save_kv_layer until every answer is in) - the reader's engine "
       "read time\n");
+  std::printf("\nwhere a layer's round trip goes, p50 in us (another %u layers each, timeline on):\n",
+              std::max<uint32_t>(50, o.layers / 5));
+  std::printf("%-78s", "");
+  for (const auto& s : setups) std::printf(" %8u req", s->requests);
+  std::printf("\n");
+  for (size_t k = 0; k < kStageCount; ++k) {
+    std::printf("%-78s", kStages[k]);
+    for (const auto& st : stages) std::printf(" %12.1f", percentile(st[k], 0.5));
+    std::printf("\n");
+  }
   return 0;
 }
 

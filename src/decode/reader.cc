@@ -238,6 +238,7 @@ void Reader::handle(const control::Inbound& in) {
   if (auto* meta = std::get_if<protocol::MfMeta>(&*message)) {
     handle_mf_meta(in.identity, *meta);
   } else if (auto* ready = std::get_if<protocol::ReadReadyBatch>(&*message)) {
+    trace::instant("readiness in", "reader", ready->layer_idx);
     // Behind a held message, or naming a request Decode does not know yet: hold it.
     auto queue = held_.find(in.identity);
     const size_t mine = queue != held_.end() ? queue->second.size() : 0;
@@ -395,6 +396,7 @@ void Reader::handle_ready(const std::string& identity, const protocol::ReadReady
       }
     }
     reply(identity, protocol::encode(protocol::ReadDone{ready.layer_idx}));
+    trace::instant("answer out", "reader", ready.layer_idx);
     return;
   }
   ++stats_.layers_failed;

@@ -56,6 +56,51 @@ bool printable_id(const std::string& id) {
                      [](char c) { return c > 0x20 && c < 0x7f; });
 }
 
+// What the proxy reads of an engine's answer to a request of its own (Prefill's one-token
+// answer, /health, /v1/models, /reset_prefix_cache): more is an error, never buffered.
+constexpr size_t kMaxEngineAnswerBytes = 1u << 20;
+
+// An engine's answer, its body bounded by kMaxEngineAnswerBytes.
+struct EngineAnswer {
+  int status = 0;    // 0: none (see error)
+  std::string body;
+  std::string error;  // why there is no answer: "did not answer: ...", "answered more than ..."
+  bool too_long = false;
+  explicit operator bool() const { return error.empty() && status != 0; }
+};
+
+EngineAnswer ask_engine(httplib::Client& c, const std::string& method, const std::string& path,
+                        const httplib::Headers& headers, const std::string& body = {}) {
+  httplib::Request req;
+  req.method = method;
+  req.path = path;
+  req.headers = headers;
+  if (method == "POST") {
+    req.body = body;
+    req.set_header("Content-Type", "application/json");
+  }
+  EngineAnswer a;
+  req.response_handler = [&](const httplib::Response& r) {
+    a.status = r.status;
+    return true;
+  };
+  req.content_receiver = [&](const char* data, size_t n, uint64_t, uint64_t) {
+    if (a.body.size() + n > kMaxEngineAnswerBytes) {
+      a.too_long = true;
+      return false;
+    }
+    a.body.append(data, n);
+    return true;
+  };
+  auto r = c.send(req);
+  if (a.too_long) {
+    a.error = "answered more than " + std::to_string(kMaxEngineAnswerBytes) + " bytes";
+  } else if (!r) {
+    a.error = "did not answer: " + httplib::to_string(r.error());
+  }
+  return a;
+}
+
 void set_timeouts(httplib::Client& c, std::chrono::milliseconds t) {
   c.set_connection_timeout(std::chrono::seconds(5));
   c.set_read_timeout(t);
@@ -769,11 +814,12 @@ void Proxy::Impl::dispatch_prefill(std::shared_ptr<Parent> parent) {
       stopped = stopped || !parent->failure.empty();
     }
     // Client::stop() only cuts a request in flight: one not started must not start.
-    httplib::Result r{nullptr, httplib::Error::Canceled};
+    EngineAnswer r;
+    r.error = "did not answer: the request was given up";
     if (!stopped) {
       httplib::Headers headers = auth;
       headers.emplace("X-Request-Id", parent->id);
-      r = client->Post(parent->path, headers, payload, "application/json");
+      r = ask_engine(*client, "POST", parent->path, headers, payload);
     }
     why.clear();
     refusal.clear();
@@ -783,19 +829,19 @@ void Proxy::Impl::dispatch_prefill(std::shared_ptr<Parent> parent) {
     if (given_up) {
       why = "the request was given up before Prefill";
     } else if (!r) {
-      why = "Prefill " + config.prefill[which] + " did not answer: " + httplib::to_string(r.error());
-      retry = true;
-    } else if (r->status != 200) {
-      why = "Prefill " + config.prefill[which] + " answered HTTP " + std::to_string(r->status) +
-            ": " + r->body.substr(0, 200);
+      why = "Prefill " + config.prefill[which] + " " + r.error;
+      retry = !r.too_long;  // no answer: another try; an answer too long: none
+    } else if (r.status != 200) {
+      why = "Prefill " + config.prefill[which] + " answered HTTP " + std::to_string(r.status) +
+            ": " + r.body.substr(0, 200);
       // A 4xx about the body (not the proxy's own token) is the client's to see as it is.
-      const auto e = ordered_json::parse(r->body, nullptr, false);
-      if (r->status >= 400 && r->status < 500 && r->status != 401 && r->status != 403 &&
+      const auto e = ordered_json::parse(r.body, nullptr, false);
+      if (r.status >= 400 && r.status < 500 && r.status != 401 && r.status != 403 &&
           e.is_object() && e.contains("error") && e["error"].is_object()) {
-        status = r->status;
-        refusal = r->body;
+        status = r.status;
+        refusal = r.body;
       }
-      retry = r->status >= 500;
+      retry = r.status >= 500;
     }
     {
       std::lock_guard lock(mu);
@@ -841,8 +887,7 @@ void Proxy::Impl::handle_health(httplib::Response& res) {
       httplib::Client c(origin);
       c.set_connection_timeout(std::chrono::seconds(1));
       c.set_read_timeout(std::chrono::seconds(2));
-      auto r = c.Get("/health");
-      const bool ok = r && r->status == 200;
+      const bool ok = ask_engine(c, "GET", "/health", {}).status == 200;
       if (!ok) down.push_back(std::string(role) + " " + origin);
       instances.push_back({{"url", origin}, {"healthy", ok}});
     }
@@ -864,10 +909,10 @@ void Proxy::Impl::handle_reset_prefix_cache(httplib::Response& res) {
     for (const auto& origin : *list) {
       httplib::Client c(origin);
       set_timeouts(c, std::chrono::seconds(10));
-      auto r = c.Post("/reset_prefix_cache", auth, "", "application/json");
-      if (!r || r->status != 200) {
-        failed.push_back(origin + (r ? " (HTTP " + std::to_string(r->status) + ")"
-                                     : " (" + httplib::to_string(r.error()) + ")"));
+      const auto r = ask_engine(c, "POST", "/reset_prefix_cache", auth);
+      if (!r || r.status != 200) {
+        failed.push_back(origin + (r ? " (HTTP " + std::to_string(r.status) + ")"
+                                     : " (" + r.error + ")"));
       }
     }
   }
@@ -882,10 +927,9 @@ void Proxy::Impl::handle_models(httplib::Response& res) {
   for (const auto& origin : config.decode) {
     httplib::Client c(origin);
     set_timeouts(c, std::chrono::seconds(5));
-    auto r = c.Get("/v1/models", auth);
-    if (r && r->status == 200) return res.set_content(r->body, "application/json");
-    last = "Decode " + origin + (r ? " answered HTTP " + std::to_string(r->status)
-                                   : " did not answer: " + httplib::to_string(r.error()));
+    const auto r = ask_engine(c, "GET", "/v1/models", auth);
+    if (r && r.status == 200) return res.set_content(r.body, "application/json");
+    last = "Decode " + origin + (r ? " answered HTTP " + std::to_string(r.status) : " " + r.error);
   }
   set_api_error(res, 502, last);
 }

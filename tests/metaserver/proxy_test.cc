@@ -98,6 +98,10 @@ class ProxyTest : public ::testing::Test {
             }
           }
           res.status = status;
+          if (!prefill_answer_.empty()) {  // an answer of the test's, which Decode waits out
+            res.set_content(prefill_answer_, "application/json");
+            return;
+          }
           res.set_content(status == 200   ? R"({"choices":[{"text":"x"}]})"
                           : status == 400 ? R"({"error":{"message":"too long for Prefill"}})"
                                           : "engine error",
@@ -169,6 +173,7 @@ class ProxyTest : public ::testing::Test {
   PrefillLog log_;
   int fail_first_ = 0;  // Prefill answers 503 to this many dispatches first
   std::string token_;   // the engines' bearer token, if any
+  std::string prefill_answer_;  // set: what Prefill answers instead of its one token
   int attempts_ = 3;
   std::atomic<int> resets_{0};
   std::vector<json> decode_bodies_;
@@ -226,6 +231,17 @@ TEST_F(ProxyTest, PrefillGetsOneTokenToMakeNoStreamOptionsAndTheTokenAndRequestI
   EXPECT_FALSE(log_.request_ids[0].empty()) << "no X-Request-Id to Prefill";
   ASSERT_EQ(decode_bodies_.size(), 1u);
   EXPECT_EQ(decode_bodies_[0]["max_completion_tokens"], 8) << "Decode gets the client's budget";
+}
+
+TEST_F(ProxyTest, APrefillAnswerOverTheBoundIsRefusedNotBufferedAndNotRetried) {
+  prefill_answer_ = std::string(2u << 20, 'x');  // 2 MiB for a one-token answer
+  start();
+  auto r = client_post("/v1/completions", {{"model", "m"}, {"prompt", "hello"}});
+  ASSERT_TRUE(r) << httplib::to_string(r.error());
+  EXPECT_EQ(r->status, 502);
+  EXPECT_NE(r->body.find("answered more than 1048576 bytes"), std::string::npos) << r->body;
+  std::lock_guard lock(log_.mu);
+  EXPECT_EQ(log_.bodies.size(), 1u) << "an engine that answers too much is not asked again";
 }
 
 TEST_F(ProxyTest, APromptListOf200IsDispatchedToPrefillOnceAfterEveryChildReported) {
