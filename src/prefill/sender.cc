@@ -28,13 +28,27 @@ Sender::Sender(SenderConfig config, std::shared_ptr<control::Context> context,
     : config_(config),
       context_(std::move(context)),
       mf_meta_(protocol::encode(meta)),
-      wake_fd_(wake_fd) {}
+      wake_fd_(wake_fd),
+      waker_(std::make_shared<Waker>()) {
+  waker_->fd = wake_fd;
+}
+
+void Sender::Waker::wake() {
+  std::lock_guard lock(mu);
+  if (fd < 0) return;  // the sender is gone: nobody to wake
+  uint64_t one = 1;
+  [[maybe_unused]] auto n = ::write(fd, &one, sizeof(one));
+}
 
 Sender::~Sender() {
   stopping_.store(true);
-  uint64_t one = 1;
-  [[maybe_unused]] auto n = ::write(wake_fd_, &one, sizeof(one));
+  waker_->wake();
   if (thread_.joinable()) thread_.join();
+  {
+    // An event completing later (its host may keep it) finds no fd to write.
+    std::lock_guard lock(waker_->mu);
+    waker_->fd = -1;
+  }
   ::close(wake_fd_);
 }
 
@@ -50,11 +64,16 @@ void Sender::send(const std::string& url, int64_t layer_idx, std::vector<std::by
                   std::string server_key) {
   {
     std::lock_guard lock(mu_);
-    tasks_.push_back({url, layer_idx, std::move(payload), std::move(tickets), std::move(event),
-                      std::move(server_key)});
+    Task t;
+    t.url = url;
+    t.layer_idx = layer_idx;
+    t.payload = std::move(payload);
+    t.tickets = std::move(tickets);
+    t.event = std::move(event);
+    t.server_key = std::move(server_key);
+    tasks_.push_back(std::move(t));
   }
-  uint64_t one = 1;
-  [[maybe_unused]] auto n = ::write(wake_fd_, &one, sizeof(one));
+  waker_->wake();
 }
 
 SenderStats Sender::stats() const {
@@ -87,6 +106,7 @@ void Sender::run() {
       [[maybe_unused]] auto n = ::read(wake_fd_, &drained, sizeof(drained));
     }
     take_tasks();
+    pump();
     if (ready) {
       for (size_t i = 0; i < urls.size(); ++i) {
         if (!(*ready)[i]) continue;
@@ -100,9 +120,11 @@ void Sender::run() {
   const std::string stopped = "the Prefill sender stopped";
   for (auto& [url, ep] : endpoints_) fail_endpoint(url, ep, stopped);
   std::deque<Task> unsent;
+  unsent.swap(queued_);
   {
     std::lock_guard lock(mu_);
-    unsent.swap(tasks_);
+    for (auto& t : tasks_) unsent.push_back(std::move(t));
+    tasks_.clear();
   }
   for (auto& t : unsent) settle(t.tickets, false, stopped);  // queued last: failed all the same
 }
@@ -113,18 +135,52 @@ void Sender::take_tasks() {
     std::lock_guard lock(mu_);
     tasks.swap(tasks_);
   }
-  for (auto& t : tasks) dispatch(std::move(t));
+  const auto deadline = Clock::now() + config_.event_timeout;
+  for (auto& t : tasks) {
+    t.event_deadline = deadline;
+    queued_.push_back(std::move(t));
+  }
+}
+
+void Sender::pump() {
+  while (!queued_.empty()) {
+    Task& t = queued_.front();
+    if (t.event) {
+      if (!t.asked) {
+        t.asked = true;
+        t.written = std::make_shared<std::atomic<bool>>(false);
+        t.notifies = t.event->notify([written = t.written, waker = waker_] {
+          written->store(true);
+          waker->wake();
+        });
+      }
+      Status st;
+      if (!t.notifies) {
+        // An event that cannot call back is waited on here, as long as it takes.
+        st = t.event->wait(Deadline(t.event_deadline - Clock::now()));
+      } else if (t.written->load()) {
+        st = t.event->wait(Deadline(std::chrono::milliseconds(0)));  // complete: its outcome
+      } else if (Clock::now() >= t.event_deadline) {
+        st = timeout_error("the layer's KV write did not complete in time");
+      } else {
+        return;  // still being written; its notification wakes the thread
+      }
+      if (!st) {
+        Task failed = std::move(t);
+        queued_.pop_front();
+        settle(failed.tickets, false,
+               "layer " + std::to_string(failed.layer_idx) + " was not published: " +
+                   st.message());
+        continue;
+      }
+    }
+    Task ready = std::move(t);
+    queued_.pop_front();
+    dispatch(std::move(ready));
+  }
 }
 
 void Sender::dispatch(Task task) {
-  if (task.event) {
-    // Tasks of one layer share its event: only the first waits.
-    if (Status st = task.event->wait(Deadline(config_.event_timeout)); !st) {
-      return settle(
-          task.tickets, false,
-          "layer " + std::to_string(task.layer_idx) + " was not published: " + st.message());
-    }
-  }
   Endpoint& ep = endpoints_[task.url];
   drop_if_lost(task.url, ep);  // never send on a connection the peer no longer knows
   if (!ep.dealer) {

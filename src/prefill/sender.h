@@ -75,6 +75,17 @@ class Sender {
     std::vector<GateTicket> tickets;
     std::shared_ptr<WriteEvent> event;
     std::string server_key;
+    // Sender thread: the event's wait, once the task is taken.
+    std::chrono::steady_clock::time_point event_deadline{};
+    std::shared_ptr<std::atomic<bool>> written;  // set by the event's notification
+    bool asked = false;                          // notify() was called
+    bool notifies = false;                       // and the event will call back
+  };
+  // What an event's notification reaches: the wake-up fd, while the sender lives.
+  struct Waker {
+    std::mutex mu;
+    int fd = -1;  // -1 once the sender is gone
+    void wake();
   };
   struct Pending {
     int64_t layer_idx;
@@ -93,6 +104,9 @@ class Sender {
          int wake_fd);
   void run();
   void take_tasks();
+  // Sends the queued tasks whose layer's write completed, in order; the first whose write
+  // is still running stops it (it wakes the thread when it completes).
+  void pump();
   void dispatch(Task task);
   void transmit(Endpoint& ep, Task task);
   void receive(const std::string& url, Endpoint& ep);
@@ -111,7 +125,9 @@ class Sender {
   std::shared_ptr<control::Context> context_;
   std::vector<std::byte> mf_meta_;
   int wake_fd_ = -1;
+  std::shared_ptr<Waker> waker_;
   std::map<std::string, Endpoint> endpoints_;  // sender thread only
+  std::deque<Task> queued_;                    // sender thread only: waiting for their write
 
   mutable std::mutex mu_;
   std::deque<Task> tasks_;

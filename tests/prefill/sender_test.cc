@@ -127,6 +127,49 @@ TEST_F(SenderTest, OneDecodeServesPrefillInstancesOfDifferentTpSizes) {
   }
 }
 
+TEST_F(SenderTest, AnswersAreServedWhileALaterLayerIsStillBeingWritten) {
+  start_reader();
+  auto s = sender();
+  SlotGate g0, g1;
+  const uint64_t first = g0.open(0, 1);
+  s->send(reader_->url(), ready(0, {}), {{&g0, first}});
+  auto writing = std::make_shared<HostWriteEvent>();
+  const uint64_t second = g1.open(1, 1);
+  s->send(reader_->url(), ready(1, {}), {{&g1, second}}, writing);
+  // Layer 0's answer comes in while layer 1's write runs (the sender is not stuck on it).
+  Status st = g0.wait(Deadline(10s));
+  EXPECT_TRUE(st.is_ok()) << st.to_string();
+  EXPECT_EQ(s->stats().readiness_sent, 1u) << "layer 1 went out before its write completed";
+  writing->complete();
+  st = g1.wait(Deadline(10s));
+  EXPECT_TRUE(st.is_ok()) << st.to_string();
+  EXPECT_EQ(s->stats().readiness_sent, 2u);
+}
+
+TEST_F(SenderTest, AWriteThatNeverCompletesFailsItsLayerInTimeAndOutlivesTheSender) {
+  start_reader();
+  SenderConfig config;
+  config.event_timeout = 200ms;
+  auto s = sender(config);
+  auto never = std::make_shared<HostWriteEvent>();
+  SlotGate gate;
+  const uint64_t g = gate.open(2, 1);
+  s->send(reader_->url(), ready(2, {}), {{&gate, g}}, never);
+  Status st = gate.wait(Deadline(10s));
+  EXPECT_EQ(st.code(), StatusCode::kTransport) << st.to_string();
+  EXPECT_NE(st.message().find("layer 2 was not published: the layer's KV write did not complete"),
+            std::string::npos)
+      << st.message();
+  // An event the host still holds may complete after the sender is gone.
+  auto late = std::make_shared<HostWriteEvent>();
+  SlotGate other;
+  const uint64_t h = other.open(3, 1);
+  s->send(reader_->url(), ready(3, {}), {{&other, h}}, late);
+  s.reset();
+  late->complete();
+  EXPECT_EQ(other.wait(Deadline(10s)).code(), StatusCode::kTransport);
+}
+
 TEST_F(SenderTest, ADecodeThatNeverAcknowledgesFailsTheGateInTime) {
   auto silent = control::RouterChannel::bind(context_, "127.0.0.1", 0);  // bound, never read
   ASSERT_TRUE(silent);

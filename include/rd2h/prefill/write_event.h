@@ -5,8 +5,11 @@
 #pragma once
 
 #include <condition_variable>
+#include <functional>
 #include <mutex>
 #include <string>
+#include <utility>
+#include <vector>
 
 #include "rd2h/common/deadline.h"
 #include "rd2h/common/status.h"
@@ -18,16 +21,41 @@ class WriteEvent {
   virtual ~WriteEvent() = default;
   // Returns once the write is complete, or an error (the write failed, or the deadline).
   virtual Status wait(const Deadline& deadline) = 0;
+  // Calls `done` once, when the write completed or failed (at once if it has; from any
+  // thread; `done` must not block), and returns true; false if this event cannot tell,
+  // and its waiter then blocks in wait(). The sender, told, serves Decode's answers while
+  // the write runs.
+  virtual bool notify(std::function<void()> done) {
+    (void)done;
+    return false;
+  }
 };
 
 class HostWriteEvent final : public WriteEvent {
  public:
   // The write finished (ok) or failed with `status`; waiters wake.
   void complete(Status status = Status::ok()) {
-    std::lock_guard lock(mu_);
-    done_ = true;
-    status_ = std::move(status);
-    cv_.notify_all();
+    std::vector<std::function<void()>> done;
+    {
+      std::lock_guard lock(mu_);
+      if (done_) return;  // completed once
+      done_ = true;
+      status_ = std::move(status);
+      cv_.notify_all();
+      done.swap(on_done_);
+    }
+    for (auto& f : done) f();
+  }
+  bool notify(std::function<void()> done) override {
+    {
+      std::lock_guard lock(mu_);
+      if (!done_) {
+        on_done_.push_back(std::move(done));
+        return true;
+      }
+    }
+    done();
+    return true;
   }
   Status wait(const Deadline& deadline) override {
     std::unique_lock lock(mu_);
@@ -42,6 +70,7 @@ class HostWriteEvent final : public WriteEvent {
   std::condition_variable cv_;
   bool done_ = false;
   Status status_;
+  std::vector<std::function<void()>> on_done_;
 };
 
 }  // namespace rd2h::prefill
