@@ -472,6 +472,10 @@ std::string Proxy::Impl::continue_event(Continuation& c, const std::string& even
     choice["finish_reason"] = nullptr;
     choice.erase("stop_reason");
     if (text.empty()) return {};
+  } else if (recomputed && !budget_left) {
+    // Every token asked for has arrived: the answer is whole, whatever Decode lost after.
+    choice["finish_reason"] = "length";
+    choice.erase("stop_reason");
   } else if (c.rounds > 0 && text.empty() && choice["finish_reason"].is_null()) {
     return {};  // the next round's opening event: the client is past it
   }

@@ -682,6 +682,7 @@ struct Engine::Impl::Call {
   std::function<bool()> client_went_away;  // true (and the request given up) if it did
   char token_text = 'y';                   // what one generated token reads as
   uint64_t recompute_after = 0;            // end the stream "recomputed" after this many
+  uint64_t max_tokens = 0;                 // the request's budget (never cut at its end)
   std::function<void()> give_up;           // cancels the request in the engine core
 
   json chunk(json choices) const {
@@ -801,15 +802,18 @@ struct Engine::Impl::Call {
         all_ended = std::all_of(progress->ended.begin(), progress->ended.end(),
                                 [](bool e) { return e; });
       }
+      // A stream that ends "recomputed" carries exactly recompute_after tokens.
+      const uint64_t cut = recompute_after > 0 && n == 1 ? recompute_after : UINT64_MAX;
       for (size_t i = 0; i < n; ++i) {
-        for (; sent[i] < made[i]; ++sent[i]) {
+        for (; sent[i] < std::min(made[i], cut); ++sent[i]) {
           if (!send(with_usage(chunk({token_choice(i, std::string(1, token_text))})))) {
             client_went_away();
             return false;
           }
         }
       }
-      if (recompute_after > 0 && n == 1 && sent[0] >= recompute_after && !all_ended) {
+      if (recompute_after > 0 && n == 1 && sent[0] >= recompute_after && sent[0] < max_tokens &&
+          !all_ended) {
         return recomputed(sink, sent[0], include_usage);
       }
       if (all_ended) break;
@@ -956,6 +960,7 @@ void Engine::Impl::serve(const httplib::Request& req, httplib::Response& res, bo
   call->created = static_cast<int64_t>(std::time(nullptr));
   call->token_text = prefill ? 'x' : 'y';
   if (!prefill) call->recompute_after = config.test_recompute_after;
+  call->max_tokens = max_tokens;
   call->progress = std::make_shared<Progress>(children.size());
   call->deadline = std::chrono::steady_clock::now() + config.request_timeout;
   std::vector<std::shared_ptr<EngineRequest>> requests;

@@ -145,14 +145,17 @@ class ProxyTest : public ::testing::Test {
       return static_cast<size_t>(log_.succeeded) >= mine || log_.released;
     });
     if (body.value("stream", false)) {
-      res.set_chunked_content_provider("text/event-stream", [](size_t, httplib::DataSink& sink) {
-        for (const char* chunk :
-             {"data: {\"t\":\"a\"}\n\n", "data: {\"t\":\"b\"}\n\n", "data: [DONE]\n\n"}) {
-          sink.write(chunk, std::strlen(chunk));
-        }
-        sink.done();
-        return true;
-      });
+      std::vector<std::string> events = decode_stream_;
+      if (events.empty()) events = {R"({"t":"a"})", R"({"t":"b"})", "[DONE]"};
+      res.set_chunked_content_provider("text/event-stream",
+                                       [events](size_t, httplib::DataSink& sink) {
+                                         for (const auto& e : events) {
+                                           const std::string chunk = "data: " + e + "\n\n";
+                                           sink.write(chunk.data(), chunk.size());
+                                         }
+                                         sink.done();
+                                         return true;
+                                       });
     } else {
       res.set_content(R"({"choices":[{"text":"decoded"}]})", "application/json");
     }
@@ -174,6 +177,7 @@ class ProxyTest : public ::testing::Test {
   int fail_first_ = 0;  // Prefill answers 503 to this many dispatches first
   std::string token_;   // the engines' bearer token, if any
   std::string prefill_answer_;  // set: what Prefill answers instead of its one token
+  std::vector<std::string> decode_stream_;  // set: the data of Decode's stream events
   int attempts_ = 3;
   std::atomic<int> resets_{0};
   std::vector<json> decode_bodies_;
@@ -242,6 +246,23 @@ TEST_F(ProxyTest, APrefillAnswerOverTheBoundIsRefusedNotBufferedAndNotRetried) {
   EXPECT_NE(r->body.find("answered more than 1048576 bytes"), std::string::npos) << r->body;
   std::lock_guard lock(log_.mu);
   EXPECT_EQ(log_.bodies.size(), 1u) << "an engine that answers too much is not asked again";
+}
+
+TEST_F(ProxyTest, ARecomputedEndAfterTheWholeBudgetIsTheAnswersEndNotANewRound) {
+  decode_stream_ = {
+      R"({"id":"cmpl-1","choices":[{"index":0,"text":"a","finish_reason":null}]})",
+      R"({"id":"cmpl-1","choices":[{"index":0,"text":"b","finish_reason":"stop","stop_reason":"recomputed"}]})",
+      "[DONE]"};
+  start();
+  auto r = client_post("/v1/completions",
+                       {{"model", "m"}, {"prompt", "hello"}, {"max_tokens", 2}, {"stream", true}});
+  ASSERT_TRUE(r) << httplib::to_string(r.error());
+  EXPECT_EQ(r->status, 200);
+  EXPECT_EQ(r->body.find("recomputed"), std::string::npos) << r->body;
+  EXPECT_NE(r->body.find(R"("text":"b","finish_reason":"length")"), std::string::npos) << r->body;
+  EXPECT_EQ(proxy_->stats().reissued, 0u);
+  std::lock_guard lock(log_.mu);
+  EXPECT_EQ(log_.bodies.size(), 1u) << "Prefill was asked again";
 }
 
 TEST_F(ProxyTest, APromptListOf200IsDispatchedToPrefillOnceAfterEveryChildReported) {
