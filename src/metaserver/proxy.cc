@@ -182,8 +182,7 @@ struct Round {
 // A stream the proxy continues across rounds: what the client has seen so far.
 struct Continuation {
   bool chat = false;
-  ordered_json body;       // the client's body
-  bool client_usage = false;  // the client asked for the usage event
+  ordered_json body;       // the client's body (with its stream_options: usage if asked)
   std::optional<uint64_t> budget;  // the client's token limit, if it gave one
   std::string id;          // the first round's id and created time, kept in every event
   ordered_json created;
@@ -263,8 +262,7 @@ struct Proxy::Impl {
   // HTTP status and error body if the proxy cannot take it.
   std::variant<Round, std::pair<int, std::string>> begin_round(const std::string& path,
                                                                const ordered_json& body,
-                                                               size_t prompts,
-                                                               bool force_usage);
+                                                               size_t prompts);
   // Whether the client can see Decode's stream as this proxy continues it across rounds.
   static bool continuable(const ordered_json& body, bool chat, size_t prompts);
   // One event of a continued stream: what the client gets of it (maybe nothing).
@@ -341,7 +339,7 @@ void Proxy::Impl::start_decode_leg(const std::shared_ptr<Parent>& parent, Decode
 }
 
 std::variant<Round, std::pair<int, std::string>> Proxy::Impl::begin_round(
-    const std::string& path, const ordered_json& client_body, size_t prompts, bool force_usage) {
+    const std::string& path, const ordered_json& client_body, size_t prompts) {
   const bool chat = path == "/v1/chat/completions";
   auto parent = std::make_shared<Parent>();
   parent->id = uuid4();
@@ -370,8 +368,6 @@ std::variant<Round, std::pair<int, std::string>> Proxy::Impl::begin_round(
   ordered_json body = client_body;
   body["kv_transfer_params"] = {
       {"do_remote_decode", false}, {"do_remote_prefill", true}, {"metaserver", metaserver_url()}};
-  // A continued stream needs Decode's token count, whether or not the client asked for it.
-  if (force_usage) body["stream_options"] = {{"include_usage", true}};
   httplib::Headers headers = auth;
   headers.emplace("X-Request-Id", parent->id);
   auto leg = std::make_shared<DecodeLeg>();
@@ -440,14 +436,13 @@ std::string Proxy::Impl::continue_event(Continuation& c, const std::string& even
       c.completion_tokens += completion;
       return {};
     }
-    if (!c.client_usage) return {};
+    if (c.rounds == 0) return raw;  // one round: Decode's own count
     const uint64_t all = c.completion_tokens + completion;
     (*usage)["prompt_tokens"] = c.prompt_tokens;
     (*usage)["completion_tokens"] = all;
     (*usage)["total_tokens"] = c.prompt_tokens + all;
     return "data: " + j.dump() + "\n\n";
   }
-  if (!c.client_usage) j.erase("usage");
   auto& choice = (*choices)[0];
   std::string text;
   if (c.chat) {
@@ -476,7 +471,9 @@ std::string Proxy::Impl::continue_event(Continuation& c, const std::string& even
     // Every token asked for has arrived: the answer is whole, whatever Decode lost after.
     choice["finish_reason"] = "length";
     choice.erase("stop_reason");
-  } else if (c.rounds > 0 && text.empty() && choice["finish_reason"].is_null()) {
+  } else if (c.rounds == 0) {
+    return raw;  // nothing to change: forwarded as Decode wrote it
+  } else if (text.empty() && choice["finish_reason"].is_null()) {
     return {};  // the next round's opening event: the client is past it
   }
   return "data: " + j.dump() + "\n\n";
@@ -506,15 +503,12 @@ void Proxy::Impl::handle_client(const httplib::Request& req, httplib::Response& 
   if (follow) {
     cont->chat = chat;
     cont->body = body;
-    const auto options = body.find("stream_options");
-    cont->client_usage = options != body.end() && options->is_object() &&
-                         options->value("include_usage", ordered_json(false)) == true;
     if (body.contains("max_completion_tokens") || body.contains("max_tokens")) {
       cont->budget = requested_max_tokens(body, 0);
     }
   }
   const std::string path = chat ? "/v1/chat/completions" : "/v1/completions";
-  auto begun = begin_round(path, body, *prompts, follow);
+  auto begun = begin_round(path, body, *prompts);
   if (auto* refused = std::get_if<std::pair<int, std::string>>(&begun)) {
     if (!client_id.empty()) res.set_header("X-Request-Id", client_id);
     if (refused->first == 503) res.set_header("Connection", "close");
@@ -678,7 +672,7 @@ void Proxy::Impl::handle_client(const httplib::Request& req, httplib::Response& 
           reissued.with().inc();
           log::info("proxy: request {}: Decode ended it recomputed after {} tokens; round {}",
                     round->parent->id, cont->tokens, cont->rounds + 2);
-          auto next = begin_round(path, next_round_body(*cont), prompts, true);
+          auto next = begin_round(path, next_round_body(*cont), prompts);
           leg.reset();  // joins the leg before its round is finished
           finish(round->parent);
           if (auto* refused = std::get_if<std::pair<int, std::string>>(&next)) {

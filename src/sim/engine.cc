@@ -1004,14 +1004,9 @@ void Engine::Impl::serve(const httplib::Request& req, httplib::Response& res, bo
     }
     cv.notify_all();
   };
-  call->client_went_away = [this, requests] {
+  call->client_went_away = [give_up = call->give_up] {
     if (!metaserver::client_gone()) return false;
-    for (auto& r : requests) r->cancelled.store(true);
-    {
-      std::lock_guard lock(mu);
-      cancels_pending = true;
-    }
-    cv.notify_all();
+    give_up();
     return true;
   };
   if (!field("stream", false).get<bool>()) {

@@ -58,7 +58,8 @@ class MultiConnectorWorker final : public KvConnectorWorker {
 };
 
 // MultiConnector, scheduler role: the first connector that matches tokens for a request
-// loads it, those that report the request preempted asked before the others; every connector that requires full blocks (rd2h does) still sees the request's
+// loads it (those that report the request preempted are asked before the others); every
+// connector that requires full blocks (rd2h does) still sees the request's
 // complete block groups on update_state_after_alloc; at most one connector may return
 // kv_transfer_params when a request finishes.
 class MultiConnectorScheduler final : public KvConnectorScheduler {
