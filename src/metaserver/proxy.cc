@@ -411,7 +411,11 @@ std::string Proxy::Impl::continue_event(Continuation& c, const std::string& even
   const std::string data = event.substr(6);
   if (data == "[DONE]") return c.recomputed ? std::string() : raw;
   auto j = ordered_json::parse(data, nullptr, /*allow_exceptions=*/false);
-  if (j.is_discarded() || !j.is_object() || j.contains("error")) return raw;
+  // Not an event to follow (or nested too deep to copy and write back safely): as it is.
+  if (j.is_discarded() || !j.is_object() || j.contains("error") ||
+      nests_deeper_than(j, kMaxBodyNesting)) {
+    return raw;
+  }
   if (c.rounds == 0) {
     if (c.id.empty() && j.contains("id") && j["id"].is_string()) {
       c.id = j["id"].get<std::string>();
