@@ -43,20 +43,26 @@ std::vector<std::byte> to_bytes(const zmq::message_t& m) {
   return {p, p + m.size()};
 }
 
+// The frames of the multipart message that is in, if one is; never waits.
+std::vector<zmq::message_t> take_frames(zmq::socket_t& socket) {
+  std::vector<zmq::message_t> frames;
+  for (;;) {
+    zmq::message_t frame;
+    if (!socket.recv(frame, zmq::recv_flags::dontwait)) break;
+    const bool more = frame.more();
+    frames.push_back(std::move(frame));
+    if (!more) break;
+  }
+  return frames;
+}
+
 // Receives one multipart message if one arrives within `timeout`.
 Expected<std::optional<std::vector<zmq::message_t>>> receive_multipart(
     zmq::socket_t& socket, std::chrono::milliseconds timeout) {
   try {
     zmq::pollitem_t item{socket.handle(), 0, ZMQ_POLLIN, 0};
     if (zmq::poll(&item, 1, timeout) == 0) return std::optional<std::vector<zmq::message_t>>{};
-    std::vector<zmq::message_t> frames;
-    for (;;) {
-      zmq::message_t frame;
-      if (!socket.recv(frame, zmq::recv_flags::dontwait)) break;
-      const bool more = frame.more();
-      frames.push_back(std::move(frame));
-      if (!more) break;
-    }
+    std::vector<zmq::message_t> frames = take_frames(socket);
     if (frames.empty()) return std::optional<std::vector<zmq::message_t>>{};
     return std::optional<std::vector<zmq::message_t>>(std::move(frames));
   } catch (const zmq::error_t& e) {
@@ -368,24 +374,24 @@ Expected<std::optional<std::vector<std::byte>>> DealerChannel::receive(
   }
 }
 
-Expected<std::vector<bool>> wait_readable(const std::vector<DealerChannel*>& dealers, int fd,
-                                          std::chrono::milliseconds timeout) {
-  std::vector<zmq::pollitem_t> items;
-  items.reserve(dealers.size() + 1);
-  for (auto* d : dealers) items.push_back({d->impl().socket.handle(), 0, ZMQ_POLLIN, 0});
-  if (fd >= 0) items.push_back({nullptr, fd, ZMQ_POLLIN, 0});
+Expected<std::optional<std::vector<std::byte>>> DealerChannel::try_receive() {
   try {
-    zmq::poll(items.data(), items.size(), timeout);
+    for (;;) {
+      if ((impl_->socket.get(zmq::sockopt::events) & ZMQ_POLLIN) == 0) {
+        return std::optional<std::vector<std::byte>>{};
+      }
+      std::vector<zmq::message_t> frames = take_frames(impl_->socket);
+      if (frames.empty()) return std::optional<std::vector<std::byte>>{};
+      const zmq::message_t* payload = single_payload(frames, 0);
+      if (payload != nullptr) return std::optional<std::vector<std::byte>>(to_bytes(*payload));
+      ++dropped_;
+    }
   } catch (const zmq::error_t& e) {
-    if (e.num() != EINTR) return transport_error(std::string("zmq poll: ") + e.what());
+    return transport_error("zmq receive from " + url_ + ": " + e.what());
   }
-  std::vector<bool> ready(dealers.size() + 1, false);
-  for (size_t i = 0; i < items.size(); ++i) {
-    const size_t slot = (fd >= 0 && i == items.size() - 1) ? dealers.size() : i;
-    ready[slot] = (items[i].revents & ZMQ_POLLIN) != 0;
-  }
-  return ready;
 }
+
+int DealerChannel::notify_fd() const { return impl_->socket.get(zmq::sockopt::fd); }
 
 Expected<std::unique_ptr<RouterChannel>> RouterChannel::bind_ipc(std::shared_ptr<Context> context,
                                                                  const std::string& path) {

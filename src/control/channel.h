@@ -103,6 +103,14 @@ class DealerChannel {
   // The next payload, or nullopt when none arrives within `timeout`. Malformed replies are
   // dropped and counted.
   Expected<std::optional<std::vector<std::byte>>> receive(std::chrono::milliseconds timeout);
+  // The next payload if one is in already, without a system call when none is.
+  Expected<std::optional<std::vector<std::byte>>> try_receive();
+
+  // ZeroMQ's notification descriptor (ZMQ_FD) for waiting with poll(2) on other threads
+  // than the socket's user: it becomes readable when the socket's state may have changed,
+  // edge-triggered. Whoever sees it must try_receive() until nothing is left; a send or a
+  // receive on the socket can consume the edge of a message it did not read.
+  int notify_fd() const;
 
   // Whether the connection to the peer closed since the last call. ZeroMQ reconnects on
   // its own, but the peer then sees a new connection: whatever was said on the old one
@@ -125,11 +133,5 @@ class DealerChannel {
   size_t dropped_ = 0;
   std::string refusal_;
 };
-
-// Waits until one of `dealers` has something to receive or `fd` (a plain file descriptor,
-// -1 for none) is readable, for at most `timeout`. Returns which dealers are readable and,
-// last, whether the fd is.
-Expected<std::vector<bool>> wait_readable(const std::vector<DealerChannel*>& dealers, int fd,
-                                          std::chrono::milliseconds timeout);
 
 }  // namespace rd2h::control

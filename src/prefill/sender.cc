@@ -1,5 +1,6 @@
 #include "prefill/sender.h"
 
+#include <poll.h>
 #include <sys/eventfd.h>
 #include <unistd.h>
 
@@ -17,27 +18,47 @@ Expected<std::unique_ptr<Sender>> Sender::start(SenderConfig config,
                                                 protocol::MfMeta meta) {
   const int fd = ::eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK);
   if (fd < 0) return internal_error("cannot create the sender's wakeup fd");
-  auto sender =
-      std::unique_ptr<Sender>(new Sender(config, std::move(context), std::move(meta), fd));
+  const int driver_fd = ::eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK);
+  if (driver_fd < 0) {
+    ::close(fd);
+    return internal_error("cannot create the sender's wakeup fd");
+  }
+  auto sender = std::unique_ptr<Sender>(
+      new Sender(config, std::move(context), std::move(meta), fd, driver_fd));
   sender->thread_ = std::thread([s = sender.get()] { s->run(); });
   return sender;
 }
 
 Sender::Sender(SenderConfig config, std::shared_ptr<control::Context> context,
-               protocol::MfMeta meta, int wake_fd)
+               protocol::MfMeta meta, int wake_fd, int driver_fd)
     : config_(config),
       context_(std::move(context)),
       mf_meta_(protocol::encode(meta)),
       wake_fd_(wake_fd),
+      driver_fd_(driver_fd),
       waker_(std::make_shared<Waker>()) {
   waker_->fd = wake_fd;
 }
 
-void Sender::Waker::wake() {
-  std::lock_guard lock(mu);
-  if (fd < 0) return;  // the sender is gone: nobody to wake
+namespace {
+void signal_fd(int fd) {
   uint64_t one = 1;
   [[maybe_unused]] auto n = ::write(fd, &one, sizeof(one));
+}
+void drain_fd(int fd) {
+  uint64_t count;
+  [[maybe_unused]] auto n = ::read(fd, &count, sizeof(count));
+}
+int poll_ms(Clock::time_point until) {
+  const auto left = until - Clock::now();
+  if (left <= Clock::duration::zero()) return 0;
+  return static_cast<int>(std::chrono::ceil<std::chrono::milliseconds>(left).count());
+}
+}  // namespace
+
+void Sender::Waker::wake() {
+  std::lock_guard lock(mu);
+  if (fd >= 0) signal_fd(fd);  // else the sender is gone: nobody to wake
 }
 
 Sender::~Sender() {
@@ -50,6 +71,7 @@ Sender::~Sender() {
     waker_->fd = -1;
   }
   ::close(wake_fd_);
+  ::close(driver_fd_);
 }
 
 void Sender::send(const std::string& url, const protocol::ReadReadyBatch& ready,
@@ -62,108 +84,151 @@ void Sender::send(const std::string& url, const protocol::ReadReadyBatch& ready,
 void Sender::send(const std::string& url, int64_t layer_idx, std::vector<std::byte> payload,
                   std::vector<GateTicket> tickets, std::shared_ptr<WriteEvent> event,
                   std::string server_key) {
-  {
-    std::lock_guard lock(mu_);
-    Task t;
-    t.url = url;
-    t.layer_idx = layer_idx;
-    t.payload = std::move(payload);
-    t.tickets = std::move(tickets);
-    t.event = std::move(event);
-    t.server_key = std::move(server_key);
-    tasks_.push_back(std::move(t));
+  Task t;
+  t.url = url;
+  t.layer_idx = layer_idx;
+  t.payload = std::move(payload);
+  t.tickets = std::move(tickets);
+  t.event = std::move(event);
+  t.server_key = std::move(server_key);
+  t.event_deadline = Clock::now() + config_.event_timeout;
+  std::lock_guard lock(mu_);
+  if (stopping_.load()) {
+    return settle(t.tickets, false, "the Prefill sender stopped");
   }
-  waker_->wake();
+  queued_.push_back(std::move(t));
+  pump();
 }
 
 SenderStats Sender::stats() const {
-  std::lock_guard lock(mu_);
+  std::lock_guard lock(stats_mu_);
   return stats_;
+}
+
+void Sender::count(uint64_t SenderStats::*field) {
+  std::lock_guard lock(stats_mu_);
+  ++(stats_.*field);
 }
 
 void Sender::settle(const std::vector<GateTicket>& tickets, bool ok, const std::string& why,
                     bool from_decode) {
-  {
-    // Counted before the gates open, so whoever a gate wakes sees the count.
-    std::lock_guard lock(mu_);
-    ++(from_decode ? stats_.answers : stats_.failures);
-  }
+  // Counted before the gates open, so whoever a gate wakes sees the count.
+  count(from_decode ? &SenderStats::answers : &SenderStats::failures);
   for (const auto& t : tickets) t.gate->answer(t.generation, ok, why);
 }
 
+bool Sender::serve_until(const std::function<bool()>& done, const Deadline& deadline) {
+  std::vector<pollfd> fds;
+  std::unique_lock lock(mu_);
+  ++drivers_;
+  bool reached = false;
+  for (;;) {
+    serve();
+    if ((reached = done()) || deadline.expired() || stopping_.load()) break;
+    fds.clear();
+    fds.push_back({wake_fd_, POLLIN, 0});
+    fds.push_back({driver_fd_, POLLIN, 0});
+    for (const auto& [url, ep] : endpoints_) {
+      if (ep.dealer) fds.push_back({ep.notify_fd, POLLIN, 0});
+    }
+    const int timeout = poll_ms(next_deadline(std::min(deadline.time_point(), Clock::now() + kPollSlice)));
+    lock.unlock();
+    ::poll(fds.data(), fds.size(), timeout);
+    lock.lock();
+    drain_fd(driver_fd_);
+  }
+  --drivers_;
+  return reached;
+}
+
+void Sender::serve() {
+  drain_fd(wake_fd_);
+  for (auto& [url, ep] : endpoints_) {
+    if (ep.dealer) receive(url, ep);
+  }
+  pump();
+  for (auto& [url, ep] : endpoints_) drop_if_lost(url, ep);
+  check_deadlines();
+}
+
+Clock::time_point Sender::next_deadline(Clock::time_point cap) const {
+  Clock::time_point next = cap;
+  for (const auto& [url, ep] : endpoints_) {
+    if (!ep.dealer) continue;
+    if (!ep.acked) next = std::min(next, ep.ack_deadline);
+    if (!ep.pending.empty()) next = std::min(next, ep.pending.front().deadline);
+  }
+  if (!queued_.empty()) next = std::min(next, queued_.front().event_deadline);
+  return next;
+}
+
 void Sender::run() {
+  std::vector<pollfd> fds;
+  std::unique_lock lock(mu_);
   while (!stopping_.load()) {
-    std::vector<control::DealerChannel*> dealers;
-    std::vector<std::string> urls;
-    for (auto& [url, ep] : endpoints_) {
-      if (!ep.dealer) continue;
-      dealers.push_back(ep.dealer.get());
-      urls.push_back(url);
+    serve();
+    // Someone waiting in serve_until polls without the lock: tell it something changed.
+    if (drivers_ > 0) signal_fd(driver_fd_);
+    // A write event that cannot notify is waited on here, without the lock.
+    if (!queued_.empty() && queued_.front().written && !queued_.front().notifies &&
+        !queued_.front().written->done.load()) {
+      auto event = queued_.front().event;
+      auto written = queued_.front().written;
+      const auto until = queued_.front().event_deadline;
+      lock.unlock();
+      written->status = event->wait(Deadline::at(until));
+      written->done.store(true);
+      waker_->wake();
+      lock.lock();
+      continue;
     }
-    auto ready = control::wait_readable(dealers, wake_fd_, kPollSlice);
-    if (ready && (*ready)[dealers.size()]) {
-      uint64_t drained;
-      [[maybe_unused]] auto n = ::read(wake_fd_, &drained, sizeof(drained));
+    // The sender thread watches what nobody waits on: the wake-up fd (a write completed,
+    // a new connection, stop) and connections waiting for their ACK. Answers are read by
+    // whoever waits for them, or at the latest here, every slice.
+    fds.clear();
+    fds.push_back({wake_fd_, POLLIN, 0});
+    for (const auto& [url, ep] : endpoints_) {
+      if (ep.dealer && !ep.acked) fds.push_back({ep.notify_fd, POLLIN, 0});
     }
-    take_tasks();
-    pump();
-    if (ready) {
-      for (size_t i = 0; i < urls.size(); ++i) {
-        if (!(*ready)[i]) continue;
-        auto it = endpoints_.find(urls[i]);
-        if (it != endpoints_.end() && it->second.dealer) receive(it->first, it->second);
-      }
-    }
-    for (auto& [url, ep] : endpoints_) drop_if_lost(url, ep);
-    check_deadlines();
+    const int timeout = poll_ms(next_deadline(Clock::now() + kPollSlice));
+    lock.unlock();
+    ::poll(fds.data(), fds.size(), timeout);
+    lock.lock();
   }
   const std::string stopped = "the Prefill sender stopped";
   for (auto& [url, ep] : endpoints_) fail_endpoint(url, ep, stopped);
   std::deque<Task> unsent;
   unsent.swap(queued_);
-  {
-    std::lock_guard lock(mu_);
-    for (auto& t : tasks_) unsent.push_back(std::move(t));
-    tasks_.clear();
-  }
   for (auto& t : unsent) settle(t.tickets, false, stopped);  // queued last: failed all the same
-}
-
-void Sender::take_tasks() {
-  std::deque<Task> tasks;
-  {
-    std::lock_guard lock(mu_);
-    tasks.swap(tasks_);
-  }
-  const auto deadline = Clock::now() + config_.event_timeout;
-  for (auto& t : tasks) {
-    t.event_deadline = deadline;
-    queued_.push_back(std::move(t));
-  }
 }
 
 void Sender::pump() {
   while (!queued_.empty()) {
     Task& t = queued_.front();
     if (t.event) {
-      if (!t.asked) {
-        t.asked = true;
-        t.written = std::make_shared<std::atomic<bool>>(false);
-        t.notifies = t.event->notify([written = t.written, waker = waker_] {
-          written->store(true);
-          waker->wake();
-        });
-      }
       Status st;
-      if (!t.notifies) {
-        // An event that cannot call back is waited on here, as long as it takes.
-        st = t.event->wait(Deadline(t.event_deadline - Clock::now()));
-      } else if (t.written->load()) {
-        st = t.event->wait(Deadline(std::chrono::milliseconds(0)));  // complete: its outcome
-      } else if (Clock::now() >= t.event_deadline) {
-        st = timeout_error("the layer's KV write did not complete in time");
+      if (t.written && t.written->done.load()) {
+        // Complete: its outcome (the sender thread's wait holds it for an event that
+        // cannot notify).
+        st = t.notifies ? t.event->wait(Deadline(std::chrono::milliseconds(0))) : t.written->status;
       } else {
-        return;  // still being written; its notification wakes the thread
+        st = t.event->wait(Deadline(std::chrono::milliseconds(0)));
+        if (st.code() == StatusCode::kTimeout) {
+          // Still being written.
+          if (Clock::now() >= t.event_deadline) {
+            st = timeout_error("the layer's KV write did not complete in time");
+          } else {
+            if (!t.written) {
+              t.written = std::make_shared<Written>();
+              t.notifies = t.event->notify([written = t.written, waker = waker_] {
+                written->done.store(true);
+                waker->wake();
+              });
+              if (!t.notifies) waker_->wake();  // the sender thread waits on it
+            }
+            return;
+          }
+        }
       }
       if (!st) {
         Task failed = std::move(t);
@@ -191,6 +256,7 @@ void Sender::dispatch(Task task) {
     auto dealer = control::DealerChannel::connect(context_, task.url, security);
     if (!dealer) return settle(task.tickets, false, dealer.status().message());
     ep.dealer = std::move(*dealer);
+    ep.notify_fd = ep.dealer->notify_fd();
     ep.acked = false;
     ep.ack_deadline = Clock::now() + config_.ack_timeout;
     if (Status st = ep.dealer->send(mf_meta_); !st) {
@@ -198,8 +264,8 @@ void Sender::dispatch(Task task) {
       ep.waiting.push_back(std::move(task));
       return fail_endpoint(url, ep, st.message());
     }
-    std::lock_guard lock(mu_);
-    ++stats_.mf_meta_sent;
+    count(&SenderStats::mf_meta_sent);
+    waker_->wake();  // the sender thread watches for the ACK
   }
   if (!ep.acked) {
     ep.waiting.push_back(std::move(task));
@@ -215,13 +281,12 @@ void Sender::transmit(Endpoint& ep, Task task) {
   ep.pending.push_back(
       {task.layer_idx, std::move(task.tickets), Clock::now() + config_.reply_timeout});
   trace::instant("readiness", "sender", task.layer_idx);
-  std::lock_guard lock(mu_);
-  ++stats_.readiness_sent;
+  count(&SenderStats::readiness_sent);
 }
 
 void Sender::receive(const std::string& url, Endpoint& ep) {
   for (;;) {
-    auto payload = ep.dealer->receive(std::chrono::milliseconds(0));
+    auto payload = ep.dealer->try_receive();
     if (!payload || !payload->has_value()) return;
     const auto& bytes = **payload;
     if (!ep.acked) {
@@ -271,10 +336,7 @@ void Sender::receive(const std::string& url, Endpoint& ep) {
 
 bool Sender::drop_if_lost(const std::string& url, Endpoint& ep) {
   if (!ep.dealer || !ep.dealer->connection_lost()) return false;
-  {
-    std::lock_guard lock(mu_);
-    ++stats_.connections_lost;
-  }
+  count(&SenderStats::connections_lost);
   fail_endpoint(url, ep,
                 ep.dealer->refusal().empty()
                     ? "the connection to " + url + " closed (Decode restarted or died)"
@@ -305,6 +367,7 @@ void Sender::fail_endpoint(const std::string& /*url*/, Endpoint& ep, const std::
   ep.pending.clear();
   ep.waiting.clear();
   ep.dealer.reset();  // the next readiness reconnects and sends MF_META again
+  ep.notify_fd = -1;
   ep.acked = false;
 }
 

@@ -1,14 +1,21 @@
-// Prefill's sender thread (spec "Layer transfer", "Control Protocol"): owns one DEALER per
-// Decode endpoint, sends MF_META once per connection and waits for its ACK, then sends the
-// queued readiness and routes each Decode answer to the slot gate generation it belongs to.
-// Every wait is bounded: an endpoint that does not ACK, or does not answer a readiness in
-// time, fails the gates waiting on it and is reconnected (with MF_META again) on next use.
+// Prefill's control plane to Decode (spec "Layer transfer", "Control Protocol"): one DEALER
+// per Decode endpoint, MF_META once per connection (readiness waits for its ACK), then each
+// readiness, whose answer goes to the slot gate generation it belongs to. Every wait is
+// bounded: an endpoint that does not ACK, or does not answer a readiness in time, fails the
+// gates waiting on it and is reconnected (with MF_META again) on next use.
+//
+// No thread stands between the compute thread and the wire: send() puts a readiness on the
+// socket at once when its layer's write is complete, and the thread waiting for an answer
+// reads it off the socket itself (serve_until). The sender's own thread does what nobody
+// waits on: the ACK of a new connection, a write event that completes later, deadlines and
+// closed connections. The sockets are touched under one mutex, never across a wait.
 // The gates passed to send() must outlive the sender.
 #pragma once
 
 #include <atomic>
 #include <chrono>
 #include <deque>
+#include <functional>
 #include <map>
 #include <memory>
 #include <mutex>
@@ -19,6 +26,7 @@
 #include "control/channel.h"
 #include "prefill/slot_gate.h"
 #include "protocol/messages.h"
+#include "rd2h/common/deadline.h"
 #include "rd2h/common/status.h"
 #include "rd2h/prefill/write_event.h"
 
@@ -52,9 +60,10 @@ class Sender {
   Sender(const Sender&) = delete;
   Sender& operator=(const Sender&) = delete;
 
-  // Queues `ready` for the Decode endpoint at `url`, to be sent once `event` (if any)
-  // completed; its answer goes to every ticket's gate generation (SlotGate::open counted
-  // this endpoint there). Tasks are sent in the order they were queued.
+  // Sends `ready` to the Decode endpoint at `url`: at once when `event` (if any) completed
+  // and the connection is acknowledged, else as soon as both are. Its answer goes to every
+  // ticket's gate generation (SlotGate::open counted this endpoint there). Readiness go
+  // out in the order they were given.
   // With CURVE keys, `server_key` is the Decode's public key (Z85).
   void send(const std::string& url, const protocol::ReadReadyBatch& ready,
             std::vector<GateTicket> tickets, std::shared_ptr<WriteEvent> event = nullptr,
@@ -65,9 +74,19 @@ class Sender {
             std::vector<GateTicket> tickets, std::shared_ptr<WriteEvent> event = nullptr,
             std::string server_key = {});
 
+  // Serves the connections on the calling thread (reads Decode's answers, sends what became
+  // ready, enforces deadlines) until `done()` holds or `deadline` passes; returns done().
+  // `done` is evaluated with the sender's lock held: it may look at gates, nothing more.
+  bool serve_until(const std::function<bool()>& done, const Deadline& deadline);
+
   SenderStats stats() const;
 
  private:
+  // What is known of a task's write event, shared with its notification.
+  struct Written {
+    std::atomic<bool> done{false};  // notified, or waited on by the sender thread
+    Status status;                  // of the sender thread's wait, set before done
+  };
   struct Task {
     std::string url;
     int64_t layer_idx = 0;
@@ -75,11 +94,9 @@ class Sender {
     std::vector<GateTicket> tickets;
     std::shared_ptr<WriteEvent> event;
     std::string server_key;
-    // Sender thread: the event's wait, once the task is taken.
     std::chrono::steady_clock::time_point event_deadline{};
-    std::shared_ptr<std::atomic<bool>> written;  // set by the event's notification
-    bool asked = false;                          // notify() was called
-    bool notifies = false;                       // and the event will call back
+    std::shared_ptr<Written> written;  // once notify() was asked
+    bool notifies = false;             // the event calls back; else the sender thread waits
   };
   // What an event's notification reaches: the wake-up fd, while the sender lives.
   struct Waker {
@@ -94,23 +111,29 @@ class Sender {
   };
   struct Endpoint {
     std::unique_ptr<control::DealerChannel> dealer;
+    int notify_fd = -1;  // the dealer's ZMQ_FD
     bool acked = false;
     std::chrono::steady_clock::time_point ack_deadline;
-    std::deque<Task> waiting;     // queued until the ACK
+    std::deque<Task> waiting;     // given before the ACK
     std::deque<Pending> pending;  // sent, in the order Decode answers
   };
 
   Sender(SenderConfig config, std::shared_ptr<control::Context> context, protocol::MfMeta meta,
-         int wake_fd);
+         int wake_fd, int driver_fd);
   void run();
-  void take_tasks();
-  // Sends the queued tasks whose layer's write completed, in order; the first whose write
-  // is still running stops it (it wakes the thread when it completes).
+  // The rest, with mu_ held. serve(): drains the wake-up fd, reads every answer that is in,
+  // sends what became ready, drops closed connections and enforces deadlines.
+  void serve();
+  // Sends the queued tasks whose layer's write completed, in order; stops at the first
+  // whose write is still running (its notification, or the sender thread's wait on it,
+  // wakes whoever serves). Never blocks.
   void pump();
   void dispatch(Task task);
   void transmit(Endpoint& ep, Task task);
   void receive(const std::string& url, Endpoint& ep);
   void check_deadlines();
+  // The earliest deadline the sender enforces, or `cap` if sooner.
+  std::chrono::steady_clock::time_point next_deadline(std::chrono::steady_clock::time_point cap) const;
   // Drops an endpoint whose connection closed (Decode restarted or died): what it owed fails,
   // and the next readiness opens a new connection with MF_META. Returns whether it did.
   bool drop_if_lost(const std::string& url, Endpoint& ep);
@@ -120,17 +143,21 @@ class Sender {
   // it, else as a failure of the sender's own.
   void settle(const std::vector<GateTicket>& tickets, bool ok, const std::string& why,
               bool from_decode = false);
+  void count(uint64_t SenderStats::*field);
 
   SenderConfig config_;
   std::shared_ptr<control::Context> context_;
   std::vector<std::byte> mf_meta_;
-  int wake_fd_ = -1;
+  int wake_fd_ = -1;    // eventfd: work for whoever serves (a write completed, a new dealer)
+  int driver_fd_ = -1;  // eventfd: the sender thread served while a serve_until waits
   std::shared_ptr<Waker> waker_;
-  std::map<std::string, Endpoint> endpoints_;  // sender thread only
-  std::deque<Task> queued_;                    // sender thread only: waiting for their write
 
-  mutable std::mutex mu_;
-  std::deque<Task> tasks_;
+  std::mutex mu_;  // the sockets and everything below
+  std::map<std::string, Endpoint> endpoints_;
+  std::deque<Task> queued_;  // waiting for their layer's write
+  int drivers_ = 0;          // threads in serve_until
+
+  mutable std::mutex stats_mu_;
   SenderStats stats_;
 
   std::atomic<bool> stopping_{false};

@@ -66,6 +66,11 @@ Status SlotGate::settle(const Deadline& deadline) {
   return Status::ok();
 }
 
+bool SlotGate::answered() const {
+  std::lock_guard lock(mu_);
+  return answered_ >= expected_;
+}
+
 uint64_t SlotGate::generation() const {
   std::lock_guard lock(mu_);
   return generation_;

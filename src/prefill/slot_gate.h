@@ -41,6 +41,9 @@ class SlotGate {
   // compute path raises each failure once and the slot is free afterwards.
   Status settle(const Deadline& deadline);
 
+  // Whether the current generation has all its answers (settle() and wait() return at once).
+  bool answered() const;
+
   uint64_t generation() const;
   uint64_t tag() const;  // of the current generation
   size_t ignored_answers() const;

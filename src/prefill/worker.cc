@@ -257,6 +257,8 @@ Status Worker::wait_for_save() {
 }
 
 Status Worker::settle(SlotGate& gate, const Deadline& deadline) {
+  // The answers are read off the sockets on this thread: no hand-off on the way back.
+  if (!gate.answered()) sender_->serve_until([&gate] { return gate.answered(); }, deadline);
   Status st = gate.settle(deadline);
   if (st.is_ok() || st.code() == StatusCode::kTimeout) return st;
   const uint64_t step = gate.tag();

@@ -44,11 +44,17 @@ class SenderTest : public ::testing::Test {
                                         int ratio = 1) {
     return {layer, layer_name(layer), std::move(reqs), std::move(done), member, ratio};
   }
+  // Waits for the gate's answers the way the Prefill worker does: reading them itself.
+  static Status wait(Sender& s, SlotGate& gate) {
+    const Deadline deadline(10s);
+    s.serve_until([&] { return gate.answered(); }, deadline);
+    return gate.wait(deadline);
+  }
   // Sends one readiness through a fresh gate generation and waits for its answer.
   Status send_and_wait(Sender& s, const protocol::ReadReadyBatch& r, SlotGate& gate) {
     const uint64_t g = gate.open(r.layer_idx, 1);
     s.send(reader_url_or_(), r, {{&gate, g}});
-    return gate.wait(Deadline(10s));
+    return wait(s, gate);
   }
   std::string reader_url_or_() const {
     return url_override_.empty() ? reader_->url() : url_override_;
@@ -137,13 +143,56 @@ TEST_F(SenderTest, AnswersAreServedWhileALaterLayerIsStillBeingWritten) {
   const uint64_t second = g1.open(1, 1);
   s->send(reader_->url(), ready(1, {}), {{&g1, second}}, writing);
   // Layer 0's answer comes in while layer 1's write runs (the sender is not stuck on it).
-  Status st = g0.wait(Deadline(10s));
+  Status st = wait(*s, g0);
   EXPECT_TRUE(st.is_ok()) << st.to_string();
   EXPECT_EQ(s->stats().readiness_sent, 1u) << "layer 1 went out before its write completed";
   writing->complete();
-  st = g1.wait(Deadline(10s));
+  st = wait(*s, g1);
   EXPECT_TRUE(st.is_ok()) << st.to_string();
   EXPECT_EQ(s->stats().readiness_sent, 2u);
+}
+
+TEST_F(SenderTest, AReadinessWhoseWriteIsDoneGoesOnTheWireBeforeSendReturns) {
+  start_reader();
+  auto s = sender();
+  SlotGate gate;
+  ASSERT_TRUE(send_and_wait(*s, ready(0, {}), gate).is_ok());  // the connection is acknowledged
+  const uint64_t before = s->stats().readiness_sent;
+  auto written = std::make_shared<HostWriteEvent>();
+  written->complete();
+  SlotGate g0, g1;
+  s->send(reader_->url(), ready(1, {}), {{&g0, g0.open(1, 1)}});
+  EXPECT_EQ(s->stats().readiness_sent, before + 1) << "handed to another thread to send";
+  s->send(reader_->url(), ready(2, {}), {{&g1, g1.open(2, 1)}}, written);
+  EXPECT_EQ(s->stats().readiness_sent, before + 2) << "a completed write was not sent at once";
+  EXPECT_TRUE(wait(*s, g0).is_ok());
+  EXPECT_TRUE(wait(*s, g1).is_ok());
+}
+
+// A write event that can only be waited on (a device event without callbacks).
+class WaitOnlyEvent final : public WriteEvent {
+ public:
+  Status wait(const Deadline& deadline) override { return inner.wait(deadline); }
+  HostWriteEvent inner;
+};
+
+TEST_F(SenderTest, AWriteEventThatCannotNotifyIsWaitedOnAndItsOutcomeDecides) {
+  start_reader();
+  auto s = sender();
+  auto good = std::make_shared<WaitOnlyEvent>(), bad = std::make_shared<WaitOnlyEvent>();
+  SlotGate g0, g1;
+  s->send(reader_->url(), ready(0, {}), {{&g0, g0.open(0, 1)}}, good);
+  s->send(reader_->url(), ready(1, {}), {{&g1, g1.open(1, 1)}}, bad);
+  EXPECT_EQ(s->stats().readiness_sent, 0u) << "sent before its write completed";
+  good->inner.complete();
+  Status st = wait(*s, g0);
+  EXPECT_TRUE(st.is_ok()) << st.to_string();
+  bad->inner.complete(transport_error("the scatter kernel failed"));
+  st = wait(*s, g1);
+  EXPECT_NE(st.message().find("layer 1 was not published: the scatter kernel failed"),
+            std::string::npos)
+      << st.to_string();
+  EXPECT_EQ(s->stats().readiness_sent, 1u);
 }
 
 TEST_F(SenderTest, AWriteThatNeverCompletesFailsItsLayerInTimeAndOutlivesTheSender) {
