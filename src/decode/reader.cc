@@ -72,7 +72,7 @@ void Reader::remove_request(const std::string& ext_id) {
   std::lock_guard lock(mu_);
   auto it = requests_.find(ext_id);
   if (it != requests_.end()) {
-    aborted_.emplace_back(ext_id, it->second.internal_id);
+    aborted_.push_back({ext_id, it->second.internal_id, read_in_flight_ ? reads_begun_ : 0});
     requests_.erase(it);
   }
   tracker_.remove_request(ext_id);
@@ -115,12 +115,12 @@ Expected<Finished> Reader::get_finished(const AllGather& all_gather) {
     }
   }
   for (auto it = aborted_.begin(); it != aborted_.end();) {
-    if (reading_.count(it->first)) {  // its blocks are being written: next time
-      ++it;
+    if (it->read != 0 && read_in_flight_ && reads_begun_ == it->read) {
+      ++it;  // its blocks may be being written: next time
       continue;
     }
-    out.ended_ext_ids.push_back(it->first);
-    out.finished.push_back(std::move(it->second));
+    out.ended_ext_ids.push_back(it->ext_id);
+    out.finished.push_back(std::move(it->internal_id));
     it = aborted_.erase(it);
   }
   return out;
@@ -433,7 +433,6 @@ Status Reader::read_layer(const std::string& identity, const protocol::ReadReady
     const layout::ReadRole role{config_.d_rank, config_.d_tp,
                                 static_cast<int>(ready.group_member_idx),
                                 static_cast<int>(ready.tp_ratio)};
-    std::vector<std::string> batch;  // the requests this read writes into
     for (const auto& req : ready.read_reqs) {
       auto dest = requests_.find(req.ext_id);
       if (dest == requests_.end()) {
@@ -447,9 +446,11 @@ Status Reader::read_layer(const std::string& identity, const protocol::ReadReady
           !st) {
         return st.with_context(where());
       }
-      batch.push_back(req.ext_id);
     }
-    if (!descriptors.empty()) reading_.insert(batch.begin(), batch.end());
+    if (!descriptors.empty()) {
+      read_in_flight_ = true;
+      ++reads_begun_;
+    }
   }
   if (descriptors.empty()) return Status::ok();  // nothing on this rank: still answered
 
@@ -479,7 +480,7 @@ Status Reader::read_layer(const std::string& identity, const protocol::ReadReady
                 ready.layer_idx, bytes, std::move(ids));
   }
   std::lock_guard lock(mu_);
-  reading_.clear();
+  read_in_flight_ = false;
   ++stats_.reads;
   stats_.read_ns += static_cast<uint64_t>(ns);
   read_seconds_.observe(static_cast<double>(ns) / 1e9);

@@ -148,11 +148,18 @@ class Reader {
 
   mutable std::mutex mu_;  // guards what the worker's thread shares with the reader
   std::map<std::string, Destinations> requests_;
-  std::set<std::string> reading_;  // ext ids of the read in flight
+  // The batched read in flight, if any (reads_begun_ is its number): a request given up
+  // while it runs may have blocks it writes, and is reported once it has returned.
+  uint64_t reads_begun_ = 0;
+  bool read_in_flight_ = false;
   // By ZMQ identity: the requests read on that connection whose final layer it has not
   // signalled yet. If the connection closes first (its Prefill died), they fail at once.
   std::map<std::string, std::set<std::string>> owed_;
-  std::vector<std::pair<std::string, std::string>> aborted_;  // ext, internal: to report
+  struct Aborted {
+    std::string ext_id, internal_id;
+    uint64_t read = 0;  // the read in flight when it was given up (0: none)
+  };
+  std::vector<Aborted> aborted_;  // to report
   CompletionTracker tracker_;
   ReaderStats stats_;
   metrics::Histogram read_seconds_{metrics::latency_buckets()};

@@ -21,6 +21,22 @@ int FaultInjectingEngine::injected_failures() const {
   return injected_;
 }
 
+void FaultInjectingEngine::hold_reads() {
+  std::lock_guard lock(mu_);
+  holding_ = true;
+}
+
+void FaultInjectingEngine::release_reads() {
+  std::lock_guard lock(mu_);
+  holding_ = false;
+  released_.notify_all();
+}
+
+int FaultInjectingEngine::held_reads() const {
+  std::lock_guard lock(mu_);
+  return held_;
+}
+
 Status FaultInjectingEngine::batch_read_sync(std::string_view session,
                                              std::span<const uintptr_t> local,
                                              std::span<const uintptr_t> remote,
@@ -30,7 +46,12 @@ Status FaultInjectingEngine::batch_read_sync(std::string_view session,
   FaultPoint point = FaultPoint::kBeforeRead;
   std::chrono::milliseconds delay{0};
   {
-    std::lock_guard lock(mu_);
+    std::unique_lock lock(mu_);
+    if (holding_) {
+      ++held_;
+      released_.wait_for(lock, std::chrono::minutes(1), [this] { return !holding_; });
+      --held_;
+    }
     if (pending_failures_ > 0) {
       --pending_failures_;
       ++injected_;

@@ -3,6 +3,7 @@
 #pragma once
 
 #include <chrono>
+#include <condition_variable>
 #include <memory>
 #include <mutex>
 
@@ -24,6 +25,11 @@ class FaultInjectingEngine final : public TransferEngine {
   // Every batch read first sleeps `delay` (a slow link); zero turns it off.
   void delay_reads(std::chrono::milliseconds delay);
   int injected_failures() const;
+  // Batch reads wait before reading until release_reads() (for at most a minute): a test
+  // can act while a read is in flight. held_reads() counts the reads waiting now.
+  void hold_reads();
+  void release_reads();
+  int held_reads() const;
 
   std::string_view backend_name() const override { return inner_->backend_name(); }
   const EngineConfig& config() const override { return inner_->config(); }
@@ -57,6 +63,9 @@ class FaultInjectingEngine final : public TransferEngine {
   FaultPoint failure_point_ = FaultPoint::kBeforeRead;
   std::chrono::milliseconds delay_{0};
   int injected_ = 0;
+  bool holding_ = false;
+  int held_ = 0;
+  std::condition_variable released_;
 };
 
 }  // namespace rd2h::transfer

@@ -14,6 +14,8 @@
 #include <thread>
 
 #include "decode/kv_fixture.h"
+#include "support/http_server.h"
+#include "transfer/fault_injecting_engine.h"
 #include "rd2h/common/deadline.h"
 
 namespace rd2h::decode {
@@ -239,6 +241,25 @@ TEST_F(ReaderTest, AnAbortedLoadIsReportedFinishedOnceSoItsBlocksCanBeFreed) {
   EXPECT_EQ(second->ended_ext_ids, std::vector<std::string>{"aborted"});
   EXPECT_TRUE(reader_->get_finished(kAlone)->finished.empty()) << "reported twice";
   EXPECT_EQ(reader_->tracked_requests(), 0u);
+}
+
+TEST_F(ReaderTest, ARequestGivenUpDuringAReadIntoItIsReportedOnlyOnceTheReadReturned) {
+  auto engine = std::make_shared<transfer::FaultInjectingEngine>(decode_engine_);
+  decode_engine_ = engine;
+  ReaderConfig config;
+  start_reader(config);
+  send_mf_meta(mf_meta(prefill_));
+  ASSERT_TRUE(reader_->add_request("r", "int-r", {2}, {2}).is_ok());
+  engine->hold_reads();
+  ASSERT_TRUE(dealer_->send(protocol::encode(ready(0, {{"r", {6}, {6}, 0, 0}}))).is_ok());
+  ASSERT_TRUE(eventually([&] { return engine->held_reads() == 1; })) << "the read never began";
+  reader_->remove_request("r");  // Decode gives it up while its blocks are being written
+  EXPECT_TRUE(reader_->get_finished(kAlone)->finished.empty())
+      << "reported while a read into its blocks was in flight";
+  engine->release_reads();
+  auto reply = dealer_->receive(10s);
+  ASSERT_TRUE(reply && reply->has_value());
+  EXPECT_EQ(reader_->get_finished(kAlone)->finished, std::vector<std::string>{"int-r"});
 }
 
 TEST_F(ReaderTest, AnIncompatiblePrefillIsRefusedWithBothVersions) {
