@@ -148,15 +148,11 @@ void ConnectorWorker::clear_connector_metadata() {
 
 Status ConnectorWorker::start_load_kv() {
   if (!decode_) return Status::ok();
-  for (const auto& ext_id : metadata_.abort) {
-    decode_->remove_request(ext_id);
-    arrival_deadline_.erase(ext_id);
-  }
+  for (const auto& ext_id : metadata_.abort) decode_->remove_request(ext_id);
   const auto deadline = std::chrono::steady_clock::now() + config_.kv_arrival_timeout;
   for (const auto& r : metadata_.load) {
-    RD2H_RETURN_IF_ERROR(
-        decode_->add_request(r.ext_id, r.internal_id, r.main_blocks, r.indexer_blocks));
-    arrival_deadline_[r.ext_id] = deadline;
+    RD2H_RETURN_IF_ERROR(decode_->add_request(r.ext_id, r.internal_id, r.main_blocks,
+                                              r.indexer_blocks, deadline));
   }
   return Status::ok();
 }
@@ -207,10 +203,6 @@ Expected<FinishedTransfers> ConnectorWorker::get_finished(const decode::AllGathe
   FinishedTransfers out;
   if (config_.role != KvRole::kConsumer) return out;
   RD2H_RETURN_IF_ERROR(need(decode_.get(), "get_finished"));
-  const auto now = std::chrono::steady_clock::now();
-  for (const auto& [ext_id, deadline] : arrival_deadline_) {
-    if (now >= deadline) decode_->reader().expire_request(ext_id);
-  }
   auto done = decode_->get_finished(all_gather);
   if (!done) return done.status();
   for (auto* ids : {&done->finished, &done->failed}) {
@@ -220,7 +212,6 @@ Expected<FinishedTransfers> ConnectorWorker::get_finished(const decode::AllGathe
                       done->invalid_main_blocks.end());
   load_errors_.insert(load_errors_.end(), done->invalid_indexer_blocks.begin(),
                       done->invalid_indexer_blocks.end());
-  for (const auto& ext_id : done->ended_ext_ids) arrival_deadline_.erase(ext_id);
   return out;
 }
 

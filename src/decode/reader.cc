@@ -61,10 +61,12 @@ Reader::~Reader() {
 }
 
 Status Reader::add_request(const std::string& ext_id, const std::string& internal_id,
-                           std::vector<int64_t> main_blocks, std::vector<int64_t> indexer_blocks) {
+                           std::vector<int64_t> main_blocks, std::vector<int64_t> indexer_blocks,
+                           std::chrono::steady_clock::time_point arrival_deadline) {
   std::lock_guard lock(mu_);
   RD2H_RETURN_IF_ERROR(tracker_.add_request(ext_id, internal_id));
-  requests_[ext_id] = {std::move(main_blocks), std::move(indexer_blocks), internal_id};
+  requests_[ext_id] = {std::move(main_blocks), std::move(indexer_blocks), internal_id,
+                       arrival_deadline};
   return Status::ok();
 }
 
@@ -78,15 +80,15 @@ void Reader::remove_request(const std::string& ext_id) {
   tracker_.remove_request(ext_id);
 }
 
-void Reader::expire_request(const std::string& ext_id) {
-  std::lock_guard lock(mu_);
-  if (tracker_.known(ext_id)) tracker_.on_failed(ext_id);
-}
-
 Expected<Finished> Reader::get_finished(const AllGather& all_gather) {
   RankTerminal mine;
   {
     std::lock_guard lock(mu_);
+    // A request whose KV did not arrive in time is given up on this rank: terminal, failed.
+    const auto now = std::chrono::steady_clock::now();
+    for (const auto& [ext_id, dest] : requests_) {
+      if (now >= dest.arrival_deadline && tracker_.known(ext_id)) tracker_.on_failed(ext_id);
+    }
     mine = tracker_.terminal();
   }
   // Gathered without the lock: the other ranks may take a while, and reads go on meanwhile.

@@ -71,15 +71,16 @@ class Reader {
 
   const std::string& url() const { return router_->url(); }
 
-  // Decode expects `ext_id`; its blocks land in these destination lists.
+  // Decode expects `ext_id`; its blocks land in these destination lists. If its KV is not
+  // all in by `arrival_deadline`, the get_finished after it reports the request failed.
   Status add_request(const std::string& ext_id, const std::string& internal_id,
-                     std::vector<int64_t> main_blocks, std::vector<int64_t> indexer_blocks);
+                     std::vector<int64_t> main_blocks, std::vector<int64_t> indexer_blocks,
+                     std::chrono::steady_clock::time_point arrival_deadline =
+                         std::chrono::steady_clock::time_point::max());
   // Decode gave the request up. It is reported finished by the next get_finished that runs
   // after any read into its blocks returned (vLLM keeps an aborted request's blocks until
   // then); an id this rank no longer tracks is left alone.
   void remove_request(const std::string& ext_id);
-  // Gives up waiting for the request's KV on this rank: it becomes terminal and failed.
-  void expire_request(const std::string& ext_id);
   // Requests every Decode rank finished (or failed, with their destination blocks): their
   // state on this rank ends here.
   Expected<Finished> get_finished(const AllGather& all_gather);
@@ -100,10 +101,12 @@ class Reader {
     std::string session;
     std::map<std::string, PeerLayer, std::less<>> layers;
   };
+  // What this rank keeps of a request it expects, besides its completion (tracker_).
   struct Destinations {
     std::vector<int64_t> main;
     std::vector<int64_t> indexer;
     std::string internal_id;
+    std::chrono::steady_clock::time_point arrival_deadline;
   };
 
   Reader(ReaderConfig config, std::shared_ptr<transfer::TransferEngine> engine, DecodeLayout layout,

@@ -51,9 +51,11 @@ class Worker {
   const Reader& reader() const { return *reader_; }
 
   Status add_request(const std::string& ext_id, const std::string& internal_id,
-                     std::vector<int64_t> main_blocks, std::vector<int64_t> indexer_blocks) {
+                     std::vector<int64_t> main_blocks, std::vector<int64_t> indexer_blocks,
+                     std::chrono::steady_clock::time_point arrival_deadline =
+                         std::chrono::steady_clock::time_point::max()) {
     return reader_->add_request(ext_id, internal_id, std::move(main_blocks),
-                                std::move(indexer_blocks));
+                                std::move(indexer_blocks), arrival_deadline);
   }
   void remove_request(const std::string& ext_id) { reader_->remove_request(ext_id); }
   Expected<Finished> get_finished(const AllGather& all_gather) {

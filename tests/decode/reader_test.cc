@@ -262,6 +262,19 @@ TEST_F(ReaderTest, ARequestGivenUpDuringAReadIntoItIsReportedOnlyOnceTheReadRetu
   EXPECT_EQ(reader_->get_finished(kAlone)->finished, std::vector<std::string>{"int-r"});
 }
 
+TEST_F(ReaderTest, ARequestWhoseKvDoesNotArriveInTimeFailsWithItsBlocks) {
+  const auto now = std::chrono::steady_clock::now();
+  ASSERT_TRUE(reader_->add_request("late", "int-late", {2, 3}, {4}, now).is_ok());
+  ASSERT_TRUE(reader_->add_request("timely", "int-timely", {5}, {6}, now + 1h).is_ok());
+  auto done = reader_->get_finished(kAlone);
+  ASSERT_TRUE(done);
+  EXPECT_EQ(done->failed, std::vector<std::string>{"int-late"});
+  EXPECT_TRUE(done->finished.empty()) << "the request with time left ended";
+  EXPECT_EQ(done->invalid_main_blocks, (std::vector<int64_t>{2, 3}));
+  EXPECT_EQ(done->invalid_indexer_blocks, std::vector<int64_t>{4});
+  EXPECT_EQ(reader_->tracked_requests(), 1u);
+}
+
 TEST_F(ReaderTest, AnIncompatiblePrefillIsRefusedWithBothVersions) {
   auto meta = mf_meta(prefill_);
   meta.protocol_version = protocol::kProtocolVersion + 1;

@@ -9,7 +9,6 @@
 #pragma once
 
 #include <chrono>
-#include <map>
 #include <memory>
 #include <string>
 #include <string_view>
@@ -100,7 +99,6 @@ class ConnectorWorker final : public KvConnectorWorker {
   ConnectorMetadata metadata_;
   // Prefill without use_layerwise: the layers saved this step, published in wait_for_save.
   std::vector<std::pair<std::string, std::shared_ptr<prefill::WriteEvent>>> saved_layers_;
-  std::map<std::string, std::chrono::steady_clock::time_point> arrival_deadline_;  // Decode
   std::vector<int64_t> load_errors_;
 };
 
