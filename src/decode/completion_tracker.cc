@@ -6,7 +6,8 @@ namespace rd2h::decode {
 
 CompletionTracker::CompletionTracker(size_t max_early) : max_early_(max_early) {}
 
-Status CompletionTracker::add_request(const std::string& ext_id, const std::string& internal_id) {
+Status CompletionTracker::add_request(const std::string& ext_id, const std::string& internal_id,
+                                      Destinations destinations) {
   if (requests_.count(ext_id) != 0) {
     return already_exists("request " + ext_id + " is already tracked");
   }
@@ -15,6 +16,7 @@ Status CompletionTracker::add_request(const std::string& ext_id, const std::stri
   }
   Request r;
   r.internal_id = internal_id;
+  r.destinations = std::move(destinations);
   if (auto it = early_.find(ext_id); it != early_.end()) {
     r.signals = std::move(it->second);
     early_.erase(it);
@@ -24,8 +26,12 @@ Status CompletionTracker::add_request(const std::string& ext_id, const std::stri
   return Status::ok();
 }
 
-void CompletionTracker::remove_request(const std::string& ext_id) {
-  requests_.erase(ext_id);
+std::optional<std::string> CompletionTracker::remove_request(const std::string& ext_id) {
+  std::optional<std::string> internal_id;
+  if (auto it = requests_.find(ext_id); it != requests_.end()) {
+    internal_id = std::move(it->second.internal_id);
+    requests_.erase(it);
+  }
   early_.erase(ext_id);
   if (removed_.insert(ext_id).second) {
     removed_order_.push_back(ext_id);
@@ -33,6 +39,20 @@ void CompletionTracker::remove_request(const std::string& ext_id) {
       removed_.erase(removed_order_.front());
       removed_order_.pop_front();
     }
+  }
+  return internal_id;
+}
+
+const Destinations* CompletionTracker::destinations(const std::string& ext_id) const {
+  auto it = requests_.find(ext_id);
+  return it == requests_.end() ? nullptr : &it->second.destinations;
+}
+
+void CompletionTracker::expire(std::chrono::steady_clock::time_point now) {
+  for (auto& [ext_id, r] : requests_) {
+    if (now < r.destinations.arrival_deadline) continue;
+    r.signals.failed = true;
+    update_terminal(r);
   }
 }
 
@@ -120,7 +140,8 @@ std::vector<Ended> CompletionTracker::take(const std::vector<RankTerminal>& rank
     for (const auto& ext_id : *list) {
       auto it = requests_.find(ext_id);
       if (it == requests_.end()) continue;  // removed while the ranks gathered
-      ended.push_back({ext_id, std::move(it->second.internal_id), list == &done.failed});
+      ended.push_back({ext_id, std::move(it->second.internal_id), list == &done.failed,
+                       std::move(it->second.destinations)});
       requests_.erase(it);
     }
   }

@@ -5,9 +5,12 @@
 // owns it serialises access.
 #pragma once
 
+#include <chrono>
 #include <cstddef>
+#include <cstdint>
 #include <deque>
 #include <map>
+#include <optional>
 #include <set>
 #include <string>
 #include <vector>
@@ -28,11 +31,20 @@ struct Finished {
   std::vector<std::string> ended_ext_ids;
 };
 
+// Where a request's KV lands on this rank, and until when it may arrive.
+struct Destinations {
+  std::vector<int64_t> main;
+  std::vector<int64_t> indexer;
+  std::chrono::steady_clock::time_point arrival_deadline =
+      std::chrono::steady_clock::time_point::max();
+};
+
 // A request whose state ended in a gather.
 struct Ended {
   std::string ext_id;
   std::string internal_id;
   bool failed = false;
+  Destinations destinations;
 };
 
 class CompletionTracker {
@@ -43,9 +55,17 @@ class CompletionTracker {
   explicit CompletionTracker(size_t max_early = 4096);
 
   // Decode's scheduler expects `ext_id` from Prefill; `internal_id` is its own name for it.
-  Status add_request(const std::string& ext_id, const std::string& internal_id);
+  // The tracker is the one owner of the request's state on this rank: its completion, and
+  // its destinations with their arrival deadline.
+  Status add_request(const std::string& ext_id, const std::string& internal_id,
+                     Destinations destinations = {});
   // Decode gave up on the request: its state is dropped and later signals are ignored.
-  void remove_request(const std::string& ext_id);
+  // Returns its internal id if it was tracked.
+  std::optional<std::string> remove_request(const std::string& ext_id);
+  // The destinations of a tracked request, or null.
+  const Destinations* destinations(const std::string& ext_id) const;
+  // Every tracked request whose arrival deadline passed by `now` fails.
+  void expire(std::chrono::steady_clock::time_point now);
 
   // Contributor `group_member_idx` of `tp_ratio` listed `ext_id` in a READ_READY_BATCH's
   // done_ext_ids. A second signal from the same contributor does not advance the request;
@@ -82,6 +102,7 @@ class CompletionTracker {
   };
   struct Request {
     std::string internal_id;
+    Destinations destinations;
     Signals signals;
     bool terminal = false;
   };

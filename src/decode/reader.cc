@@ -64,20 +64,15 @@ Status Reader::add_request(const std::string& ext_id, const std::string& interna
                            std::vector<int64_t> main_blocks, std::vector<int64_t> indexer_blocks,
                            std::chrono::steady_clock::time_point arrival_deadline) {
   std::lock_guard lock(mu_);
-  RD2H_RETURN_IF_ERROR(tracker_.add_request(ext_id, internal_id));
-  requests_[ext_id] = {std::move(main_blocks), std::move(indexer_blocks), internal_id,
-                       arrival_deadline};
-  return Status::ok();
+  return tracker_.add_request(ext_id, internal_id,
+                              {std::move(main_blocks), std::move(indexer_blocks), arrival_deadline});
 }
 
 void Reader::remove_request(const std::string& ext_id) {
   std::lock_guard lock(mu_);
-  auto it = requests_.find(ext_id);
-  if (it != requests_.end()) {
-    aborted_.push_back({ext_id, it->second.internal_id, read_in_flight_ ? reads_begun_ : 0});
-    requests_.erase(it);
+  if (auto internal_id = tracker_.remove_request(ext_id)) {
+    aborted_.push_back({ext_id, std::move(*internal_id), read_in_flight_ ? reads_begun_ : 0});
   }
-  tracker_.remove_request(ext_id);
 }
 
 Expected<Finished> Reader::get_finished(const AllGather& all_gather) {
@@ -85,10 +80,7 @@ Expected<Finished> Reader::get_finished(const AllGather& all_gather) {
   {
     std::lock_guard lock(mu_);
     // A request whose KV did not arrive in time is given up on this rank: terminal, failed.
-    const auto now = std::chrono::steady_clock::now();
-    for (const auto& [ext_id, dest] : requests_) {
-      if (now >= dest.arrival_deadline && tracker_.known(ext_id)) tracker_.on_failed(ext_id);
-    }
+    tracker_.expire(std::chrono::steady_clock::now());
     mine = tracker_.terminal();
   }
   // Gathered without the lock: the other ranks may take a while, and reads go on meanwhile.
@@ -98,19 +90,15 @@ Expected<Finished> Reader::get_finished(const AllGather& all_gather) {
   Finished out;
   for (auto& e : tracker_.take(*ranks)) {
     out.ended_ext_ids.push_back(e.ext_id);
-    auto dest = requests_.find(e.ext_id);
     if (e.failed) {
       out.failed.push_back(std::move(e.internal_id));
-      if (dest != requests_.end()) {
-        auto& d = dest->second;
-        out.invalid_main_blocks.insert(out.invalid_main_blocks.end(), d.main.begin(), d.main.end());
-        out.invalid_indexer_blocks.insert(out.invalid_indexer_blocks.end(), d.indexer.begin(),
-                                          d.indexer.end());
-      }
+      const Destinations& d = e.destinations;
+      out.invalid_main_blocks.insert(out.invalid_main_blocks.end(), d.main.begin(), d.main.end());
+      out.invalid_indexer_blocks.insert(out.invalid_indexer_blocks.end(), d.indexer.begin(),
+                                        d.indexer.end());
     } else {
       out.finished.push_back(std::move(e.internal_id));
     }
-    if (dest != requests_.end()) requests_.erase(dest);  // the request ends here
     for (auto owed = owed_.begin(); owed != owed_.end();) {
       owed->second.erase(e.ext_id);
       owed = owed->second.empty() ? owed_.erase(owed) : std::next(owed);
@@ -135,7 +123,7 @@ ReaderStats Reader::stats() const {
 
 size_t Reader::tracked_requests() const {
   std::lock_guard lock(mu_);
-  return std::max(requests_.size(), tracker_.tracked());
+  return tracker_.tracked();
 }
 
 void Reader::run() {
@@ -161,7 +149,7 @@ void Reader::run() {
 
 bool Reader::destinations_known(const protocol::ReadReadyBatch& ready) const {
   for (const auto& req : ready.read_reqs) {
-    if (requests_.count(req.ext_id) == 0 && !tracker_.aborted(req.ext_id)) return false;
+    if (!tracker_.known(req.ext_id) && !tracker_.aborted(req.ext_id)) return false;
   }
   return true;
 }
@@ -436,14 +424,14 @@ Status Reader::read_layer(const std::string& identity, const protocol::ReadReady
                                 static_cast<int>(ready.group_member_idx),
                                 static_cast<int>(ready.tp_ratio)};
     for (const auto& req : ready.read_reqs) {
-      auto dest = requests_.find(req.ext_id);
-      if (dest == requests_.end()) {
+      const Destinations* dest = tracker_.destinations(req.ext_id);
+      if (dest == nullptr) {
         // Decode gave the request up: nothing to read for it, and no reason to fail Prefill.
         if (tracker_.aborted(req.ext_id)) continue;
         return not_found(where() + ": request " + req.ext_id + " has no destination on Decode");
       }
       if (Status st = layout::append_request_descriptors(
-              layer.tensors, *layer.decode, {&req, &dest->second.main, &dest->second.indexer},
+              layer.tensors, *layer.decode, {&req, &dest->main, &dest->indexer},
               role, descriptors);
           !st) {
         return st.with_context(where());

@@ -101,13 +101,6 @@ class Reader {
     std::string session;
     std::map<std::string, PeerLayer, std::less<>> layers;
   };
-  // What this rank keeps of a request it expects, besides its completion (tracker_).
-  struct Destinations {
-    std::vector<int64_t> main;
-    std::vector<int64_t> indexer;
-    std::string internal_id;
-    std::chrono::steady_clock::time_point arrival_deadline;
-  };
 
   Reader(ReaderConfig config, std::shared_ptr<transfer::TransferEngine> engine, DecodeLayout layout,
          std::unique_ptr<control::RouterChannel> router);
@@ -150,7 +143,6 @@ class Reader {
   size_t held_count_ = 0;
 
   mutable std::mutex mu_;  // guards what the worker's thread shares with the reader
-  std::map<std::string, Destinations> requests_;
   // The batched read in flight, if any (reads_begun_ is its number): a request given up
   // while it runs may have blocks it writes, and is reported once it has returned.
   uint64_t reads_begun_ = 0;
@@ -163,7 +155,7 @@ class Reader {
     uint64_t read = 0;  // the read in flight when it was given up (0: none)
   };
   std::vector<Aborted> aborted_;  // to report
-  CompletionTracker tracker_;
+  CompletionTracker tracker_;  // every request's state: completion, destinations, deadline
   ReaderStats stats_;
   metrics::Histogram read_seconds_{metrics::latency_buckets()};
 

@@ -31,6 +31,26 @@ TEST(CompletionTracker, CompletesAfterEveryContributorReportsTheFinalLayer) {
   EXPECT_EQ(t.tracked(), 0u) << "state is freed once reported";
 }
 
+TEST(CompletionTracker, OwnsARequestsDestinationsAndGivesItUpAtItsArrivalDeadline) {
+  CompletionTracker t;
+  const auto now = std::chrono::steady_clock::now();
+  ASSERT_TRUE(t.add_request("late", "i-late", {{1, 2}, {3}, now}).is_ok());
+  ASSERT_TRUE(t.add_request("timely", "i-timely", {{4}, {5}, now + std::chrono::hours(1)}).is_ok());
+  ASSERT_NE(t.destinations("late"), nullptr);
+  EXPECT_EQ(t.destinations("late")->main, (std::vector<int64_t>{1, 2}));
+  EXPECT_EQ(t.destinations("unknown"), nullptr);
+  t.expire(now);
+  const auto ended = t.take({t.terminal()});
+  ASSERT_EQ(ended.size(), 1u) << "the request with time left ended too";
+  EXPECT_EQ(ended[0].internal_id, "i-late");
+  EXPECT_TRUE(ended[0].failed);
+  EXPECT_EQ(ended[0].destinations.indexer, std::vector<int64_t>{3});
+  EXPECT_EQ(t.destinations("late"), nullptr) << "an ended request's state stays";
+  EXPECT_EQ(t.remove_request("timely"), std::optional<std::string>("i-timely"));
+  EXPECT_EQ(t.remove_request("timely"), std::nullopt);
+  EXPECT_EQ(t.tracked(), 0u);
+}
+
 TEST(CompletionTracker, DuplicateFinalSignalDoesNotAdvance) {
   CompletionTracker t;
   ASSERT_TRUE(t.add_request("r", "i").is_ok());
