@@ -812,8 +812,9 @@ struct Engine::Impl::Call {
           }
         }
       }
-      if (recompute_after > 0 && n == 1 && sent[0] >= recompute_after && sent[0] < max_tokens &&
-          !all_ended) {
+      // Cut whether or not the engine made the rest already (it may be that fast): the
+      // stream ends at exactly recompute_after tokens, every time.
+      if (recompute_after > 0 && n == 1 && sent[0] >= recompute_after && sent[0] < max_tokens) {
         return recomputed(sink, sent[0], include_usage);
       }
       if (all_ended) break;
