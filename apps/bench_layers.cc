@@ -1,4 +1,5 @@
 #include "bench_layers.h"
+#include "ucx_am_echo.h"
 
 #include <algorithm>
 #include <atomic>
@@ -324,9 +325,29 @@ int run_bench_layers(const BenchLayersOptions& o) {
   }
   ZmqEcho floor;
   std::vector<double> zmq, zmq_around_read;
+  // The same floor on UCX active messages, over shared memory and over TCP.
+  struct UcxFloor {
+    const char* tls;
+    std::unique_ptr<UcxAmEcho> echo;
+    std::vector<double> samples;
+    std::string error;
+  };
+  std::vector<UcxFloor> ucx;
+  for (const char* tls : {"shm", "tcp"}) {
+    auto echo = UcxAmEcho::start(tls);
+    ucx.push_back({tls, echo ? std::move(*echo) : nullptr, {},
+                   echo ? std::string() : echo.status().to_string()});
+  }
   for (uint32_t round = 0; round < kRounds; ++round) {
     const uint32_t count = o.layers / kRounds + (round < o.layers % kRounds ? 1 : 0);
     floor.measure(count, std::chrono::microseconds(0), zmq);
+    for (auto& u : ucx) {
+      if (!u.echo) continue;
+      if (Status st = u.echo->measure(count, u.samples); !st) {
+        u.error = st.to_string();
+        u.echo.reset();
+      }
+    }
     for (auto& s : setups) {
       if (Status st = run_layers(*s, count, true); !st) {
         std::fprintf(stderr, "rd2h bench layers: %u requests: %s\n", s->requests,
@@ -386,6 +407,18 @@ int run_bench_layers(const BenchLayersOptions& o) {
       "  is then subtracted):                                              p50 %.1f us, "
       "p99 %.1f us\n",
       around_p50, percentile(zmq_around_read, 0.99));
+  for (const auto& u : ucx) {
+    if (!u.error.empty()) {
+      std::printf("  bare UCX active-message round trip (%s): not measured: %s\n", u.tls,
+                  u.error.c_str());
+      continue;
+    }
+    std::printf(
+        "  bare UCX active-message round trip (two contexts, %s):%*s p50 %.1f us, p99 %.1f us "
+        "(%.2fx the ZeroMQ one's p50)\n",
+        u.tls, static_cast<int>(13 - std::string(u.tls).size()), "", percentile(u.samples, 0.5),
+        percentile(u.samples, 0.99), zmq_p50 > 0 ? percentile(u.samples, 0.5) / zmq_p50 : 0.0);
+  }
   std::printf(
       "  two-thread wake-up round trip (condition variable):              p50 %.1f us, "
       "p99 %.1f us\n",
