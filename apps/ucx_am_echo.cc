@@ -137,8 +137,7 @@ struct UcxAmEcho::Side {
   }
 };
 
-UcxAmEcho::UcxAmEcho()
-    : client_(std::make_unique<Side>()), echo_(std::make_unique<Side>()) {}
+UcxAmEcho::UcxAmEcho() : client_(std::make_unique<Side>()), echo_(std::make_unique<Side>()) {}
 
 Expected<std::unique_ptr<UcxAmEcho>> UcxAmEcho::start(const std::string& tls) {
   auto e = std::unique_ptr<UcxAmEcho>(new UcxAmEcho());

@@ -64,8 +64,8 @@ Status Reader::add_request(const std::string& ext_id, const std::string& interna
                            std::vector<int64_t> main_blocks, std::vector<int64_t> indexer_blocks,
                            std::chrono::steady_clock::time_point arrival_deadline) {
   std::lock_guard lock(mu_);
-  return tracker_.add_request(ext_id, internal_id,
-                              {std::move(main_blocks), std::move(indexer_blocks), arrival_deadline});
+  return tracker_.add_request(
+      ext_id, internal_id, {std::move(main_blocks), std::move(indexer_blocks), arrival_deadline});
 }
 
 void Reader::remove_request(const std::string& ext_id) {
@@ -431,8 +431,7 @@ Status Reader::read_layer(const std::string& identity, const protocol::ReadReady
         return not_found(where() + ": request " + req.ext_id + " has no destination on Decode");
       }
       if (Status st = layout::append_request_descriptors(
-              layer.tensors, *layer.decode, {&req, &dest->main, &dest->indexer},
-              role, descriptors);
+              layer.tensors, *layer.decode, {&req, &dest->main, &dest->indexer}, role, descriptors);
           !st) {
         return st.with_context(where());
       }

@@ -131,7 +131,8 @@ bool Sender::serve_until(const std::function<bool()>& done, const Deadline& dead
     for (const auto& [url, ep] : endpoints_) {
       if (ep.dealer) fds.push_back({ep.notify_fd, POLLIN, 0});
     }
-    const int timeout = poll_ms(next_deadline(std::min(deadline.time_point(), Clock::now() + kPollSlice)));
+    const int timeout =
+        poll_ms(next_deadline(std::min(deadline.time_point(), Clock::now() + kPollSlice)));
     lock.unlock();
     ::poll(fds.data(), fds.size(), timeout);
     lock.lock();
@@ -234,8 +235,7 @@ void Sender::pump() {
         Task failed = std::move(t);
         queued_.pop_front();
         settle(failed.tickets, false,
-               "layer " + std::to_string(failed.layer_idx) + " was not published: " +
-                   st.message());
+               "layer " + std::to_string(failed.layer_idx) + " was not published: " + st.message());
         continue;
       }
     }

@@ -133,7 +133,8 @@ class Sender {
   void receive(const std::string& url, Endpoint& ep);
   void check_deadlines();
   // The earliest deadline the sender enforces, or `cap` if sooner.
-  std::chrono::steady_clock::time_point next_deadline(std::chrono::steady_clock::time_point cap) const;
+  std::chrono::steady_clock::time_point next_deadline(
+      std::chrono::steady_clock::time_point cap) const;
   // Drops an endpoint whose connection closed (Decode restarted or died): what it owed fails,
   // and the next readiness opens a new connection with MF_META. Returns whether it did.
   bool drop_if_lost(const std::string& url, Endpoint& ep);
