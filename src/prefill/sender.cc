@@ -38,6 +38,7 @@ Sender::Sender(SenderConfig config, std::shared_ptr<control::Context> context,
       driver_fd_(driver_fd),
       waker_(std::make_shared<Waker>()) {
   waker_->fd = wake_fd;
+  waker_->driver_fd = driver_fd;
 }
 
 namespace {
@@ -58,7 +59,9 @@ int poll_ms(Clock::time_point until) {
 
 void Sender::Waker::wake() {
   std::lock_guard lock(mu);
-  if (fd >= 0) signal_fd(fd);  // else the sender is gone: nobody to wake
+  if (fd < 0) return;  // the sender is gone: nobody to wake
+  signal_fd(fd);
+  signal_fd(driver_fd);
 }
 
 Sender::~Sender() {
@@ -68,7 +71,7 @@ Sender::~Sender() {
   {
     // An event completing later (its host may keep it) finds no fd to write.
     std::lock_guard lock(waker_->mu);
-    waker_->fd = -1;
+    waker_->fd = waker_->driver_fd = -1;
   }
   ::close(wake_fd_);
   ::close(driver_fd_);
@@ -126,7 +129,6 @@ bool Sender::serve_until(const std::function<bool()>& done, const Deadline& dead
     serve();
     if ((reached = done()) || deadline.expired() || stopping_.load()) break;
     fds.clear();
-    fds.push_back({wake_fd_, POLLIN, 0});
     fds.push_back({driver_fd_, POLLIN, 0});
     for (const auto& [url, ep] : endpoints_) {
       if (ep.dealer) fds.push_back({ep.notify_fd, POLLIN, 0});
@@ -143,11 +145,10 @@ bool Sender::serve_until(const std::function<bool()>& done, const Deadline& dead
 }
 
 void Sender::serve() {
-  drain_fd(wake_fd_);
+  pump();
   for (auto& [url, ep] : endpoints_) {
     if (ep.dealer) receive(url, ep);
   }
-  pump();
   for (auto& [url, ep] : endpoints_) drop_if_lost(url, ep);
   check_deadlines();
 }
@@ -195,6 +196,7 @@ void Sender::run() {
     lock.unlock();
     ::poll(fds.data(), fds.size(), timeout);
     lock.lock();
+    drain_fd(wake_fd_);
   }
   const std::string stopped = "the Prefill sender stopped";
   for (auto& [url, ep] : endpoints_) fail_endpoint(url, ep, stopped);
@@ -225,7 +227,8 @@ void Sender::pump() {
                 written->done.store(true);
                 waker->wake();
               });
-              if (!t.notifies) waker_->wake();  // the sender thread waits on it
+              if (!t.notifies) waker_->wake();                     // the sender thread waits on it
+              if (t.notifies && t.written->done.load()) continue;  // it completed meanwhile
             }
             return;
           }
@@ -247,7 +250,10 @@ void Sender::pump() {
 
 void Sender::dispatch(Task task) {
   Endpoint& ep = endpoints_[task.url];
-  drop_if_lost(task.url, ep);  // never send on a connection the peer no longer knows
+  // Never send on a connection the peer no longer knows; what it answered before it went
+  // counts (answers nobody waited for may still be in the socket).
+  if (ep.dealer) receive(task.url, ep);
+  drop_if_lost(task.url, ep);
   if (!ep.dealer) {
     // A new connection, or one rebuilt after a failure: it starts with MF_META, since the
     // Decode side keys its metadata by connection.

@@ -98,10 +98,11 @@ class Sender {
     std::shared_ptr<Written> written;  // once notify() was asked
     bool notifies = false;             // the event calls back; else the sender thread waits
   };
-  // What an event's notification reaches: the wake-up fd, while the sender lives.
+  // What an event's notification reaches while the sender lives: the sender thread's
+  // wake-up fd and the one of whoever waits in serve_until (each drains only its own).
   struct Waker {
     std::mutex mu;
-    int fd = -1;  // -1 once the sender is gone
+    int fd = -1, driver_fd = -1;  // -1 once the sender is gone
     void wake();
   };
   struct Pending {
@@ -121,8 +122,9 @@ class Sender {
   Sender(SenderConfig config, std::shared_ptr<control::Context> context, protocol::MfMeta meta,
          int wake_fd, int driver_fd);
   void run();
-  // The rest, with mu_ held. serve(): drains the wake-up fd, reads every answer that is in,
-  // sends what became ready, drops closed connections and enforces deadlines.
+  // The rest, with mu_ held. serve(): sends what became ready, reads every answer that is
+  // in (after the sends, which can consume a socket's notification), drops closed
+  // connections and enforces deadlines.
   void serve();
   // Sends the queued tasks whose layer's write completed, in order; stops at the first
   // whose write is still running (its notification, or the sender thread's wait on it,
@@ -149,8 +151,9 @@ class Sender {
   SenderConfig config_;
   std::shared_ptr<control::Context> context_;
   std::vector<std::byte> mf_meta_;
-  int wake_fd_ = -1;    // eventfd: work for whoever serves (a write completed, a new dealer)
-  int driver_fd_ = -1;  // eventfd: the sender thread served while a serve_until waits
+  // eventfds, both signalled by the waker (a write completed, a new connection, stop):
+  int wake_fd_ = -1;    // drained by the sender thread only
+  int driver_fd_ = -1;  // drained in serve_until only; also: the sender thread served
   std::shared_ptr<Waker> waker_;
 
   std::mutex mu_;  // the sockets and everything below

@@ -3,6 +3,8 @@
 
 #include <gtest/gtest.h>
 
+#include <atomic>
+
 #include "decode/kv_fixture.h"
 #include "decode/reader.h"
 #include "support/http_server.h"
@@ -172,8 +174,12 @@ TEST_F(SenderTest, AReadinessWhoseWriteIsDoneGoesOnTheWireBeforeSendReturns) {
 // A write event that can only be waited on (a device event without callbacks).
 class WaitOnlyEvent final : public WriteEvent {
  public:
-  Status wait(const Deadline& deadline) override { return inner.wait(deadline); }
+  Status wait(const Deadline& deadline) override {
+    if (deadline.remaining() > std::chrono::milliseconds(100)) ++blocking_waits;
+    return inner.wait(deadline);
+  }
   HostWriteEvent inner;
+  std::atomic<int> blocking_waits{0};
 };
 
 TEST_F(SenderTest, AWriteEventThatCannotNotifyIsWaitedOnAndItsOutcomeDecides) {
@@ -184,6 +190,8 @@ TEST_F(SenderTest, AWriteEventThatCannotNotifyIsWaitedOnAndItsOutcomeDecides) {
   s->send(reader_->url(), ready(0, {}), {{&g0, g0.open(0, 1)}}, good);
   s->send(reader_->url(), ready(1, {}), {{&g1, g1.open(1, 1)}}, bad);
   EXPECT_EQ(s->stats().readiness_sent, 0u) << "sent before its write completed";
+  ASSERT_TRUE(eventually([&] { return good->blocking_waits.load() > 0; }))
+      << "nobody waits on an event that cannot notify";
   good->inner.complete();
   Status st = wait(*s, g0);
   EXPECT_TRUE(st.is_ok()) << st.to_string();
@@ -230,6 +238,35 @@ TEST_F(SenderTest, ADecodeThatNeverAcknowledgesFailsTheGateInTime) {
   Status st = send_and_wait(*s, ready(0, {}), gate);
   EXPECT_EQ(st.code(), StatusCode::kTransport) << st.to_string();
   EXPECT_NE(st.message().find("no ACK for MF_META"), std::string::npos) << st.message();
+  EXPECT_EQ(s->stats().readiness_sent, 0u) << "a readiness went out before the ACK";
+}
+
+TEST_F(SenderTest, AReadinessWaitsBehindAnEarlierLayerWhoseWriteIsStillRunning) {
+  start_reader();
+  auto s = sender();
+  SlotGate gate;
+  ASSERT_TRUE(send_and_wait(*s, ready(0, {}), gate).is_ok());  // the connection is acknowledged
+  const uint64_t before = s->stats().readiness_sent;
+  auto writing = std::make_shared<HostWriteEvent>();
+  SlotGate g1, g2;
+  s->send(reader_->url(), ready(1, {}), {{&g1, g1.open(1, 1)}}, writing);
+  s->send(reader_->url(), ready(2, {}), {{&g2, g2.open(2, 1)}});  // written already
+  EXPECT_EQ(s->stats().readiness_sent, before) << "layer 2 overtook layer 1";
+  writing->complete();
+  EXPECT_TRUE(wait(*s, g2).is_ok());
+  EXPECT_TRUE(g1.answered()) << "answers come in order: layer 1's before layer 2's";
+  EXPECT_EQ(s->stats().readiness_sent, before + 2);
+}
+
+TEST_F(SenderTest, AnswersNobodyWaitsForAreReadAllTheSame) {
+  start_reader();
+  auto s = sender();
+  SlotGate gate;
+  const uint64_t g = gate.open(0, 1);
+  s->send(reader_->url(), ready(0, {}), {{&gate, g}});
+  // No serve_until: the sender's own thread reads the answer within its slice.
+  EXPECT_TRUE(eventually([&] { return gate.answered(); })) << "the answer was never read";
+  EXPECT_EQ(s->stats().answers, 1u);
 }
 
 TEST_F(SenderTest, StoppingTheSenderFailsWhatIsStillPending) {
