@@ -58,6 +58,14 @@ class SenderTest : public ::testing::Test {
     s.send(reader_url_or_(), r, {{&gate, g}});
     return wait(s, gate);
   }
+  // A reader and a sender whose connection to it is acknowledged (one layer went through).
+  std::unique_ptr<Sender> acknowledged_sender() {
+    start_reader();
+    auto s = sender();
+    SlotGate gate;
+    if (!s || !send_and_wait(*s, ready(0, {}), gate).is_ok()) return nullptr;
+    return s;
+  }
   std::string reader_url_or_() const {
     return url_override_.empty() ? reader_->url() : url_override_;
   }
@@ -155,10 +163,8 @@ TEST_F(SenderTest, AnswersAreServedWhileALaterLayerIsStillBeingWritten) {
 }
 
 TEST_F(SenderTest, AReadinessWhoseWriteIsDoneGoesOnTheWireBeforeSendReturns) {
-  start_reader();
-  auto s = sender();
-  SlotGate gate;
-  ASSERT_TRUE(send_and_wait(*s, ready(0, {}), gate).is_ok());  // the connection is acknowledged
+  auto s = acknowledged_sender();
+  ASSERT_TRUE(s);
   const uint64_t before = s->stats().readiness_sent;
   auto written = std::make_shared<HostWriteEvent>();
   written->complete();
@@ -242,10 +248,8 @@ TEST_F(SenderTest, ADecodeThatNeverAcknowledgesFailsTheGateInTime) {
 }
 
 TEST_F(SenderTest, AReadinessWaitsBehindAnEarlierLayerWhoseWriteIsStillRunning) {
-  start_reader();
-  auto s = sender();
-  SlotGate gate;
-  ASSERT_TRUE(send_and_wait(*s, ready(0, {}), gate).is_ok());  // the connection is acknowledged
+  auto s = acknowledged_sender();
+  ASSERT_TRUE(s);
   const uint64_t before = s->stats().readiness_sent;
   auto writing = std::make_shared<HostWriteEvent>();
   SlotGate g1, g2;
