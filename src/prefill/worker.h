@@ -6,8 +6,9 @@
 //
 // The compute thread calls bind_step, save_kv_layer, wait_for_layer_send and wait_for_save:
 // it puts a layer's readiness on the wire itself and reads the answers it waits for off the
-// sockets itself (the sender's thread handles what nobody waits on). No wait is unbounded: a failed read, a dead Decode or
-// a dead sender turns into an error on the compute path naming the layer and the reason.
+// sockets itself (the sender's thread handles what nobody waits on). No wait is unbounded:
+// a failed read, a dead Decode or a dead sender turns into an error on the compute path
+// naming the layer and the reason.
 #pragma once
 
 #include <chrono>
