@@ -131,7 +131,7 @@ bool Sender::serve_until(const std::function<bool()>& done, const Deadline& dead
     fds.clear();
     fds.push_back({driver_fd_, POLLIN, 0});
     for (const auto& [url, ep] : endpoints_) {
-      if (ep.dealer) fds.push_back({ep.notify_fd, POLLIN, 0});
+      if (ep.dealer) fds.push_back({ep.dealer->notify_fd(), POLLIN, 0});
     }
     const int timeout =
         poll_ms(next_deadline(std::min(deadline.time_point(), Clock::now() + kPollSlice)));
@@ -190,7 +190,7 @@ void Sender::run() {
     fds.clear();
     fds.push_back({wake_fd_, POLLIN, 0});
     for (const auto& [url, ep] : endpoints_) {
-      if (ep.dealer && !ep.acked) fds.push_back({ep.notify_fd, POLLIN, 0});
+      if (ep.dealer && !ep.acked) fds.push_back({ep.dealer->notify_fd(), POLLIN, 0});
     }
     const int timeout = poll_ms(next_deadline(Clock::now() + kPollSlice));
     lock.unlock();
@@ -205,40 +205,43 @@ void Sender::run() {
   for (auto& t : unsent) settle(t.tickets, false, stopped);  // queued last: failed all the same
 }
 
+std::optional<Status> Sender::write_outcome(Task& t) {
+  if (t.written && t.written->done.load()) {
+    // Complete: its outcome (the sender thread's wait holds it for an event that cannot
+    // notify).
+    return t.notifies ? t.event->wait(Deadline(std::chrono::milliseconds(0))) : t.written->status;
+  }
+  Status st = t.event->wait(Deadline(std::chrono::milliseconds(0)));
+  if (st.code() != StatusCode::kTimeout) return st;  // complete, or failed
+  if (Clock::now() >= t.event_deadline) {
+    return timeout_error("the layer's KV write did not complete in time");
+  }
+  if (t.written) return std::nullopt;  // still being written; told already
+  t.written = std::make_shared<Written>();
+  t.notifies = t.event->notify([written = t.written, waker = waker_] {
+    written->done.store(true);
+    waker->wake();
+  });
+  if (!t.notifies) {
+    waker_->wake();  // the sender thread waits on it
+    return std::nullopt;
+  }
+  if (t.written->done.load()) return write_outcome(t);  // it completed meanwhile
+  return std::nullopt;
+}
+
 void Sender::pump() {
   while (!queued_.empty()) {
     Task& t = queued_.front();
     if (t.event) {
-      Status st;
-      if (t.written && t.written->done.load()) {
-        // Complete: its outcome (the sender thread's wait holds it for an event that
-        // cannot notify).
-        st = t.notifies ? t.event->wait(Deadline(std::chrono::milliseconds(0))) : t.written->status;
-      } else {
-        st = t.event->wait(Deadline(std::chrono::milliseconds(0)));
-        if (st.code() == StatusCode::kTimeout) {
-          // Still being written.
-          if (Clock::now() >= t.event_deadline) {
-            st = timeout_error("the layer's KV write did not complete in time");
-          } else {
-            if (!t.written) {
-              t.written = std::make_shared<Written>();
-              t.notifies = t.event->notify([written = t.written, waker = waker_] {
-                written->done.store(true);
-                waker->wake();
-              });
-              if (!t.notifies) waker_->wake();                     // the sender thread waits on it
-              if (t.notifies && t.written->done.load()) continue;  // it completed meanwhile
-            }
-            return;
-          }
-        }
-      }
-      if (!st) {
+      const std::optional<Status> st = write_outcome(t);
+      if (!st) return;
+      if (!*st) {
         Task failed = std::move(t);
         queued_.pop_front();
-        settle(failed.tickets, false,
-               "layer " + std::to_string(failed.layer_idx) + " was not published: " + st.message());
+        settle(
+            failed.tickets, false,
+            "layer " + std::to_string(failed.layer_idx) + " was not published: " + st->message());
         continue;
       }
     }
@@ -262,7 +265,6 @@ void Sender::dispatch(Task task) {
     auto dealer = control::DealerChannel::connect(context_, task.url, security);
     if (!dealer) return settle(task.tickets, false, dealer.status().message());
     ep.dealer = std::move(*dealer);
-    ep.notify_fd = ep.dealer->notify_fd();
     ep.acked = false;
     ep.ack_deadline = Clock::now() + config_.ack_timeout;
     if (Status st = ep.dealer->send(mf_meta_); !st) {
@@ -373,7 +375,6 @@ void Sender::fail_endpoint(const std::string& /*url*/, Endpoint& ep, const std::
   ep.pending.clear();
   ep.waiting.clear();
   ep.dealer.reset();  // the next readiness reconnects and sends MF_META again
-  ep.notify_fd = -1;
   ep.acked = false;
 }
 

@@ -112,7 +112,6 @@ class Sender {
   };
   struct Endpoint {
     std::unique_ptr<control::DealerChannel> dealer;
-    int notify_fd = -1;  // the dealer's ZMQ_FD
     bool acked = false;
     std::chrono::steady_clock::time_point ack_deadline;
     std::deque<Task> waiting;     // given before the ACK
@@ -130,6 +129,9 @@ class Sender {
   // whose write is still running (its notification, or the sender thread's wait on it,
   // wakes whoever serves). Never blocks.
   void pump();
+  // The outcome of the task's write, or nullopt while it is still being written (asking
+  // its event to notify, or the sender thread to wait on it, the first time).
+  std::optional<Status> write_outcome(Task& t);
   void dispatch(Task task);
   void transmit(Endpoint& ep, Task task);
   void receive(const std::string& url, Endpoint& ep);
