@@ -54,6 +54,17 @@ class FaultInjectingEngine final : public TransferEngine {
   Status batch_read_sync(std::string_view session, std::span<const uintptr_t> local,
                          std::span<const uintptr_t> remote,
                          std::span<const size_t> length) override;
+  bool supports_links() const override { return inner_->supports_links(); }
+  Status expect_link(uint64_t token, LinkHandler handler) override {
+    return inner_->expect_link(token, std::move(handler));
+  }
+  Status open_link(std::string_view session, uint64_t token, LinkHandler handler) override {
+    return inner_->open_link(session, token, std::move(handler));
+  }
+  Status send_on_link(uint64_t token, std::span<const std::byte> message) override {
+    return inner_->send_on_link(token, message);
+  }
+  void close_link(uint64_t token) override { inner_->close_link(token); }
 
  private:
   std::shared_ptr<TransferEngine> inner_;

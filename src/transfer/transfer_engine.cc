@@ -99,3 +99,23 @@ void unbind_process_engine() {
 }
 
 }  // namespace rd2h::transfer
+
+namespace rd2h::transfer {
+
+namespace {
+Status no_links(const TransferEngine& engine) {
+  return failed_precondition("the '" + std::string(engine.backend_name()) +
+                             "' transfer backend has no links");
+}
+}  // namespace
+
+Status TransferEngine::expect_link(uint64_t, LinkHandler) { return no_links(*this); }
+Status TransferEngine::open_link(std::string_view, uint64_t, LinkHandler) {
+  return no_links(*this);
+}
+Status TransferEngine::send_on_link(uint64_t, std::span<const std::byte>) {
+  return no_links(*this);
+}
+void TransferEngine::close_link(uint64_t) {}
+
+}  // namespace rd2h::transfer

@@ -33,10 +33,10 @@
 
 #include <algorithm>
 #include <atomic>
+#include <cerrno>
 #include <condition_variable>
 #include <cstdio>
 #include <cstdlib>
-#include <cerrno>
 #include <cstring>
 #include <filesystem>
 #include <map>
@@ -58,6 +58,7 @@
 #include "transfer/shared_backing.h"
 #include "transfer/stream_copy.h"
 #include "transfer/ucx_lanes.h"
+#include "transfer/ucx_link.h"
 #include "transfer/ucx_metadata.h"
 #include "transfer/ucx_session.h"
 
@@ -257,6 +258,8 @@ class UcxEngine final : public TransferEngine {
     hp.arg = this;
     st = ucp_worker_set_am_recv_handler(server_worker_, &hp);
     if (st != UCS_OK) return ucs_error("ucp_worker_set_am_recv_handler", st);
+    served_links_ = std::make_unique<ServedLinks>(server_worker_);
+    RD2H_RETURN_IF_ERROR(served_links_->install());
     ucp_worker_attr_t attr{};
     attr.field_mask = UCP_WORKER_ATTR_FIELD_ADDRESS;
     st = ucp_worker_query(server_worker_, &attr);
@@ -416,12 +419,11 @@ class UcxEngine final : public TransferEngine {
       }
       const auto r = static_cast<size_t>(region);
       rkey[i] = s->rkeys[r];
-      if (r < s->file_maps.size() && s->file_maps[r].data() != nullptr &&
-          !s->file_maps[r].live()) {
+      if (r < s->file_maps.size() && s->file_maps[r].data() != nullptr && !s->file_maps[r].live()) {
         // What a serving peer would answer: checked before anything is read.
-        return fail_session(*s, out_of_range(op() + "remote range " +
-                                             range_text(remote[i], length[i]) + " of " + s->id +
-                                             ": range not registered there (any more)"));
+        return fail_session(
+            *s, out_of_range(op() + "remote range " + range_text(remote[i], length[i]) + " of " +
+                             s->id + ": range not registered there (any more)"));
       }
       if (s->mapped[r] != nullptr)
         mapped_src[i] = s->mapped[r] + (remote[i] - s->peer.regions[r].base);
@@ -496,7 +498,210 @@ class UcxEngine final : public TransferEngine {
     return Status::ok();
   }
 
+  bool supports_links() const override { return true; }
+
+  Status expect_link(uint64_t token, LinkHandler handler) override {
+    std::lock_guard lock(link_tokens_mu_);
+    if (link_sessions_.count(token) != 0) return token_taken(token);
+    return served_links_->expect(token, std::move(handler));
+  }
+
+  Status open_link(std::string_view session, uint64_t token, LinkHandler handler) override {
+    auto s = find_session(session);
+    if (!s) return not_found("open_link: no session " + std::string(session));
+    RD2H_RETURN_IF_ERROR(start_link_thread());
+    {
+      std::lock_guard lock(link_tokens_mu_);
+      if (link_sessions_.count(token) != 0 || served_links_->has(token)) return token_taken(token);
+      link_sessions_[token] = s;
+    }
+    Status st = open_session_link(s, token, std::move(handler));
+    if (!st) {
+      std::lock_guard lock(link_tokens_mu_);
+      link_sessions_.erase(token);
+    }
+    return st;
+  }
+
+  Status send_on_link(uint64_t token, std::span<const std::byte> message) override {
+    if (served_links_->has(token)) return served_links_->send(token, message);
+    if (message.size() > kMaxLinkMessageBytes) {
+      return invalid_argument("a link message of " + std::to_string(message.size()) +
+                              " bytes is over the limit of " +
+                              std::to_string(kMaxLinkMessageBytes));
+    }
+    std::shared_ptr<Session> s;
+    {
+      std::lock_guard lock(link_tokens_mu_);
+      auto it = link_sessions_.find(token);
+      if (it != link_sessions_.end()) s = it->second.lock();
+    }
+    const auto closed = [token] {
+      return failed_precondition("link " + std::to_string(token) + " is not open");
+    };
+    if (!s) return closed();
+    std::lock_guard lock(s->mu);
+    if (s->worker == nullptr || s->links.count(token) == 0) return closed();
+    const LinkMessageHeader h{token};
+    return send_and_wait(*s, kAmLinkMessage, &h, sizeof(h), message, config_.read_timeout);
+  }
+
+  void close_link(uint64_t token) override {
+    served_links_->close(token);
+    std::shared_ptr<Session> s;
+    {
+      std::lock_guard lock(link_tokens_mu_);
+      auto it = link_sessions_.find(token);
+      if (it == link_sessions_.end()) return;
+      s = it->second.lock();
+      link_sessions_.erase(it);
+    }
+    if (!s) return;
+    std::lock_guard lock(s->mu);
+    s->links.erase(token);
+  }
+
  private:
+  static Status token_taken(uint64_t token) {
+    return already_exists("link " + std::to_string(token) + " is in use on this engine");
+  }
+
+  Status open_session_link(const std::shared_ptr<Session>& s, uint64_t token, LinkHandler handler) {
+    std::lock_guard lock(s->mu);
+    if (s->broken.load() || s->worker == nullptr) {
+      return failed_precondition("session " + s->id + " is broken (" + s->broken_reason +
+                                 "); connect again to open a link");
+    }
+    // Known before the peer can answer: nobody progresses the worker until this returns.
+    s->links[token] = std::move(handler);
+    const LinkOpenHeader h{token, s->err_mode == UCP_ERR_HANDLING_MODE_PEER ? 1u : 0u, 0};
+    if (Status st = send_and_wait(*s, kAmLinkOpen, &h, sizeof(h), s->worker_address,
+                                  config_.connect_timeout);
+        !st) {
+      s->links.erase(token);
+      return st.with_context("opening link " + std::to_string(token));
+    }
+    if (!s->watched) {
+      int fd = -1;
+      if (ucs_status_t st = ucp_worker_get_efd(s->worker, &fd); st != UCS_OK) {
+        s->links.erase(token);
+        return ucs_error("ucp_worker_get_efd", st);
+      }
+      epoll_event ev{};
+      ev.events = EPOLLIN;
+      if (::epoll_ctl(link_epoll_fd_, EPOLL_CTL_ADD, fd, &ev) != 0) {
+        s->links.erase(token);
+        return internal_error("epoll_ctl(session worker fd) failed");
+      }
+      s->watched = true;
+      std::lock_guard watch_lock(link_thread_mu_);
+      watched_.push_back(s);
+    }
+    return Status::ok();
+  }
+
+  // Sends one eager active message on the session's endpoint and progresses the session's
+  // worker until it is sent (within `timeout`); a failure breaks the session. Caller holds
+  // s.mu.
+  Status send_and_wait(Session& s, uint16_t id, const void* header, size_t header_length,
+                       std::span<const std::byte> data, std::chrono::milliseconds timeout) {
+    ucp_request_param_t p{};
+    p.op_attr_mask = UCP_OP_ATTR_FIELD_FLAGS;
+    p.flags = UCP_AM_SEND_FLAG_EAGER;
+    void* req = ucp_am_send_nbx(s.ep, id, header, header_length, data.data(), data.size(), &p);
+    if (req == nullptr) return Status::ok();
+    if (UCS_PTR_IS_ERR(req)) {
+      return fail_session(s, peer_dead("sending to " + s.id +
+                                       " failed: " + ucs_status_string(UCS_PTR_STATUS(req))));
+    }
+    Deadline deadline(timeout);
+    auto next_check = Deadline::Clock::now();
+    Status result = Status::ok();
+    while (ucp_request_check_status(req) == UCS_INPROGRESS) {
+      ucp_worker_progress(s.worker);
+      const auto now = Deadline::Clock::now();
+      if (now < next_check) continue;
+      next_check = now + std::chrono::milliseconds(1);
+      if (s.ep_error != UCS_OK || s.watch.exited()) {
+        result = peer_dead("peer " + s.id + " failed while a message was sent to it");
+        break;
+      }
+      if (deadline.expired()) {
+        result = timeout_error("a message to " + s.id + " was not sent within " +
+                               std::to_string(timeout.count()) + " ms");
+        break;
+      }
+    }
+    if (result.is_ok()) {
+      if (ucs_status_t st = ucp_request_check_status(req); st != UCS_OK) {
+        result = peer_dead("sending to " + s.id + " failed: " + ucs_status_string(st));
+      }
+    }
+    ucp_request_free(req);  // one still in flight goes with the worker, next
+    return result.is_ok() ? result : fail_session(s, std::move(result));
+  }
+
+  Status start_link_thread() {
+    std::lock_guard lock(link_thread_mu_);
+    if (link_thread_.joinable()) return Status::ok();
+    link_epoll_fd_ = ::epoll_create1(EPOLL_CLOEXEC);
+    link_wake_fd_ = ::eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK);
+    if (link_epoll_fd_ < 0 || link_wake_fd_ < 0) {
+      return internal_error("cannot create the link thread's fds");
+    }
+    epoll_event ev{};
+    ev.events = EPOLLIN;
+    if (::epoll_ctl(link_epoll_fd_, EPOLL_CTL_ADD, link_wake_fd_, &ev) != 0) {
+      return internal_error("epoll_ctl(link wake fd) failed");
+    }
+    link_thread_ = std::thread([this] { link_loop(); });
+    return Status::ok();
+  }
+
+  // Progresses the workers of sessions with links while nobody reads on them, sleeping on
+  // their event fds. A session being read is progressed by its reader meanwhile, which
+  // delivers its link messages just the same.
+  void link_loop() {
+    std::vector<std::shared_ptr<Session>> sessions;
+    while (!links_stopping_.load()) {
+      sessions.clear();
+      {
+        std::lock_guard lock(link_thread_mu_);
+        std::erase_if(watched_, [](const std::weak_ptr<Session>& w) { return w.expired(); });
+        for (const auto& w : watched_) {
+          if (auto s = w.lock()) sessions.push_back(std::move(s));
+        }
+      }
+      bool busy = false;
+      std::vector<const Session*> released;
+      for (const auto& s : sessions) {
+        std::lock_guard lock(s->mu);
+        if (s->worker == nullptr) {
+          released.push_back(s.get());
+          continue;
+        }
+        while (ucp_worker_progress(s->worker) != 0) {
+        }
+        if (ucp_worker_arm(s->worker) == UCS_ERR_BUSY) busy = true;
+      }
+      if (!released.empty()) {
+        // A released session's worker is gone: it is not watched any more.
+        std::lock_guard lock(link_thread_mu_);
+        std::erase_if(watched_, [&](const std::weak_ptr<Session>& w) {
+          auto s = w.lock();
+          return !s || std::find(released.begin(), released.end(), s.get()) != released.end();
+        });
+      }
+      sessions.clear();  // a session dropped meanwhile is released here, not held
+      if (busy) continue;
+      epoll_event events[8];
+      // The timeout only bounds how long a missed wake-up could delay a message.
+      ::epoll_wait(link_epoll_fd_, events, 8, 100);
+      uint64_t count;
+      [[maybe_unused]] auto n = ::read(link_wake_fd_, &count, sizeof(count));
+    }
+  }
+
   static ucs_status_t post_rma_reads(Session& s, BatchState& batch,
                                      std::span<const uintptr_t> local,
                                      std::span<const uintptr_t> remote,
@@ -793,6 +998,17 @@ class UcxEngine final : public TransferEngine {
     hp.arg = &s;
     ucs_status_t hst = ucp_worker_set_am_recv_handler(s.worker, &hp);
     if (hst != UCS_OK) return ucs_error("ucp_worker_set_am_recv_handler", hst);
+    hp.id = kAmLinkMessage;
+    hp.cb = on_am_link_message;
+    hst = ucp_worker_set_am_recv_handler(s.worker, &hp);
+    if (hst != UCS_OK) return ucs_error("ucp_worker_set_am_recv_handler", hst);
+    ucp_worker_attr_t attr{};
+    attr.field_mask = UCP_WORKER_ATTR_FIELD_ADDRESS;
+    hst = ucp_worker_query(s.worker, &attr);
+    if (hst != UCS_OK) return ucs_error("ucp_worker_query", hst);
+    const auto* address = reinterpret_cast<const std::byte*>(attr.address);
+    s.worker_address.assign(address, address + attr.address_length);
+    ucp_worker_release_address(s.worker, attr.address);
 
     ucp_ep_params_t ep{};
     ep.field_mask = UCP_EP_PARAM_FIELD_REMOTE_ADDRESS | UCP_EP_PARAM_FIELD_ERR_HANDLING_MODE;
@@ -928,9 +1144,16 @@ class UcxEngine final : public TransferEngine {
 
   void progress_loop() {
     while (!stopping_.load(std::memory_order_acquire)) {
-      while (ucp_worker_progress(server_worker_) != 0) {
+      ucs_status_t st;
+      {
+        // One progress per turn of the lock, so a link's sender does not wait for a
+        // whole burst of reads to be served.
+        std::lock_guard lock(served_links_->mu);
+        const unsigned events = ucp_worker_progress(server_worker_);
+        served_links_->after_progress();
+        if (events != 0) continue;
+        st = ucp_worker_arm(server_worker_);
       }
-      ucs_status_t st = ucp_worker_arm(server_worker_);
       if (st == UCS_ERR_BUSY) continue;  // events arrived meanwhile: progress again
       epoll_event events[2];
       // The timeout only bounds how long a missed wakeup could stall serving.
@@ -939,6 +1162,15 @@ class UcxEngine final : public TransferEngine {
   }
 
   void shutdown() {
+    if (link_thread_.joinable()) {
+      links_stopping_.store(true);
+      uint64_t one = 1;
+      [[maybe_unused]] auto n = ::write(link_wake_fd_, &one, sizeof(one));
+      link_thread_.join();
+    }
+    if (link_epoll_fd_ >= 0) ::close(link_epoll_fd_);
+    if (link_wake_fd_ >= 0) ::close(link_wake_fd_);
+    link_epoll_fd_ = link_wake_fd_ = -1;
     if (progress_thread_.joinable()) {
       stopping_.store(true, std::memory_order_release);
       uint64_t one = 1;
@@ -950,6 +1182,7 @@ class UcxEngine final : public TransferEngine {
       sessions_.clear();
     }
     // The serving worker goes first: its unfinished replies may still read registered memory.
+    served_links_.reset();  // its endpoints, on the serving worker
     if (server_worker_ != nullptr) ucp_worker_destroy(server_worker_);
     server_worker_ = nullptr;
     for (auto& [base, reg] : regs_) {
@@ -978,6 +1211,18 @@ class UcxEngine final : public TransferEngine {
   std::mutex connect_mu_;  // one connect at a time, so two callers do not race to open one peer
   mutable std::mutex sessions_mu_;
   std::unordered_map<std::string, std::shared_ptr<Session>> sessions_;
+
+  std::unique_ptr<ServedLinks> served_links_;  // links this engine serves
+  // Links opened on this engine's sessions, by token, and the thread that progresses the
+  // sessions' workers between reads so their messages arrive (started by the first link).
+  std::mutex link_tokens_mu_;
+  std::unordered_map<uint64_t, std::weak_ptr<Session>> link_sessions_;
+  std::mutex link_thread_mu_;
+  std::vector<std::weak_ptr<Session>> watched_;  // under link_thread_mu_
+  std::thread link_thread_;
+  std::atomic<bool> links_stopping_{false};
+  int link_epoll_fd_ = -1;
+  int link_wake_fd_ = -1;
 
   std::thread progress_thread_;
   std::atomic<bool> stopping_{false};

@@ -3,10 +3,14 @@
 #include <cstring>
 
 #include "rd2h/common/deadline.h"
+#include "transfer/ucx_link.h"
 
 namespace rd2h::transfer {
 
 void Session::release() {
+  std::map<uint64_t, LinkHandler> gone;
+  gone.swap(links);
+  for (auto& [token, handler] : gone) handler(LinkEvent::kClosed, {});
   mapped.clear();
   file_maps.clear();
   if (worker != nullptr) {
@@ -89,6 +93,19 @@ ucs_status_t on_am_read_reply(void* arg, const void* header, size_t header_lengt
     b->finish(UCS_PTR_STATUS(req));
   }
   // Otherwise on_am_data_received finishes it; `outstanding` still counts this read.
+  return UCS_OK;
+}
+
+ucs_status_t on_am_link_message(void* arg, const void* header, size_t header_length, void* data,
+                                size_t length, const ucp_am_recv_param_t* param) {
+  auto* s = static_cast<Session*>(arg);
+  LinkMessageHeader h;
+  if (header_length != sizeof(h) || !acceptable_link_message(length, param)) return UCS_OK;
+  std::memcpy(&h, header, sizeof(h));
+  auto it = s->links.find(h.token);
+  if (it != s->links.end()) {
+    it->second(LinkEvent::kMessage, {static_cast<const std::byte*>(data), length});
+  }
   return UCS_OK;
 }
 

@@ -8,12 +8,14 @@
 
 #include <atomic>
 #include <cstdint>
+#include <map>
 #include <mutex>
 #include <span>
 #include <string>
 #include <vector>
 
 #include "rd2h/common/status.h"
+#include "rd2h/transfer/transfer_engine.h"
 #include "transfer/peer_liveness.h"
 #include "transfer/shared_backing.h"
 #include "transfer/ucx_metadata.h"
@@ -91,9 +93,15 @@ struct Session {
   std::vector<AmReadRequest> am_requests;
   uint64_t next_batch_id = 1;
 
+  // Links opened on this session (ucx_link.h), by token; each gets kClosed on release.
+  std::map<uint64_t, LinkHandler> links;
+  std::vector<std::byte> worker_address;  // this session's worker, as a link's peer reaches it
+  bool watched = false;                   // the engine's link thread sleeps on its worker
+
   ~Session() { release(); }
 
-  // Destroys this session's UCX objects. Anything in flight is cancelled with the worker.
+  // Destroys this session's UCX objects. Anything in flight is cancelled with the worker,
+  // and every link hears kClosed.
   void release();
 
   void mark_broken(const Status& why) {
@@ -113,5 +121,8 @@ void on_endpoint_error(void* arg, ucp_ep_h ep, ucs_status_t status);
 // Reader side of the am path: one range's bytes arrive for the Session in arg.
 ucs_status_t on_am_read_reply(void* arg, const void* header, size_t header_length, void* data,
                               size_t length, const ucp_am_recv_param_t* param);
+// Connecting side of a link: a message from the serving side for the Session in arg.
+ucs_status_t on_am_link_message(void* arg, const void* header, size_t header_length, void* data,
+                                size_t length, const ucp_am_recv_param_t* param);
 
 }  // namespace rd2h::transfer

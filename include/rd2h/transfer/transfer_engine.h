@@ -7,6 +7,7 @@
 #include <chrono>
 #include <cstddef>
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <span>
 #include <string>
@@ -17,7 +18,7 @@
 
 namespace rd2h::transfer {
 
-inline constexpr int kTransferEngineInterfaceVersion = 1;
+inline constexpr int kTransferEngineInterfaceVersion = 2;
 
 enum class Role { kPrefill, kDecode };
 std::string_view to_string(Role role);
@@ -71,6 +72,19 @@ struct SessionInfo {
   std::string broken_reason;
 };
 
+// Links (optional, see supports_links()): short messages between the two ends of a session
+// on the data plane's own connection, for a control plane that would otherwise take a
+// round trip through another stack. The serving side picks a token, expects it, and hands
+// it to the connecting side over its own control channel; the connecting side opens the
+// link with it, and the serving side's handler then sees kOpened. A handler runs on an
+// engine thread with the engine's locks held: it may copy the message and wake a waiter,
+// and must not call the engine. kClosed comes once, when the link can carry no more (the
+// session broke or was disconnected, or the peer failed); no event comes after
+// close_link() returned.
+enum class LinkEvent { kOpened, kMessage, kClosed };
+using LinkHandler = std::function<void(LinkEvent event, std::span<const std::byte> message)>;
+inline constexpr size_t kMaxLinkMessageBytes = 64u << 20;  // longer messages are dropped
+
 class TransferEngine {
  public:
   virtual ~TransferEngine() = default;
@@ -106,6 +120,19 @@ class TransferEngine {
   virtual Status batch_read_sync(std::string_view session, std::span<const uintptr_t> local,
                                  std::span<const uintptr_t> remote,
                                  std::span<const size_t> length) = 0;
+
+  // Links (see LinkEvent). A backend without them returns false and refuses the calls.
+  virtual bool supports_links() const { return false; }
+  // Serving side: link `token` may be opened by a peer; its events go to `handler`.
+  virtual Status expect_link(uint64_t token, LinkHandler handler);
+  // Connecting side: opens link `token` to the peer of `session`; its events go to
+  // `handler`. The peer must expect the token.
+  virtual Status open_link(std::string_view session, uint64_t token, LinkHandler handler);
+  // Sends one message (at most kMaxLinkMessageBytes) on an open link; messages arrive in
+  // the order they were sent. An error means the link can carry no more.
+  virtual Status send_on_link(uint64_t token, std::span<const std::byte> message);
+  // Forgets the link; a message in flight may be lost.
+  virtual void close_link(uint64_t token);
 };
 
 Expected<std::unique_ptr<TransferEngine>> create_ucx_engine(const EngineConfig& config);

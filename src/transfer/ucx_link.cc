@@ -1,0 +1,184 @@
+#include "transfer/ucx_link.h"
+
+#include <cstring>
+#include <string>
+
+namespace rd2h::transfer {
+
+bool acceptable_link_message(size_t length, const ucp_am_recv_param_t* param) {
+  return (param->recv_attr & UCP_AM_RECV_ATTR_FLAG_RNDV) == 0 && length <= kMaxLinkMessageBytes;
+}
+
+ServedLinks::~ServedLinks() {
+  for (auto& [token, link] : links_) {
+    if (link.ep != nullptr) close_endpoint(link.ep, link.network);
+  }
+}
+
+Status ServedLinks::install() {
+  for (auto [id, cb] : {std::pair{kAmLinkOpen, &ServedLinks::on_open},
+                        std::pair{kAmLinkMessage, &ServedLinks::on_message}}) {
+    ucp_am_handler_param_t hp{};
+    hp.field_mask = UCP_AM_HANDLER_PARAM_FIELD_ID | UCP_AM_HANDLER_PARAM_FIELD_CB |
+                    UCP_AM_HANDLER_PARAM_FIELD_ARG;
+    hp.id = id;
+    hp.cb = cb;
+    hp.arg = this;
+    if (ucs_status_t st = ucp_worker_set_am_recv_handler(worker_, &hp); st != UCS_OK) {
+      return transport_error(std::string("ucp_worker_set_am_recv_handler (links): ") +
+                             ucs_status_string(st));
+    }
+  }
+  return Status::ok();
+}
+
+bool ServedLinks::has(uint64_t token) {
+  std::lock_guard lock(mu);
+  return links_.count(token) != 0;
+}
+
+Status ServedLinks::expect(uint64_t token, LinkHandler handler) {
+  std::lock_guard lock(mu);
+  auto [it, added] = links_.try_emplace(token);
+  if (!added) return already_exists("link " + std::to_string(token) + " is expected already");
+  it->second.handler = std::move(handler);
+  return Status::ok();
+}
+
+void ServedLinks::close(uint64_t token) {
+  std::lock_guard lock(mu);
+  auto it = links_.find(token);
+  if (it == links_.end()) return;
+  if (it->second.ep != nullptr) close_endpoint(it->second.ep, it->second.network);
+  if (it->second.owner) retired_.push_back(std::move(it->second.owner));
+  links_.erase(it);
+}
+
+void ServedLinks::close_endpoint(ucp_ep_h ep, bool network) {
+  ucp_request_param_t p{};
+  p.op_attr_mask = UCP_OP_ATTR_FIELD_FLAGS;
+  // A graceful close to a peer that is gone may never finish: the request is left to UCX,
+  // which frees it when it completes or with the worker.
+  p.flags = network ? UCP_EP_CLOSE_FLAG_FORCE : 0;
+  void* req = ucp_ep_close_nbx(ep, &p);
+  if (UCS_PTR_IS_PTR(req)) ucp_request_free(req);
+}
+
+void ServedLinks::fail(Link& link) {
+  if (link.closed) return;
+  link.closed = true;
+  link.handler(LinkEvent::kClosed, {});
+}
+
+Status ServedLinks::send(uint64_t token, std::span<const std::byte> message) {
+  if (message.size() > kMaxLinkMessageBytes) {
+    return invalid_argument("a link message of " + std::to_string(message.size()) +
+                            " bytes is over the limit of " + std::to_string(kMaxLinkMessageBytes));
+  }
+  std::lock_guard lock(mu);
+  auto it = links_.find(token);
+  if (it == links_.end() || it->second.ep == nullptr || it->second.closed) {
+    return failed_precondition("link " + std::to_string(token) + " is not open");
+  }
+  // UCX may read the bytes after this returns: they are copied into what it keeps.
+  InFlight& m = in_flight_.emplace_back();
+  m.header.token = token;
+  m.bytes.assign(message.begin(), message.end());
+  ucp_request_param_t p{};
+  p.op_attr_mask =
+      UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA | UCP_OP_ATTR_FIELD_FLAGS;
+  p.flags = UCP_AM_SEND_FLAG_EAGER;
+  p.cb.send = [](void* request, ucs_status_t, void* user_data) {
+    static_cast<InFlight*>(user_data)->done = true;
+    ucp_request_free(request);
+  };
+  p.user_data = &m;
+  void* req = ucp_am_send_nbx(it->second.ep, kAmLinkMessage, &m.header, sizeof(m.header),
+                              m.bytes.data(), m.bytes.size(), &p);
+  if (req == nullptr) {
+    in_flight_.pop_back();
+    return Status::ok();
+  }
+  if (UCS_PTR_IS_ERR(req)) {
+    in_flight_.pop_back();
+    const ucs_status_t st = UCS_PTR_STATUS(req);
+    fail(it->second);
+    return peer_dead("link " + std::to_string(token) + " failed: " + ucs_status_string(st));
+  }
+  // The progress thread sleeps on the worker: it has a send to finish.
+  ucp_worker_signal(worker_);
+  return Status::ok();
+}
+
+void ServedLinks::after_progress() {
+  for (auto& o : opening_) {
+    auto it = links_.find(o.token);
+    if (it == links_.end()) continue;  // closed meanwhile
+    Link& link = it->second;
+    link.opening = false;
+    link.network = o.network;
+    link.owner = std::make_unique<EndpointOwner>(EndpointOwner{this, o.token});
+    ucp_ep_params_t ep{};
+    ep.field_mask = UCP_EP_PARAM_FIELD_REMOTE_ADDRESS | UCP_EP_PARAM_FIELD_ERR_HANDLING_MODE;
+    ep.address = reinterpret_cast<const ucp_address_t*>(o.address.data());
+    ep.err_mode = o.network ? UCP_ERR_HANDLING_MODE_PEER : UCP_ERR_HANDLING_MODE_NONE;
+    if (o.network) {
+      ep.field_mask |= UCP_EP_PARAM_FIELD_ERR_HANDLER;
+      ep.err_handler.cb = on_endpoint_error;
+      ep.err_handler.arg = link.owner.get();
+    }
+    if (ucp_ep_create(worker_, &ep, &link.ep) != UCS_OK) {
+      link.ep = nullptr;
+      fail(link);
+    }
+  }
+  opening_.clear();
+  in_flight_.remove_if([](const InFlight& m) { return m.done; });
+}
+
+ucs_status_t ServedLinks::on_open(void* arg, const void* header, size_t header_length, void* data,
+                                  size_t length, const ucp_am_recv_param_t* param) {
+  auto* self = static_cast<ServedLinks*>(arg);
+  LinkOpenHeader h;
+  if (header_length != sizeof(h) || (param->recv_attr & UCP_AM_RECV_ATTR_FLAG_RNDV) != 0 ||
+      length == 0 || length > kMaxLinkAddressBytes) {
+    return UCS_OK;
+  }
+  std::memcpy(&h, header, sizeof(h));
+  auto it = self->links_.find(h.token);
+  // Only an expected link opens, and only once.
+  if (it == self->links_.end() || it->second.ep != nullptr || it->second.opening ||
+      it->second.closed) {
+    return UCS_OK;
+  }
+  it->second.opening = true;
+  const auto* p = static_cast<const std::byte*>(data);
+  self->opening_.push_back({h.token, h.network != 0, {p, p + length}});
+  // Heard now, before the messages that follow it; nobody can send on the link before
+  // after_progress() gave it its endpoint, since both run under one hold of mu.
+  it->second.handler(LinkEvent::kOpened, {});
+  return UCS_OK;
+}
+
+ucs_status_t ServedLinks::on_message(void* arg, const void* header, size_t header_length,
+                                     void* data, size_t length, const ucp_am_recv_param_t* param) {
+  auto* self = static_cast<ServedLinks*>(arg);
+  LinkMessageHeader h;
+  if (header_length != sizeof(h) || !acceptable_link_message(length, param)) return UCS_OK;
+  std::memcpy(&h, header, sizeof(h));
+  auto it = self->links_.find(h.token);
+  if (it == self->links_.end() || it->second.closed ||
+      (it->second.ep == nullptr && !it->second.opening)) {
+    return UCS_OK;
+  }
+  it->second.handler(LinkEvent::kMessage, {static_cast<const std::byte*>(data), length});
+  return UCS_OK;
+}
+
+void ServedLinks::on_endpoint_error(void* arg, ucp_ep_h, ucs_status_t) {
+  auto* owner = static_cast<EndpointOwner*>(arg);
+  auto it = owner->links->links_.find(owner->token);
+  if (it != owner->links->links_.end()) owner->links->fail(it->second);
+}
+
+}  // namespace rd2h::transfer

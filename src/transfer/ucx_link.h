@@ -1,0 +1,110 @@
+// Links of the UCX engine (TransferEngine::expect_link and the rest): control messages on
+// the data plane's own connection, as active messages.
+//
+// The connecting side (a Decode reading from a Prefill) opens a link on its session: it
+// sends kAmLinkOpen with the token and its session worker's address to the peer's serving
+// worker. The serving side then connects an endpoint of its own back to that worker, so
+// each side owns the endpoint it sends on: the serving side's messages travel on the link's
+// endpoint, the connecting side's on the session's. A token is the capability: it was
+// handed over the authenticated control channel, and a message naming one that is not
+// expected is dropped. Both sides send eager (UCX 1.13's rendezvous over TCP can abort a
+// sender whose peer vanishes); a message longer than kMaxLinkMessageBytes is dropped.
+#pragma once
+
+#include <ucp/api/ucp.h>
+
+#include <cstdint>
+#include <list>
+#include <memory>
+#include <mutex>
+#include <span>
+#include <unordered_map>
+#include <vector>
+
+#include "rd2h/common/status.h"
+#include "rd2h/transfer/transfer_engine.h"
+
+namespace rd2h::transfer {
+
+inline constexpr uint16_t kAmLinkOpen = 0x7266;     // connecting -> serving side
+inline constexpr uint16_t kAmLinkMessage = 0x7267;  // either way
+inline constexpr size_t kMaxLinkAddressBytes = 64u << 10;
+
+struct LinkOpenHeader {
+  uint64_t token;
+  uint32_t network;  // non-zero: the session uses peer error handling (not shared memory)
+  uint32_t reserved;
+};
+struct LinkMessageHeader {
+  uint64_t token;
+};
+
+// Whether an active message carries a link message this side may take: eager, and within
+// the bound. Rendezvous data that is not received is dropped by UCX.
+bool acceptable_link_message(size_t length, const ucp_am_recv_param_t* param);
+
+// The serving side's links, on the engine's serving worker. Everything here runs with `mu`
+// held, and the engine's progress thread holds it while it progresses that worker, so the
+// handlers see the same state as the callers.
+class ServedLinks {
+ public:
+  explicit ServedLinks(ucp_worker_h worker) : worker_(worker) {}
+  ~ServedLinks();  // after the worker's progress stopped: closes every endpoint
+  ServedLinks(const ServedLinks&) = delete;
+  ServedLinks& operator=(const ServedLinks&) = delete;
+
+  std::mutex mu;
+
+  // Installs the handlers of kAmLinkOpen and kAmLinkMessage on the worker.
+  Status install();
+  bool has(uint64_t token);
+  Status expect(uint64_t token, LinkHandler handler);
+  Status send(uint64_t token, std::span<const std::byte> message);
+  void close(uint64_t token);
+  // After each progress of the worker (mu held): connects the links opened meanwhile (an
+  // endpoint is not created inside a handler) and frees sends that completed.
+  void after_progress();
+
+ private:
+  // What a link endpoint's error handler gets: where to report.
+  struct EndpointOwner {
+    ServedLinks* links;
+    uint64_t token;
+  };
+  struct Link {
+    LinkHandler handler;
+    ucp_ep_h ep = nullptr;
+    bool opening = false;  // an open is waiting for after_progress
+    bool closed = false;   // kClosed was delivered
+    bool network = false;  // the endpoint has peer error handling
+    std::unique_ptr<EndpointOwner> owner;
+  };
+  struct Opening {
+    uint64_t token;
+    bool network;
+    std::vector<std::byte> address;
+  };
+  // A message UCX is still sending: its bytes stay put until then.
+  struct InFlight {
+    LinkMessageHeader header;
+    std::vector<std::byte> bytes;
+    bool done = false;
+  };
+
+  static ucs_status_t on_open(void* arg, const void* header, size_t header_length, void* data,
+                              size_t length, const ucp_am_recv_param_t* param);
+  static ucs_status_t on_message(void* arg, const void* header, size_t header_length, void* data,
+                                 size_t length, const ucp_am_recv_param_t* param);
+  static void on_endpoint_error(void* arg, ucp_ep_h ep, ucs_status_t status);
+  void fail(Link& link);
+  static void close_endpoint(ucp_ep_h ep, bool network);
+
+  ucp_worker_h worker_;
+  std::unordered_map<uint64_t, Link> links_;
+  std::vector<Opening> opening_;
+  std::list<InFlight> in_flight_;
+  // Owners of closed links' endpoints: UCX may still hold their address until the worker goes.
+  std::vector<std::unique_ptr<EndpointOwner>> retired_;
+};
+
+}  // namespace rd2h::transfer
