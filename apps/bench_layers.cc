@@ -1,5 +1,4 @@
 #include "bench_layers.h"
-#include "ucx_am_echo.h"
 
 #include <algorithm>
 #include <atomic>
@@ -14,6 +13,7 @@
 #include "common/trace.h"
 #include "decode/worker.h"
 #include "prefill/worker.h"
+#include "ucx_am_echo.h"
 
 namespace rd2h::tools {
 
@@ -30,11 +30,11 @@ struct Sample {
 // Where one layer's round trip goes, from the trace: the hops in order.
 constexpr const char* kStages[] = {
     "save_kv_layer -> readiness sent (Prefill: reuse gate, encode, send)",
-    "-> readiness at the reader (ZeroMQ one way, reader wake-up, decode)",
+    "-> readiness at the reader (one way, reader wake-up, decode)",
     "-> read starts (the reader's checks and descriptors)",
     "-> read ends (the engine)",
     "-> answer sent (the reader's bookkeeping, reply)",
-    "-> answer read (ZeroMQ one way, the waiting thread wakes)",
+    "-> answer read (one way, the waiting thread wakes)",
     "-> wait_for_layer_send returns (gate)"};
 constexpr size_t kStageCount = sizeof(kStages) / sizeof(kStages[0]);
 
@@ -91,6 +91,7 @@ Expected<std::vector<layout::CacheLayer>> slot_layers(transfer::TransferEngine& 
 // the layer's blocks evenly.
 struct Setup {
   uint32_t requests = 0;
+  bool link = false;  // readiness and answers on the transfer engine's link, not ZeroMQ
   uint64_t layer_bytes = 0;
   std::unique_ptr<decode::Worker> decode;
   std::unique_ptr<prefill::Worker> prefill;
@@ -100,7 +101,8 @@ struct Setup {
 
 constexpr uint32_t kNames = 61;
 
-Expected<std::unique_ptr<Setup>> make_setup(const BenchLayersOptions& o, uint32_t requests) {
+Expected<std::unique_ptr<Setup>> make_setup(const BenchLayersOptions& o, uint32_t requests,
+                                            bool link) {
   auto p_engine = make_engine(transfer::Role::kPrefill, o.timeout_ms);
   auto d_engine = make_engine(transfer::Role::kDecode, o.timeout_ms);
   if (!p_engine || !d_engine) return internal_error("no transfer engine");
@@ -111,6 +113,7 @@ Expected<std::unique_ptr<Setup>> make_setup(const BenchLayersOptions& o, uint32_
 
   auto setup = std::make_unique<Setup>();
   setup->requests = requests;
+  setup->link = link;
   decode::WorkerConfig dc;
   dc.register_memory = false;
   // Prefill and Decode each with their own ZeroMQ context, as in two processes.
@@ -120,6 +123,7 @@ Expected<std::unique_ptr<Setup>> make_setup(const BenchLayersOptions& o, uint32_
   prefill::WorkerConfig pc;
   pc.register_memory = false;
   pc.send_timeout = std::chrono::milliseconds(o.timeout_ms);
+  pc.sender.control_link = link;
   auto prefill = prefill::Worker::create(pc, p_engine, control::Context::create(), *p_layers);
   if (!prefill) return prefill.status();
   setup->prefill = std::move(*prefill);
@@ -307,19 +311,35 @@ int run_bench_layers(const BenchLayersOptions& o) {
   }
   std::vector<std::unique_ptr<Setup>> setups;
   for (uint32_t requests : o.requests) {
-    auto s = make_setup(o, requests);
-    if (!s) {
-      std::fprintf(stderr, "rd2h bench layers: %u requests: %s\n", requests,
-                   s.status().to_string().c_str());
-      return 1;
+    for (const bool link : {false, true}) {
+      auto s = make_setup(o, requests, link);
+      if (!s) {
+        std::fprintf(stderr, "rd2h bench layers: %u requests: %s\n", requests,
+                     s.status().to_string().c_str());
+        return 1;
+      }
+      setups.push_back(std::move(*s));
     }
-    setups.push_back(std::move(*s));
   }
   // Configurations alternate in rounds, so a noisy spell of the machine hits them alike.
   constexpr uint32_t kRounds = 5;
   for (auto& s : setups) {
     if (Status st = run_layers(*s, o.warmup, false); !st) {
       std::fprintf(stderr, "rd2h bench layers: %s\n", st.to_string().c_str());
+      return 1;
+    }
+    // A connection moves to the link at its first readiness sent with none outstanding,
+    // once Prefill heard the link open: warmed up until then too (within bounds).
+    for (int extra = 0;
+         extra < 1000 && s->link && s->prefill->stats().sender.readiness_on_link == 0; ++extra) {
+      if (Status st = run_layers(*s, 1, false); !st) {
+        std::fprintf(stderr, "rd2h bench layers: %s\n", st.to_string().c_str());
+        return 1;
+      }
+    }
+    if (s->link && s->prefill->stats().sender.readiness_on_link == 0) {
+      std::fprintf(stderr, "rd2h bench layers: no readiness went on the link in %u layers\n",
+                   o.warmup + 1000);
       return 1;
     }
   }
@@ -335,7 +355,9 @@ int run_bench_layers(const BenchLayersOptions& o) {
   std::vector<UcxFloor> ucx;
   for (const char* tls : {"shm", "tcp"}) {
     auto echo = UcxAmEcho::start(tls);
-    ucx.push_back({tls, echo ? std::move(*echo) : nullptr, {},
+    ucx.push_back({tls,
+                   echo ? std::move(*echo) : nullptr,
+                   {},
                    echo ? std::string() : echo.status().to_string()});
   }
   for (uint32_t round = 0; round < kRounds; ++round) {
@@ -376,8 +398,8 @@ int run_bench_layers(const BenchLayersOptions& o) {
       "%u layers measured per configuration (in %u alternating rounds, after %u warm-up);"
       " %u blocks per layer\n\n",
       o.layers, kRounds, o.warmup, o.blocks);
-  std::printf("%9s %10s %14s %14s %15s %14s %8s %9s\n", "requests", "MiB/layer", "overhead p50",
-              "overhead p99", "round trip p50", "read p50", "GB/s", "vs first");
+  std::printf("%9s %7s %10s %14s %14s %15s %14s %8s %9s\n", "requests", "control", "MiB/layer",
+              "overhead p50", "overhead p99", "round trip p50", "read p50", "GB/s", "vs first");
   double first_gbps = 0;
   for (const auto& s : setups) {
     std::vector<double> overhead, round_trip, read;
@@ -391,7 +413,8 @@ int run_bench_layers(const BenchLayersOptions& o) {
     const double gbps = static_cast<double>(s->layer_bytes) *
                         static_cast<double>(s->samples.size()) / (total_us * 1e3);
     if (first_gbps == 0) first_gbps = gbps;
-    std::printf("%9u %10.2f %11.1f us %11.1f us %12.1f us %11.1f us %8.2f %8.2fx\n", s->requests,
+    std::printf("%9u %7s %10.2f %11.1f us %11.1f us %12.1f us %11.1f us %8.2f %8.2fx\n",
+                s->requests, s->link ? "link" : "zeromq",
                 static_cast<double>(s->layer_bytes) / (1 << 20), percentile(overhead, 0.5),
                 percentile(overhead, 0.99), percentile(round_trip, 0.5), percentile(read, 0.5),
                 gbps, gbps / first_gbps);
@@ -428,19 +451,21 @@ int run_bench_layers(const BenchLayersOptions& o) {
     for (const auto& x : s->samples) overhead.push_back(std::max(0.0, x.round_trip_us - x.read_us));
     const double zmq_p99 = percentile(zmq, 0.99);
     std::printf(
-        "  %u requests: overhead p50 = %.2fx, p99 = %.2fx the bare ZeroMQ round trip's; "
+        "  %u requests, %s: overhead p50 = %.2fx, p99 = %.2fx the bare ZeroMQ round trip's; "
         "p50 = %.2fx the one around the read\n",
-        s->requests, zmq_p50 > 0 ? percentile(overhead, 0.5) / zmq_p50 : 0.0,
+        s->requests, s->link ? "link" : "zeromq",
+        zmq_p50 > 0 ? percentile(overhead, 0.5) / zmq_p50 : 0.0,
         zmq_p99 > 0 ? percentile(overhead, 0.99) / zmq_p99 : 0.0,
         around_p50 > 0 ? percentile(overhead, 0.5) / around_p50 : 0.0);
   }
   std::printf(
       "\noverhead = round trip (save_kv_layer until every answer is in) - the reader's engine "
       "read time\n");
-  std::printf("\nwhere a layer's round trip goes, p50 in us (another %u layers each, timeline on):\n",
-              std::max<uint32_t>(50, o.layers / 5));
+  std::printf(
+      "\nwhere a layer's round trip goes, p50 in us (another %u layers each, timeline on):\n",
+      std::max<uint32_t>(50, o.layers / 5));
   std::printf("%-78s", "");
-  for (const auto& s : setups) std::printf(" %8u req", s->requests);
+  for (const auto& s : setups) std::printf(" %5u %6s", s->requests, s->link ? "link" : "zeromq");
   std::printf("\n");
   for (size_t k = 0; k < kStageCount; ++k) {
     std::printf("%-78s", kStages[k]);

@@ -56,12 +56,17 @@ std::vector<zmq::message_t> take_frames(zmq::socket_t& socket) {
   return frames;
 }
 
-// Receives one multipart message if one arrives within `timeout`.
+// Receives one multipart message if one arrives within `timeout`; gives up early (with
+// nothing) when `wake_fd` (if not -1) becomes readable.
 Expected<std::optional<std::vector<zmq::message_t>>> receive_multipart(
-    zmq::socket_t& socket, std::chrono::milliseconds timeout) {
+    zmq::socket_t& socket, std::chrono::milliseconds timeout, int wake_fd = -1) {
   try {
-    zmq::pollitem_t item{socket.handle(), 0, ZMQ_POLLIN, 0};
-    if (zmq::poll(&item, 1, timeout) == 0) return std::optional<std::vector<zmq::message_t>>{};
+    zmq::pollitem_t items[2] = {{socket.handle(), 0, ZMQ_POLLIN, 0},
+                                {nullptr, wake_fd, ZMQ_POLLIN, 0}};
+    if (zmq::poll(items, wake_fd >= 0 ? 2 : 1, timeout) == 0 ||
+        (items[0].revents & ZMQ_POLLIN) == 0) {
+      return std::optional<std::vector<zmq::message_t>>{};
+    }
     std::vector<zmq::message_t> frames = take_frames(socket);
     if (frames.empty()) return std::optional<std::vector<zmq::message_t>>{};
     return std::optional<std::vector<zmq::message_t>>(std::move(frames));
@@ -157,8 +162,8 @@ RouterChannel::~RouterChannel() {
 namespace {
 
 // Makes `socket` a CURVE server that accepts only the trusted clients of `security`.
-Status secure_server(Context::Impl& context, zmq::socket_t& socket,
-                     const ServerSecurity& security, std::string& domain) {
+Status secure_server(Context::Impl& context, zmq::socket_t& socket, const ServerSecurity& security,
+                     std::string& domain) {
   if (!is_curve_key(security.self.public_key) || !is_curve_key(security.self.secret_key)) {
     return invalid_argument("the control ROUTER's CURVE key pair is not two Z85 keys");
   }
@@ -194,7 +199,8 @@ Expected<std::unique_ptr<RouterChannel>> RouterChannel::bind(
         std::make_unique<Impl>(zmq::socket_t(context->impl().ctx, zmq::socket_type::router));
     set_common_options(impl->socket);
     if (security) {
-      RD2H_RETURN_IF_ERROR(secure_server(context->impl(), impl->socket, *security, impl->zap_domain));
+      RD2H_RETURN_IF_ERROR(
+          secure_server(context->impl(), impl->socket, *security, impl->zap_domain));
     }
     RD2H_RETURN_IF_ERROR(
         watch_disconnects(context->impl().ctx, impl->socket, impl->monitor, "ROUTER at " + url));
@@ -209,10 +215,11 @@ Expected<std::unique_ptr<RouterChannel>> RouterChannel::bind(
   }
 }
 
-Expected<std::optional<Inbound>> RouterChannel::receive(std::chrono::milliseconds timeout) {
+Expected<std::optional<Inbound>> RouterChannel::receive(std::chrono::milliseconds timeout,
+                                                        int wake_fd) {
   Deadline deadline(timeout);
   for (;;) {
-    auto frames = receive_multipart(impl_->socket, remaining(deadline));
+    auto frames = receive_multipart(impl_->socket, remaining(deadline), wake_fd);
     if (!frames) return frames.status();
     if (!frames->has_value()) return std::optional<Inbound>{};
     auto& f = **frames;
@@ -309,9 +316,9 @@ bool DealerChannel::connection_lost() {
 Expected<std::unique_ptr<DealerChannel>> DealerChannel::connect(
     std::shared_ptr<Context> context, const std::string& url,
     const std::optional<ClientSecurity>& security) {
-  if (security && (!is_curve_key(security->self.public_key) ||
-                   !is_curve_key(security->self.secret_key) ||
-                   !is_curve_key(security->server_key))) {
+  if (security &&
+      (!is_curve_key(security->self.public_key) || !is_curve_key(security->self.secret_key) ||
+       !is_curve_key(security->server_key))) {
     return invalid_argument("the CURVE keys for the control DEALER to " + url +
                             " are not Z85 keys");
   }
@@ -391,7 +398,9 @@ Expected<std::optional<std::vector<std::byte>>> DealerChannel::try_receive() {
   }
 }
 
-int DealerChannel::notify_fd() const { return impl_->socket.get(zmq::sockopt::fd); }
+int DealerChannel::notify_fd() const {
+  return impl_->socket.get(zmq::sockopt::fd);
+}
 
 Expected<std::unique_ptr<RouterChannel>> RouterChannel::bind_ipc(std::shared_ptr<Context> context,
                                                                  const std::string& path) {

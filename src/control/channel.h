@@ -58,9 +58,10 @@ class RouterChannel {
   RouterChannel(const RouterChannel&) = delete;
   RouterChannel& operator=(const RouterChannel&) = delete;
 
-  // The next well-formed message, or nullopt when none arrives within `timeout`.
+  // The next well-formed message, or nullopt when none arrives within `timeout`, or
+  // when `wake_fd` (a descriptor of the caller's, if not -1) is readable first.
   // Malformed messages are dropped and counted.
-  Expected<std::optional<Inbound>> receive(std::chrono::milliseconds timeout);
+  Expected<std::optional<Inbound>> receive(std::chrono::milliseconds timeout, int wake_fd = -1);
   // Sends [identity, "", payload]. An identity with no live connection is an error.
   Status send(const std::string& identity, std::span<const std::byte> payload);
 

@@ -1,5 +1,8 @@
 #include "decode/reader.h"
 
+#include <sys/eventfd.h>
+#include <unistd.h>
+
 #include <algorithm>
 
 #include "common/log.h"
@@ -42,8 +45,12 @@ Expected<std::unique_ptr<Reader>> Reader::start(ReaderConfig config,
   auto router =
       control::RouterChannel::bind(std::move(context), config.host, config.port, config.security);
   if (!router) return router.status();
+  auto links = std::make_shared<LinkInbox>();
+  links->fd = ::eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK);
+  if (links->fd < 0) return internal_error("cannot create the reader's wake-up fd");
   auto reader = std::unique_ptr<Reader>(
       new Reader(std::move(config), std::move(engine), std::move(layout), std::move(*router)));
+  reader->links_ = std::move(links);
   reader->thread_ = std::thread([r = reader.get()] { r->run(); });
   return reader;
 }
@@ -55,9 +62,14 @@ Reader::Reader(ReaderConfig config, std::shared_ptr<transfer::TransferEngine> en
       layout_(std::move(layout)),
       router_(std::move(router)) {}
 
+Reader::LinkInbox::~LinkInbox() {
+  if (fd >= 0) ::close(fd);
+}
+
 Reader::~Reader() {
   stopping_.store(true);
   if (thread_.joinable()) thread_.join();
+  for (const auto& [token, identity] : link_peer_) engine_->close_link(token);
 }
 
 Status Reader::add_request(const std::string& ext_id, const std::string& internal_id,
@@ -128,18 +140,23 @@ size_t Reader::tracked_requests() const {
 
 void Reader::run() {
   while (!stopping_.load()) {
-    auto in = router_->receive(config_.poll_interval);
+    auto in = router_->receive(config_.poll_interval, links_->fd);
     if (!in) {
       log::warn("decode reader {}: {}", config_.d_rank, in.status().to_string());
     } else if (in->has_value()) {
+      if (auto link = link_of_.find((*in)->identity); link != link_of_.end()) {
+        link->second.answer_on_link = false;
+      }
       handle(**in);
     }
+    drain_links();
     // A connection that closed takes its state along: MF_META, held readiness, and the
     // requests it had begun and not finished (a Prefill that died finishes none of them).
     for (const auto& gone : router_->take_disconnected()) {
       if (peers_.count(gone) || held_.count(gone)) {
         drop_peer(gone, "the connection closed");
       }
+      close_link(gone);
       std::lock_guard lock(mu_);
       fail_owed(gone);
     }
@@ -184,8 +201,81 @@ void Reader::drain_held() {
 }
 
 void Reader::reply(const std::string& identity, const std::vector<std::byte>& payload) {
-  // A peer that vanished cannot be answered; its gates fail on its own deadline.
+  if (auto link = link_of_.find(identity);
+      link != link_of_.end() && link->second.answer_on_link &&
+      engine_->send_on_link(link->second.token, payload).is_ok()) {
+    return;
+  }
+  // A peer that vanished cannot be answered; its gates fail on its own deadline. (A link
+  // that failed is followed by its kClosed, which drops the connection.)
   (void)router_->send(identity, payload);
+}
+
+void Reader::drain_links() {
+  decltype(links_->messages) messages;
+  std::vector<uint64_t> closed;
+  {
+    std::lock_guard lock(links_->mu);
+    if (links_->messages.empty() && links_->closed.empty()) return;
+    messages.swap(links_->messages);
+    closed.swap(links_->closed);
+    uint64_t count;
+    [[maybe_unused]] auto n = ::read(links_->fd, &count, sizeof(count));
+  }
+  for (auto& [token, payload] : messages) {
+    auto peer = link_peer_.find(token);
+    if (peer == link_peer_.end()) continue;  // closed meanwhile
+    const std::string identity = peer->second;
+    link_of_[identity].answer_on_link = true;
+    {
+      std::lock_guard lock(mu_);
+      ++stats_.readiness_on_link;
+    }
+    handle(control::Inbound{identity, std::move(payload)});
+  }
+  for (uint64_t token : closed) {
+    auto peer = link_peer_.find(token);
+    if (peer == link_peer_.end()) continue;
+    const std::string identity = peer->second;
+    drop_peer(identity, "the transfer link to this Decode closed; send MF_META again");
+  }
+}
+
+void Reader::open_link(const std::string& identity, const Peer& peer, uint64_t token) {
+  close_link(identity);  // MF_META again on one connection: a new link replaces the old
+  Status st = engine_->open_link(
+      peer.session, token,
+      [inbox = links_, token](transfer::LinkEvent event, std::span<const std::byte> message) {
+        std::lock_guard lock(inbox->mu);
+        if (event == transfer::LinkEvent::kMessage) {
+          inbox->messages.emplace_back(token,
+                                       std::vector<std::byte>(message.begin(), message.end()));
+        } else if (event == transfer::LinkEvent::kClosed) {
+          inbox->closed.push_back(token);
+        } else {
+          return;
+        }
+        uint64_t one = 1;
+        [[maybe_unused]] auto n = ::write(inbox->fd, &one, sizeof(one));
+      });
+  if (!st) {
+    // The connection stays on ZeroMQ: slower, not wrong.
+    log::info("decode reader {}: no transfer link to {}: {}", config_.d_rank, peer.session,
+              st.message());
+    return;
+  }
+  link_of_[identity] = PeerLink{token, false};
+  link_peer_[token] = identity;
+  std::lock_guard lock(mu_);
+  ++stats_.links_opened;
+}
+
+void Reader::close_link(const std::string& identity) {
+  auto link = link_of_.find(identity);
+  if (link == link_of_.end()) return;
+  engine_->close_link(link->second.token);
+  link_peer_.erase(link->second.token);
+  link_of_.erase(link);
 }
 
 void Reader::handle(const control::Inbound& in) {
@@ -307,6 +397,7 @@ void Reader::drop_peer(const std::string& identity, const std::string& why,
   // unless it is owed anyway; an rd2h Prefill fails the whole connection on an answer out
   // of turn and reconnects with MF_META.
   reply(identity, protocol::encode(protocol::ReadFailed{last ? last->layer_idx : 0, why}));
+  close_link(identity);
 }
 
 void Reader::handle_mf_meta(const std::string& identity, const protocol::MfMeta& meta) {
@@ -335,6 +426,12 @@ void Reader::handle_mf_meta(const std::string& identity, const protocol::MfMeta&
   auto session = engine_->connect(meta.backend_metadata);
   if (!session) return refuse(session.status().with_context("connecting to " + meta.p_session));
   peer.session = std::move(*session);
+  // Before the ACK: the link is open on Prefill's side by the time its first readiness goes.
+  if (meta.control_link && config_.control_link && engine_->supports_links()) {
+    open_link(identity, peer, *meta.control_link);
+  } else {
+    close_link(identity);
+  }
   peers_[identity] = std::move(peer);
   {
     std::lock_guard lock(mu_);

@@ -3,6 +3,11 @@
 // every READ_READY_BATCH with exactly one READ_DONE or READ_FAILED after validating the
 // layout, building the descriptors of every ready request, and doing one batched read.
 // Final-layer signals feed the rank's CompletionTracker. One thread, joined on destruction.
+//
+// A Prefill whose MF_META offers a link (Sender, "control_link") gets it opened on the
+// transfer session right after connecting: its readiness may then come on the link, and
+// each is answered on the path it came on. A link that closes drops its connection like a
+// malformed message does, so its Prefill reconnects with MF_META.
 #pragma once
 
 #include <atomic>
@@ -45,6 +50,8 @@ struct ReaderConfig {
   // With keys, only Prefill clients whose CURVE key is trusted get through.
   std::optional<control::ServerSecurity> security;
   size_t max_held_per_peer = 256;
+  // Open the links Prefill offers (when the engine has them).
+  bool control_link = true;
 };
 
 struct ReaderStats {
@@ -57,6 +64,8 @@ struct ReaderStats {
   uint64_t reads = 0;       // batched engine reads done
   uint64_t bytes_read = 0;  // by reads that succeeded
   uint64_t read_ns = 0;     // time spent inside the engine's batched reads
+  uint64_t links_opened = 0;
+  uint64_t readiness_on_link = 0;  // readiness that came on a link
 };
 
 class Reader {
@@ -101,11 +110,29 @@ class Reader {
     std::string session;
     std::map<std::string, PeerLayer, std::less<>> layers;
   };
+  // What the engine's link handlers hand over, for the reader thread; `fd` (an eventfd)
+  // wakes it.
+  struct LinkInbox {
+    std::mutex mu;
+    std::deque<std::pair<uint64_t, std::vector<std::byte>>> messages;  // by link token
+    std::vector<uint64_t> closed;
+    int fd = -1;
+    ~LinkInbox();
+  };
+  struct PeerLink {
+    uint64_t token = 0;
+    bool answer_on_link = false;  // the connection's last message came on the link
+  };
 
   Reader(ReaderConfig config, std::shared_ptr<transfer::TransferEngine> engine, DecodeLayout layout,
          std::unique_ptr<control::RouterChannel> router);
   void run();
   void handle(const control::Inbound& in);
+  // Takes what the links delivered: messages handled as if they came on their connection,
+  // closed links dropping theirs.
+  void drain_links();
+  void open_link(const std::string& identity, const Peer& peer, uint64_t token);
+  void close_link(const std::string& identity);
   // Answers held readiness whose destinations arrived or whose hold expired, in order.
   void drain_held();
   bool destinations_known(const protocol::ReadReadyBatch& ready) const;  // caller holds mu_
@@ -128,7 +155,10 @@ class Reader {
   DecodeLayout layout_;
   std::unique_ptr<control::RouterChannel> router_;
   std::map<std::string, Peer> peers_;  // by ZMQ identity; reader thread only
-  struct Scratch {  // read_layer's buffers, reused (reader thread only)
+  std::shared_ptr<LinkInbox> links_;
+  std::map<std::string, PeerLink> link_of_;    // by ZMQ identity; reader thread only
+  std::map<uint64_t, std::string> link_peer_;  // identity by link token; reader thread only
+  struct Scratch {                             // read_layer's buffers, reused (reader thread only)
     std::vector<layout::Descriptor> descriptors;
     std::vector<uintptr_t> local, remote;
     std::vector<size_t> length;
@@ -155,7 +185,7 @@ class Reader {
     uint64_t read = 0;  // the read in flight when it was given up (0: none)
   };
   std::vector<Aborted> aborted_;  // to report
-  CompletionTracker tracker_;  // every request's state: completion, destinations, deadline
+  CompletionTracker tracker_;     // every request's state: completion, destinations, deadline
   ReaderStats stats_;
   metrics::Histogram read_seconds_{metrics::latency_buckets()};
 

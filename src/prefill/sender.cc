@@ -1,6 +1,7 @@
 #include "prefill/sender.h"
 
 #include <poll.h>
+#include <sodium.h>
 #include <sys/eventfd.h>
 #include <unistd.h>
 
@@ -15,7 +16,8 @@ constexpr std::chrono::milliseconds kPollSlice{50};
 
 Expected<std::unique_ptr<Sender>> Sender::start(SenderConfig config,
                                                 std::shared_ptr<control::Context> context,
-                                                protocol::MfMeta meta) {
+                                                protocol::MfMeta meta,
+                                                std::shared_ptr<transfer::TransferEngine> engine) {
   const int fd = ::eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK);
   if (fd < 0) return internal_error("cannot create the sender's wakeup fd");
   const int driver_fd = ::eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK);
@@ -24,16 +26,19 @@ Expected<std::unique_ptr<Sender>> Sender::start(SenderConfig config,
     return internal_error("cannot create the sender's wakeup fd");
   }
   auto sender = std::unique_ptr<Sender>(
-      new Sender(config, std::move(context), std::move(meta), fd, driver_fd));
+      new Sender(config, std::move(context), std::move(meta), std::move(engine), fd, driver_fd));
   sender->thread_ = std::thread([s = sender.get()] { s->run(); });
   return sender;
 }
 
 Sender::Sender(SenderConfig config, std::shared_ptr<control::Context> context,
-               protocol::MfMeta meta, int wake_fd, int driver_fd)
+               protocol::MfMeta meta, std::shared_ptr<transfer::TransferEngine> engine, int wake_fd,
+               int driver_fd)
     : config_(config),
       context_(std::move(context)),
-      mf_meta_(protocol::encode(meta)),
+      meta_(std::move(meta)),
+      mf_meta_(protocol::encode(meta_)),
+      engine_(std::move(engine)),
       wake_fd_(wake_fd),
       driver_fd_(driver_fd),
       waker_(std::make_shared<Waker>()) {
@@ -62,6 +67,12 @@ void Sender::Waker::wake() {
   if (fd < 0) return;  // the sender is gone: nobody to wake
   signal_fd(fd);
   signal_fd(driver_fd);
+}
+
+void Sender::Waker::wake_driver() {
+  std::lock_guard lock(mu);
+  if (fd < 0) return;
+  signal_fd(drivers.load() > 0 ? driver_fd : fd);
 }
 
 Sender::~Sender() {
@@ -123,7 +134,7 @@ void Sender::settle(const std::vector<GateTicket>& tickets, bool ok, const std::
 bool Sender::serve_until(const std::function<bool()>& done, const Deadline& deadline) {
   std::vector<pollfd> fds;
   std::unique_lock lock(mu_);
-  ++drivers_;
+  ++waker_->drivers;
   bool reached = false;
   for (;;) {
     serve();
@@ -140,7 +151,7 @@ bool Sender::serve_until(const std::function<bool()>& done, const Deadline& dead
     lock.lock();
     drain_fd(driver_fd_);
   }
-  --drivers_;
+  --waker_->drivers;
   return reached;
 }
 
@@ -170,7 +181,7 @@ void Sender::run() {
   while (!stopping_.load()) {
     serve();
     // Someone waiting in serve_until polls without the lock: tell it something changed.
-    if (drivers_ > 0) signal_fd(driver_fd_);
+    if (waker_->drivers.load() > 0) signal_fd(driver_fd_);
     // A write event that cannot notify is waited on here, without the lock.
     if (!queued_.empty() && queued_.front().written && !queued_.front().notifies &&
         !queued_.front().written->done.load()) {
@@ -267,7 +278,7 @@ void Sender::dispatch(Task task) {
     ep.dealer = std::move(*dealer);
     ep.acked = false;
     ep.ack_deadline = Clock::now() + config_.ack_timeout;
-    if (Status st = ep.dealer->send(mf_meta_); !st) {
+    if (Status st = ep.dealer->send(offer_link(ep)); !st) {
       const std::string url = task.url;
       ep.waiting.push_back(std::move(task));
       return fail_endpoint(url, ep, st.message());
@@ -282,20 +293,51 @@ void Sender::dispatch(Task task) {
   transmit(ep, std::move(task));
 }
 
+std::vector<std::byte> Sender::offer_link(Endpoint& ep) {
+  if (!engine_ || !config_.control_link || !engine_->supports_links()) return mf_meta_;
+  uint64_t token = 0;
+  randombytes_buf(&token, sizeof(token));  // the link's capability: unguessable
+  auto inbox = std::make_shared<LinkInbox>();
+  Status st = engine_->expect_link(
+      token, [inbox, waker = waker_](transfer::LinkEvent event, std::span<const std::byte> m) {
+        {
+          std::lock_guard lock(inbox->mu);
+          if (event == transfer::LinkEvent::kOpened) inbox->opened = true;
+          if (event == transfer::LinkEvent::kClosed) inbox->closed = true;
+          if (event == transfer::LinkEvent::kMessage)
+            inbox->messages.emplace_back(m.begin(), m.end());
+        }
+        waker->wake_driver();
+      });
+  if (!st) return mf_meta_;  // a token in use already, say: this connection stays on ZeroMQ
+  ep.link = std::move(inbox);
+  ep.link_token = token;
+  ep.on_link = false;
+  protocol::MfMeta offer = meta_;
+  offer.control_link = token;
+  return protocol::encode(offer);
+}
+
 void Sender::transmit(Endpoint& ep, Task task) {
-  if (Status st = ep.dealer->send(task.payload); !st) {
-    return settle(task.tickets, false, st.message());
+  if (ep.link && !ep.on_link && ep.pending.empty()) {
+    // Nothing is owed on ZeroMQ any more: answers cannot overtake each other from here.
+    std::lock_guard lock(ep.link->mu);
+    ep.on_link = ep.link->opened && !ep.link->closed;
   }
+  Status st = ep.on_link ? engine_->send_on_link(ep.link_token, task.payload)
+                         : ep.dealer->send(task.payload);
+  if (!st) return settle(task.tickets, false, st.message());
   ep.pending.push_back(
       {task.layer_idx, std::move(task.tickets), Clock::now() + config_.reply_timeout});
   trace::instant("readiness", "sender", task.layer_idx);
   count(&SenderStats::readiness_sent);
+  if (ep.on_link) count(&SenderStats::readiness_on_link);
 }
 
 void Sender::receive(const std::string& url, Endpoint& ep) {
   for (;;) {
     auto payload = ep.dealer->try_receive();
-    if (!payload || !payload->has_value()) return;
+    if (!payload || !payload->has_value()) break;
     const auto& bytes = **payload;
     if (!ep.acked) {
       if (protocol::is_ack(bytes)) {
@@ -312,38 +354,80 @@ void Sender::receive(const std::string& url, Endpoint& ep) {
                                   : "Decode answered MF_META with something other than ACK";
       return fail_endpoint(url, ep, why);
     }
-    auto message = protocol::decode_message(bytes);
-    if (ep.pending.empty()) continue;  // nothing waits for it: a late answer
-    Pending p = std::move(ep.pending.front());
-    ep.pending.pop_front();
-    bool ok = false;
-    std::string reason;
-    int64_t layer = -1;
-    if (!message) {
-      reason = "undecodable answer from " + url + ": " + message.status().message();
-    } else if (auto* done = std::get_if<protocol::ReadDone>(&*message)) {
-      ok = true;
-      layer = done->layer_idx;
-    } else if (auto* failed = std::get_if<protocol::ReadFailed>(&*message)) {
-      reason = failed->error;
-      layer = failed->layer_idx;
-    } else {
-      reason = "unexpected message from " + url;
-    }
-    if (message && layer != p.layer_idx) {
-      // Answers come in request order; one out of order means the connection lost track.
-      ep.pending.push_front(std::move(p));
+    const bool on_link = ep.on_link;
+    if (!answer(url, ep, bytes)) return;
+    if (on_link) {
+      // Decode answers on ZeroMQ a connection that moved to the link only when its end of
+      // the link is gone (its session broke): the connection starts again.
+      auto told = protocol::decode_message(bytes);
+      const auto* failed = told ? std::get_if<protocol::ReadFailed>(&*told) : nullptr;
+      count(&SenderStats::connections_lost);
       return fail_endpoint(url, ep,
-                           "answer for layer " + std::to_string(layer) + " while layer " +
-                               std::to_string(p.layer_idx) + " was expected from " + url);
+                           "Decode " + url + " left the transfer link" +
+                               (failed != nullptr ? ": " + failed->error : std::string()));
     }
-    trace::instant(ok ? "answer" : "read failed", "sender", p.layer_idx);
-    settle(p.tickets, ok, reason, /*from_decode=*/true);
+  }
+  // Answers on the link come after those on ZeroMQ: a connection moves to the link only
+  // with nothing owed on ZeroMQ.
+  while (ep.link && ep.acked) {
+    std::vector<std::byte> bytes;
+    {
+      std::lock_guard lock(ep.link->mu);
+      if (ep.link->messages.empty()) return;
+      bytes = std::move(ep.link->messages.front());
+      ep.link->messages.pop_front();
+    }
+    if (!answer(url, ep, bytes)) return;
   }
 }
 
+bool Sender::answer(const std::string& url, Endpoint& ep, std::span<const std::byte> bytes) {
+  auto message = protocol::decode_message(bytes);
+  if (ep.pending.empty()) return true;  // nothing waits for it: a late answer
+  Pending p = std::move(ep.pending.front());
+  ep.pending.pop_front();
+  bool ok = false;
+  std::string reason;
+  int64_t layer = -1;
+  if (!message) {
+    reason = "undecodable answer from " + url + ": " + message.status().message();
+  } else if (auto* done = std::get_if<protocol::ReadDone>(&*message)) {
+    ok = true;
+    layer = done->layer_idx;
+  } else if (auto* failed = std::get_if<protocol::ReadFailed>(&*message)) {
+    reason = failed->error;
+    layer = failed->layer_idx;
+  } else {
+    reason = "unexpected message from " + url;
+  }
+  if (message && layer != p.layer_idx) {
+    // Answers come in request order; one out of order means the connection lost track.
+    ep.pending.push_front(std::move(p));
+    fail_endpoint(url, ep,
+                  "answer for layer " + std::to_string(layer) + " while layer " +
+                      std::to_string(ep.pending.front().layer_idx) + " was expected from " + url);
+    return false;
+  }
+  trace::instant(ok ? "answer" : "read failed", "sender", p.layer_idx);
+  settle(p.tickets, ok, reason, /*from_decode=*/true);
+  return true;
+}
+
 bool Sender::drop_if_lost(const std::string& url, Endpoint& ep) {
-  if (!ep.dealer || !ep.dealer->connection_lost()) return false;
+  if (!ep.dealer) return false;
+  if (ep.link) {
+    bool closed;
+    {
+      std::lock_guard lock(ep.link->mu);
+      closed = ep.link->closed;
+    }
+    if (closed) {
+      count(&SenderStats::connections_lost);
+      fail_endpoint(url, ep, "the transfer link to " + url + " closed (Decode restarted or died)");
+      return true;
+    }
+  }
+  if (!ep.dealer->connection_lost()) return false;
   count(&SenderStats::connections_lost);
   fail_endpoint(url, ep,
                 ep.dealer->refusal().empty()
@@ -376,6 +460,9 @@ void Sender::fail_endpoint(const std::string& /*url*/, Endpoint& ep, const std::
   ep.waiting.clear();
   ep.dealer.reset();  // the next readiness reconnects and sends MF_META again
   ep.acked = false;
+  if (ep.link) engine_->close_link(ep.link_token);
+  ep.link.reset();
+  ep.on_link = false;
 }
 
 }  // namespace rd2h::prefill

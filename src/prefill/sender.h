@@ -10,6 +10,12 @@
 // waits on: the ACK of a new connection, a write event that completes later, deadlines and
 // closed connections. The sockets are touched under one mutex, never across a wait.
 // The gates passed to send() must outlive the sender.
+//
+// With a transfer engine that has links, each connection's MF_META offers one (a fresh
+// random token); once Decode opens it, readiness and answers travel on the engine's own
+// connection instead of ZeroMQ, from the first readiness sent with none outstanding on the
+// connection (so answers keep their order). ZeroMQ still carries MF_META, its ACK, and
+// watches the connection; a link that closes fails the connection like a closed socket.
 #pragma once
 
 #include <atomic>
@@ -29,6 +35,7 @@
 #include "rd2h/common/deadline.h"
 #include "rd2h/common/status.h"
 #include "rd2h/prefill/write_event.h"
+#include "rd2h/transfer/transfer_engine.h"
 
 namespace rd2h::prefill {
 
@@ -40,11 +47,15 @@ struct SenderConfig {
   // This Prefill's CURVE keys: with them every connection is encrypted and reaches only the
   // Decode holding the server key its task names.
   std::optional<control::CurveKeyPair> curve;
+  // Offer Decode a link on the transfer engine for readiness and answers (when the engine
+  // has links; Decode may decline, and a Decode that does not know them ignores the offer).
+  bool control_link = true;
 };
 
 struct SenderStats {
   uint64_t mf_meta_sent = 0;
   uint64_t readiness_sent = 0;
+  uint64_t readiness_on_link = 0;  // of readiness_sent, those sent on a transfer link
   uint64_t answers = 0;
   uint64_t failures = 0;          // gate generations failed by the sender (timeouts, refusals)
   uint64_t connections_lost = 0;  // Decode connections that closed under us
@@ -53,9 +64,11 @@ struct SenderStats {
 class Sender {
  public:
   // `meta` is what this Prefill publishes: its session, layers and transfer backend.
-  static Expected<std::unique_ptr<Sender>> start(SenderConfig config,
-                                                 std::shared_ptr<control::Context> context,
-                                                 protocol::MfMeta meta);
+  // `engine` (optional) is the one `meta` describes: its links carry the control plane
+  // where Decode takes them.
+  static Expected<std::unique_ptr<Sender>> start(
+      SenderConfig config, std::shared_ptr<control::Context> context, protocol::MfMeta meta,
+      std::shared_ptr<transfer::TransferEngine> engine = nullptr);
   ~Sender();  // fails what is still pending, stops and joins the thread
   Sender(const Sender&) = delete;
   Sender& operator=(const Sender&) = delete;
@@ -103,7 +116,17 @@ class Sender {
   struct Waker {
     std::mutex mu;
     int fd = -1, driver_fd = -1;  // -1 once the sender is gone
+    std::atomic<int> drivers{0};  // threads in serve_until
     void wake();
+    // Something that whoever waits in serve_until reads (an answer on a link): wakes it,
+    // or the sender thread when nobody waits.
+    void wake_driver();
+  };
+  // What a connection's link delivered, shared with the engine's handler.
+  struct LinkInbox {
+    std::mutex mu;
+    bool opened = false, closed = false;
+    std::deque<std::vector<std::byte>> messages;
   };
   struct Pending {
     int64_t layer_idx;
@@ -114,12 +137,15 @@ class Sender {
     std::unique_ptr<control::DealerChannel> dealer;
     bool acked = false;
     std::chrono::steady_clock::time_point ack_deadline;
-    std::deque<Task> waiting;     // given before the ACK
-    std::deque<Pending> pending;  // sent, in the order Decode answers
+    std::deque<Task> waiting;         // given before the ACK
+    std::deque<Pending> pending;      // sent, in the order Decode answers
+    std::shared_ptr<LinkInbox> link;  // the link offered in MF_META, if any
+    uint64_t link_token = 0;
+    bool on_link = false;  // readiness go on the link (from a point with nothing pending)
   };
 
   Sender(SenderConfig config, std::shared_ptr<control::Context> context, protocol::MfMeta meta,
-         int wake_fd, int driver_fd);
+         std::shared_ptr<transfer::TransferEngine> engine, int wake_fd, int driver_fd);
   void run();
   // The rest, with mu_ held. serve(): sends what became ready, reads every answer that is
   // in (after the sends, which can consume a socket's notification), drops closed
@@ -135,6 +161,11 @@ class Sender {
   void dispatch(Task task);
   void transmit(Endpoint& ep, Task task);
   void receive(const std::string& url, Endpoint& ep);
+  // One answer to the oldest readiness pending on the connection; false when it failed the
+  // connection (the caller stops reading it).
+  bool answer(const std::string& url, Endpoint& ep, std::span<const std::byte> bytes);
+  // Offers a new connection a link: MF_META with its token, or without one.
+  std::vector<std::byte> offer_link(Endpoint& ep);
   void check_deadlines();
   // The earliest deadline the sender enforces, or `cap` if sooner.
   std::chrono::steady_clock::time_point next_deadline(
@@ -152,7 +183,9 @@ class Sender {
 
   SenderConfig config_;
   std::shared_ptr<control::Context> context_;
-  std::vector<std::byte> mf_meta_;
+  protocol::MfMeta meta_;
+  std::vector<std::byte> mf_meta_;  // without a link
+  std::shared_ptr<transfer::TransferEngine> engine_;
   // eventfds, both signalled by the waker (a write completed, a new connection, stop):
   int wake_fd_ = -1;    // drained by the sender thread only
   int driver_fd_ = -1;  // drained in serve_until only; also: the sender thread served
@@ -161,7 +194,6 @@ class Sender {
   std::mutex mu_;  // the sockets and everything below
   std::map<std::string, Endpoint> endpoints_;
   std::deque<Task> queued_;  // waiting for their layer's write
-  int drivers_ = 0;          // threads in serve_until
 
   mutable std::mutex stats_mu_;
   SenderStats stats_;

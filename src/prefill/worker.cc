@@ -77,7 +77,7 @@ Expected<std::unique_ptr<Worker>> Worker::create(WorkerConfig config,
   meta.backend_name = std::string(worker->engine_->backend_name());
   meta.backend_metadata = std::move(*metadata);
 
-  auto sender = Sender::start(config.sender, std::move(context), meta);
+  auto sender = Sender::start(config.sender, std::move(context), meta, worker->engine_);
   if (!sender) return sender.status();
   worker->sender_ = std::move(*sender);
   return worker;

@@ -346,6 +346,10 @@ Expected<MfMeta> decode_mf_meta(const std::vector<Field>& t) {
     const auto* p = reinterpret_cast<const std::byte*>(v.data());
     m.backend_metadata.assign(p, p + v.size());
   }
+  if (t.size() > 7) {
+    RD2H_TRY(v, t[7].unsigned_int());
+    m.control_link = v;
+  }
   return m;
 }
 
@@ -768,7 +772,7 @@ std::optional<std::pair<size_t, std::string_view>> cursor_tag(Cursor& c) {
 
 std::vector<std::byte> encode(const MfMeta& m) {
   return packed([&](Packer& pk) {
-    pk.pack_array(7);
+    pk.pack_array(m.control_link ? 8 : 7);
     pack_bin(pk, kTagMfMeta);
     pack_str(pk, m.p_session);
     pack_bin(pk, encode_layer_map(m.layers));
@@ -776,6 +780,7 @@ std::vector<std::byte> encode(const MfMeta& m) {
     pk.pack_uint64(m.cache_layout_version.value_or(kCacheLayoutVersion));
     pack_str(pk, m.backend_name);
     pack_bin(pk, m.backend_metadata);
+    if (m.control_link) pk.pack_uint64(*m.control_link);
   });
 }
 

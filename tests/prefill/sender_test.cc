@@ -23,7 +23,7 @@ const decode::AllGather kAlone =
 
 class SenderTest : public ::testing::Test {
  protected:
-  void start_reader(int port = 0) {
+  void start_reader(int port = 0, bool control_link = true) {
     reader_.reset();
     if (!decode_engine_) {
       decode_engine_ = std::shared_ptr<transfer::TransferEngine>(std::move(decode_.engine));
@@ -32,6 +32,7 @@ class SenderTest : public ::testing::Test {
     for (int l = 0; l < kLayers; ++l) layout[layer_name(l)] = decode_.tensors(l);
     decode::ReaderConfig config;
     config.port = port;
+    config.control_link = control_link;
     auto r = decode::Reader::start(config, decode_engine_, std::move(layout), context_);
     ASSERT_TRUE(r) << r.status().to_string();
     reader_ = std::move(*r);
@@ -40,6 +41,21 @@ class SenderTest : public ::testing::Test {
     auto s = Sender::start(config, context_, mf_meta(prefill_));
     EXPECT_TRUE(s) << s.status().to_string();
     return s ? std::move(*s) : nullptr;
+  }
+  // A sender whose connections may move to the Prefill engine's links (the pool outlives it).
+  std::unique_ptr<Sender> linked_sender(SenderConfig config = {}) {
+    std::shared_ptr<transfer::TransferEngine> engine(prefill_.engine.get(),
+                                                     [](transfer::TransferEngine*) {});
+    auto s = Sender::start(config, context_, mf_meta(prefill_), std::move(engine));
+    EXPECT_TRUE(s) << s.status().to_string();
+    return s ? std::move(*s) : nullptr;
+  }
+  // Sends empty layers one at a time until one went on the link (at most 200).
+  bool reach_the_link(Sender& s, SlotGate& gate) {
+    for (int i = 0; i < 200 && s.stats().readiness_on_link == 0; ++i) {
+      if (!send_and_wait(s, ready(i % kLayers, {}), gate).is_ok()) return false;
+    }
+    return s.stats().readiness_on_link > 0;
   }
   static protocol::ReadReadyBatch ready(int layer, std::vector<protocol::ReadReq> reqs,
                                         std::vector<std::string> done = {}, int member = 0,
@@ -290,31 +306,38 @@ TEST_F(SenderTest, StoppingTheSenderFailsWhatIsStillPending) {
 }
 
 TEST_F(SenderTest, ARestartedDecodeGetsMfMetaAgainAndLaterLayersSucceed) {
-  start_reader();
-  const std::string url = reader_->url();
-  const int port = std::stoi(url.substr(url.rfind(':') + 1));
-  SenderConfig config;
-  config.reply_timeout = 300ms;
-  config.ack_timeout = 300ms;  // a Decode that is away fails the layer quickly either way
-  auto s = sender(config);
-  SlotGate gate;
-  ASSERT_TRUE(reader_->add_request("r", "i", {3}, {3}).is_ok());
-  ASSERT_TRUE(send_and_wait(*s, ready(0, {{"r", {1}, {1}, 0, 0}}), gate).is_ok());
+  for (const bool linked : {false, true}) {
+    SCOPED_TRACE(linked ? "on a link" : "on ZeroMQ");
+    url_override_.clear();
+    start_reader();
+    const std::string url = reader_->url();
+    const int port = std::stoi(url.substr(url.rfind(':') + 1));
+    SenderConfig config;
+    config.reply_timeout = 300ms;
+    config.ack_timeout = 300ms;  // a Decode that is away fails the layer quickly either way
+    auto s = linked ? linked_sender(config) : sender(config);
+    SlotGate gate;
+    ASSERT_TRUE(reader_->add_request("r", "i", {3}, {3}).is_ok());
+    ASSERT_TRUE(send_and_wait(*s, ready(0, {{"r", {1}, {1}, 0, 0}}), gate).is_ok());
+    if (linked) {
+      ASSERT_TRUE(reach_the_link(*s, gate));
+    }
 
-  url_override_ = url;
-  reader_.reset();  // Decode goes away
-  Status st = send_and_wait(*s, ready(1, {{"r", {1}, {1}, 0, 0}}), gate);
-  EXPECT_FALSE(st.is_ok()) << "a layer with no Decode to read it succeeded";
+    url_override_ = url;
+    reader_.reset();  // Decode goes away
+    Status st = send_and_wait(*s, ready(1, {{"r", {1}, {1}, 0, 0}}), gate);
+    EXPECT_FALSE(st.is_ok()) << "a layer with no Decode to read it succeeded";
 
-  start_reader(port);  // Decode is back on the same port, knowing nothing of Prefill
-  ASSERT_TRUE(reader_->add_request("r", "i", {3}, {3}).is_ok());
-  st = send_and_wait(*s, ready(2, {{"r", {1}, {1}, 0, 0}}), gate);
-  ASSERT_TRUE(st.is_ok()) << st.to_string();
-  sync_with_reader();
-  EXPECT_TRUE(decode_.holds(2, 0, 3, 1));
-  // Once to the first Decode, then on every new connection: layer 1 may already have gone
-  // on one (unacknowledged) if the sender saw the old connection close first.
-  EXPECT_GE(s->stats().mf_meta_sent, 2u);
+    start_reader(port);  // Decode is back on the same port, knowing nothing of Prefill
+    ASSERT_TRUE(reader_->add_request("r", "i", {3}, {3}).is_ok());
+    st = send_and_wait(*s, ready(2, {{"r", {1}, {1}, 0, 0}}), gate);
+    ASSERT_TRUE(st.is_ok()) << st.to_string();
+    sync_with_reader();
+    EXPECT_TRUE(decode_.holds(2, 0, 3, 1));
+    // Once to the first Decode, then on every new connection: layer 1 may already have gone
+    // on one (unacknowledged) if the sender saw the old connection close first.
+    EXPECT_GE(s->stats().mf_meta_sent, 2u);
+  }
 }
 
 TEST_F(SenderTest, ADecodeRestartedBetweenLayersIsToldMfMetaAgainBeforeTheNextLayer) {
@@ -339,6 +362,64 @@ TEST_F(SenderTest, ADecodeRestartedBetweenLayersIsToldMfMetaAgainBeforeTheNextLa
   sync_with_reader();
   EXPECT_TRUE(decode_.holds(1, 0, 4, 2));
   EXPECT_EQ(s->stats().mf_meta_sent, 2u);
+}
+
+TEST_F(SenderTest, ReadinessAndAnswersMoveToTheLinkDecodeOpensAndTheBytesArrive) {
+  start_reader();
+  auto s = linked_sender();
+  SlotGate gate;
+  ASSERT_TRUE(reach_the_link(*s, gate));
+  EXPECT_EQ(reader_->stats().links_opened, 1u);
+  const uint64_t on_link = s->stats().readiness_on_link;
+  const uint64_t read_on_link = reader_->stats().readiness_on_link;
+  ASSERT_TRUE(reader_->add_request("r", "i", {3, 9, 4}, {11, 12, 13}).is_ok());
+  for (int l = 0; l < kLayers; ++l) {
+    std::vector<std::string> done;
+    if (l == kLayers - 1) done = {"r"};
+    Status st = send_and_wait(*s, ready(l, {{"r", {1, 7, 2}, {5, 6, 0}, 0, 0}}, done), gate);
+    ASSERT_TRUE(st.is_ok()) << "layer " << l << ": " << st.to_string();
+  }
+  // Every layer went on the link, and Decode took each from it.
+  EXPECT_EQ(s->stats().readiness_on_link - on_link, static_cast<uint64_t>(kLayers));
+  EXPECT_EQ(reader_->stats().readiness_on_link - read_on_link, static_cast<uint64_t>(kLayers));
+  for (int l = 0; l < kLayers; ++l) {
+    EXPECT_TRUE(decode_.holds(l, 0, 9, 7)) << "layer " << l;
+    EXPECT_TRUE(decode_.holds(l, 2, 13, 0)) << "layer " << l;
+  }
+  EXPECT_EQ(reader_->get_finished(kAlone)->finished, std::vector<std::string>{"i"});
+  EXPECT_EQ(s->stats().mf_meta_sent, 1u);
+}
+
+TEST_F(SenderTest, WithoutAnOfferOrWhenDecodeDeclinesTheConnectionStaysOnZeroMq) {
+  for (const bool decode_takes_links : {false, true}) {
+    SCOPED_TRACE(decode_takes_links ? "the sender offers none" : "Decode declines");
+    start_reader(0, decode_takes_links);
+    SenderConfig config;
+    config.control_link = !decode_takes_links;
+    auto s = linked_sender(config);
+    SlotGate gate;
+    for (int l = 0; l < kLayers; ++l) ASSERT_TRUE(send_and_wait(*s, ready(l, {}), gate).is_ok());
+    EXPECT_EQ(s->stats().readiness_sent, static_cast<uint64_t>(kLayers));
+    EXPECT_EQ(s->stats().readiness_on_link, 0u);
+    EXPECT_EQ(reader_->stats().links_opened, 0u);
+  }
+}
+
+TEST_F(SenderTest, ALinkThatClosesUnderAConnectionStartsItAgainWithMfMeta) {
+  start_reader();
+  auto s = linked_sender();
+  SlotGate gate;
+  ASSERT_TRUE(reach_the_link(*s, gate));
+  // Decode's end of the link goes with its transfer session.
+  ASSERT_TRUE(decode_engine_->disconnect(prefill_.engine->session_id()).is_ok());
+  ASSERT_TRUE(eventually([&] { return s->stats().connections_lost == 1; }));
+  const uint64_t on_link = s->stats().readiness_on_link;
+  Status st = send_and_wait(*s, ready(0, {}), gate);
+  ASSERT_TRUE(st.is_ok()) << st.to_string();
+  EXPECT_EQ(s->stats().mf_meta_sent, 2u) << "a new connection, with a new link offered";
+  ASSERT_TRUE(eventually([&] { return reader_->stats().links_opened == 2; }));
+  for (int l = 0; l < kLayers; ++l) ASSERT_TRUE(send_and_wait(*s, ready(l, {}), gate).is_ok());
+  EXPECT_GT(s->stats().readiness_on_link, on_link);
 }
 
 }  // namespace

@@ -79,7 +79,8 @@ TEST(BenchLayers, ReportsOverheadAndThroughputPerRequestCount) {
   auto r = run_rd2h({"bench", "layers", "--layers", "20", "--warmup", "5", "--requests", "1,4",
                      "--blocks", "8", "--main-bytes", "4096,512", "--indexer-bytes", "512"});
   EXPECT_EQ(r.exit_code, 0) << r.output;
-  for (const char* part : {"overhead p50", "bare ZeroMQ", "4 requests: overhead p50"}) {
+  for (const char* part : {"overhead p50", "bare ZeroMQ", "4 requests, zeromq: overhead p50",
+                           "4 requests, link: overhead p50"}) {
     EXPECT_NE(r.output.find(part), std::string::npos) << part << " missing:\n" << r.output;
   }
 }
