@@ -57,14 +57,17 @@ std::vector<zmq::message_t> take_frames(zmq::socket_t& socket) {
 }
 
 // Receives one multipart message if one arrives within `timeout`; gives up early (with
-// nothing) when `wake_fd` (if not -1) becomes readable.
+// nothing) when one of `wake_fds` becomes readable.
 Expected<std::optional<std::vector<zmq::message_t>>> receive_multipart(
-    zmq::socket_t& socket, std::chrono::milliseconds timeout, int wake_fd = -1) {
+    zmq::socket_t& socket, std::chrono::milliseconds timeout, std::span<const int> wake_fds = {}) {
   try {
-    zmq::pollitem_t items[2] = {{socket.handle(), 0, ZMQ_POLLIN, 0},
-                                {nullptr, wake_fd, ZMQ_POLLIN, 0}};
-    if (zmq::poll(items, wake_fd >= 0 ? 2 : 1, timeout) == 0 ||
-        (items[0].revents & ZMQ_POLLIN) == 0) {
+    constexpr size_t kMaxWakeFds = 4;
+    zmq::pollitem_t items[1 + kMaxWakeFds] = {{socket.handle(), 0, ZMQ_POLLIN, 0}};
+    size_t n = 1;
+    for (int fd : wake_fds.first(std::min(wake_fds.size(), kMaxWakeFds))) {
+      items[n++] = {nullptr, fd, ZMQ_POLLIN, 0};
+    }
+    if (zmq::poll(items, n, timeout) == 0 || (items[0].revents & ZMQ_POLLIN) == 0) {
       return std::optional<std::vector<zmq::message_t>>{};
     }
     std::vector<zmq::message_t> frames = take_frames(socket);
@@ -216,10 +219,10 @@ Expected<std::unique_ptr<RouterChannel>> RouterChannel::bind(
 }
 
 Expected<std::optional<Inbound>> RouterChannel::receive(std::chrono::milliseconds timeout,
-                                                        int wake_fd) {
+                                                        std::span<const int> wake_fds) {
   Deadline deadline(timeout);
   for (;;) {
-    auto frames = receive_multipart(impl_->socket, remaining(deadline), wake_fd);
+    auto frames = receive_multipart(impl_->socket, remaining(deadline), wake_fds);
     if (!frames) return frames.status();
     if (!frames->has_value()) return std::optional<Inbound>{};
     auto& f = **frames;

@@ -59,9 +59,10 @@ class RouterChannel {
   RouterChannel& operator=(const RouterChannel&) = delete;
 
   // The next well-formed message, or nullopt when none arrives within `timeout`, or
-  // when `wake_fd` (a descriptor of the caller's, if not -1) is readable first.
+  // when one of `wake_fds` (descriptors of the caller's, at most 4) is readable first.
   // Malformed messages are dropped and counted.
-  Expected<std::optional<Inbound>> receive(std::chrono::milliseconds timeout, int wake_fd = -1);
+  Expected<std::optional<Inbound>> receive(std::chrono::milliseconds timeout,
+                                           std::span<const int> wake_fds = {});
   // Sends [identity, "", payload]. An identity with no live connection is an error.
   Status send(const std::string& identity, std::span<const std::byte> payload);
 

@@ -139,8 +139,16 @@ size_t Reader::tracked_requests() const {
 }
 
 void Reader::run() {
+  // This thread drives the engine's links: it sleeps on them as well as on its socket, so
+  // a readiness on a link wakes it directly.
+  const int link_fd = config_.control_link && engine_->supports_links() ? engine_->link_fd() : -1;
+  if (link_fd >= 0) engine_->drive_links(true);
+  const int wake_fds[] = {links_->fd, link_fd};
   while (!stopping_.load()) {
-    auto in = router_->receive(config_.poll_interval, links_->fd);
+    const bool armed = link_fd < 0 || engine_->progress_links();
+    drain_links();
+    auto in = router_->receive(armed ? config_.poll_interval : std::chrono::milliseconds(0),
+                               std::span(wake_fds, link_fd >= 0 ? 2 : 1));
     if (!in) {
       log::warn("decode reader {}: {}", config_.d_rank, in.status().to_string());
     } else if (in->has_value()) {
@@ -149,7 +157,6 @@ void Reader::run() {
       }
       handle(**in);
     }
-    drain_links();
     // A connection that closed takes its state along: MF_META, held readiness, and the
     // requests it had begun and not finished (a Prefill that died finishes none of them).
     for (const auto& gone : router_->take_disconnected()) {
@@ -162,6 +169,7 @@ void Reader::run() {
     }
     if (held_count_ > 0) drain_held();
   }
+  if (link_fd >= 0) engine_->drive_links(false);
 }
 
 bool Reader::destinations_known(const protocol::ReadReadyBatch& ready) const {

@@ -141,12 +141,19 @@ bool Sender::serve_until(const std::function<bool()>& done, const Deadline& dead
     if ((reached = done()) || deadline.expired() || stopping_.load()) break;
     fds.clear();
     fds.push_back({driver_fd_, POLLIN, 0});
+    bool links = false;
     for (const auto& [url, ep] : endpoints_) {
       if (ep.dealer) fds.push_back({ep.dealer->notify_fd(), POLLIN, 0});
+      links = links || ep.on_link;
     }
-    const int timeout =
+    // Answers on a link: this thread takes them off the engine itself, as it does off the
+    // sockets, rather than wait for the engine's thread to hand them over.
+    const int link_fd = links ? engine_->link_fd() : -1;
+    if (link_fd >= 0) fds.push_back({link_fd, POLLIN, 0});
+    int timeout =
         poll_ms(next_deadline(std::min(deadline.time_point(), Clock::now() + kPollSlice)));
     lock.unlock();
+    if (link_fd >= 0 && !engine_->progress_links()) timeout = 0;
     ::poll(fds.data(), fds.size(), timeout);
     lock.lock();
     drain_fd(driver_fd_);

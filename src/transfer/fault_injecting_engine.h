@@ -65,6 +65,9 @@ class FaultInjectingEngine final : public TransferEngine {
     return inner_->send_on_link(token, message);
   }
   void close_link(uint64_t token) override { inner_->close_link(token); }
+  int link_fd() override { return inner_->link_fd(); }
+  void drive_links(bool on) override { inner_->drive_links(on); }
+  bool progress_links() override { return inner_->progress_links(); }
 
  private:
   std::shared_ptr<TransferEngine> inner_;

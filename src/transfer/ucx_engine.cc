@@ -25,6 +25,7 @@
 #include <ifaddrs.h>
 #include <netdb.h>
 #include <netinet/in.h>
+#include <poll.h>
 #include <sys/epoll.h>
 #include <sys/eventfd.h>
 #include <sys/mman.h>
@@ -546,6 +547,32 @@ class UcxEngine final : public TransferEngine {
     return send_and_wait(*s, kAmLinkMessage, &h, sizeof(h), message, config_.read_timeout);
   }
 
+  int link_fd() override {
+    std::lock_guard lock(link_thread_mu_);
+    return make_link_fds().is_ok() ? driver_epoll_fd_ : -1;
+  }
+
+  void drive_links(bool on) override {
+    if (on) {
+      ++link_drivers_;
+      return;
+    }
+    --link_drivers_;
+    if (link_wake_fd_ >= 0) {
+      uint64_t one = 1;
+      [[maybe_unused]] auto n = ::write(link_wake_fd_, &one, sizeof(one));
+    }
+  }
+
+  bool progress_links() override {
+    const bool sessions = progress_sessions();
+    std::lock_guard lock(served_links_->mu);
+    while (ucp_worker_progress(server_worker_) != 0) {
+    }
+    served_links_->after_progress();
+    return ucp_worker_arm(server_worker_) != UCS_ERR_BUSY && sessions;
+  }
+
   void close_link(uint64_t token) override {
     served_links_->close(token);
     std::shared_ptr<Session> s;
@@ -589,7 +616,8 @@ class UcxEngine final : public TransferEngine {
       }
       epoll_event ev{};
       ev.events = EPOLLIN;
-      if (::epoll_ctl(link_epoll_fd_, EPOLL_CTL_ADD, fd, &ev) != 0) {
+      if (::epoll_ctl(link_epoll_fd_, EPOLL_CTL_ADD, fd, &ev) != 0 ||
+          ::epoll_ctl(driver_epoll_fd_, EPOLL_CTL_ADD, fd, &ev) != 0) {
         s->links.erase(token);
         return internal_error("epoll_ctl(session worker fd) failed");
       }
@@ -643,63 +671,83 @@ class UcxEngine final : public TransferEngine {
 
   Status start_link_thread() {
     std::lock_guard lock(link_thread_mu_);
-    if (link_thread_.joinable()) return Status::ok();
+    RD2H_RETURN_IF_ERROR(make_link_fds());
+    if (!link_thread_.joinable()) link_thread_ = std::thread([this] { link_loop(); });
+    return Status::ok();
+  }
+
+  // The link thread's epoll set (the sessions' worker fds and its wake-up fd) and a driver's
+  // (the same sessions, and the serving worker). Caller holds link_thread_mu_.
+  Status make_link_fds() {
+    if (driver_epoll_fd_ >= 0) return Status::ok();
     link_epoll_fd_ = ::epoll_create1(EPOLL_CLOEXEC);
     link_wake_fd_ = ::eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK);
-    if (link_epoll_fd_ < 0 || link_wake_fd_ < 0) {
-      return internal_error("cannot create the link thread's fds");
+    const int driver = ::epoll_create1(EPOLL_CLOEXEC);
+    if (link_epoll_fd_ < 0 || link_wake_fd_ < 0 || driver < 0) {
+      if (driver >= 0) ::close(driver);
+      return internal_error("cannot create the links' fds");
     }
     epoll_event ev{};
     ev.events = EPOLLIN;
-    if (::epoll_ctl(link_epoll_fd_, EPOLL_CTL_ADD, link_wake_fd_, &ev) != 0) {
-      return internal_error("epoll_ctl(link wake fd) failed");
+    if (::epoll_ctl(link_epoll_fd_, EPOLL_CTL_ADD, link_wake_fd_, &ev) != 0 ||
+        ::epoll_ctl(driver, EPOLL_CTL_ADD, worker_efd_, &ev) != 0) {
+      ::close(driver);
+      return internal_error("epoll_ctl(links) failed");
     }
-    link_thread_ = std::thread([this] { link_loop(); });
+    driver_epoll_fd_ = driver;
     return Status::ok();
   }
 
   // Progresses the workers of sessions with links while nobody reads on them, sleeping on
-  // their event fds. A session being read is progressed by its reader meanwhile, which
-  // delivers its link messages just the same.
+  // their event fds, unless a caller drives them. A session being read is progressed by its
+  // reader meanwhile, which delivers its link messages just the same.
   void link_loop() {
-    std::vector<std::shared_ptr<Session>> sessions;
     while (!links_stopping_.load()) {
-      sessions.clear();
-      {
-        std::lock_guard lock(link_thread_mu_);
-        std::erase_if(watched_, [](const std::weak_ptr<Session>& w) { return w.expired(); });
-        for (const auto& w : watched_) {
-          if (auto s = w.lock()) sessions.push_back(std::move(s));
-        }
+      if (link_drivers_.load() > 0) {
+        pollfd wake{link_wake_fd_, POLLIN, 0};
+        ::poll(&wake, 1, 100);
+      } else if (progress_sessions()) {
+        epoll_event events[8];
+        // The timeout only bounds how long a missed wake-up could delay a message.
+        ::epoll_wait(link_epoll_fd_, events, 8, 100);
       }
-      bool busy = false;
-      std::vector<const Session*> released;
-      for (const auto& s : sessions) {
-        std::lock_guard lock(s->mu);
-        if (s->worker == nullptr) {
-          released.push_back(s.get());
-          continue;
-        }
-        while (ucp_worker_progress(s->worker) != 0) {
-        }
-        if (ucp_worker_arm(s->worker) == UCS_ERR_BUSY) busy = true;
-      }
-      if (!released.empty()) {
-        // A released session's worker is gone: it is not watched any more.
-        std::lock_guard lock(link_thread_mu_);
-        std::erase_if(watched_, [&](const std::weak_ptr<Session>& w) {
-          auto s = w.lock();
-          return !s || std::find(released.begin(), released.end(), s.get()) != released.end();
-        });
-      }
-      sessions.clear();  // a session dropped meanwhile is released here, not held
-      if (busy) continue;
-      epoll_event events[8];
-      // The timeout only bounds how long a missed wake-up could delay a message.
-      ::epoll_wait(link_epoll_fd_, events, 8, 100);
       uint64_t count;
       [[maybe_unused]] auto n = ::read(link_wake_fd_, &count, sizeof(count));
     }
+  }
+
+  // One pass over the sessions with links: progresses each and arms it for its event fd.
+  // False when one had more events already (no time to sleep).
+  bool progress_sessions() {
+    std::vector<std::shared_ptr<Session>> sessions;
+    {
+      std::lock_guard lock(link_thread_mu_);
+      std::erase_if(watched_, [](const std::weak_ptr<Session>& w) { return w.expired(); });
+      for (const auto& w : watched_) {
+        if (auto s = w.lock()) sessions.push_back(std::move(s));
+      }
+    }
+    bool armed = true;
+    std::vector<const Session*> released;
+    for (const auto& s : sessions) {
+      std::lock_guard lock(s->mu);
+      if (s->worker == nullptr) {
+        released.push_back(s.get());
+        continue;
+      }
+      while (ucp_worker_progress(s->worker) != 0) {
+      }
+      if (ucp_worker_arm(s->worker) == UCS_ERR_BUSY) armed = false;
+    }
+    if (!released.empty()) {
+      // A released session's worker is gone: it is not watched any more.
+      std::lock_guard lock(link_thread_mu_);
+      std::erase_if(watched_, [&](const std::weak_ptr<Session>& w) {
+        auto s = w.lock();
+        return !s || std::find(released.begin(), released.end(), s.get()) != released.end();
+      });
+    }
+    return armed;  // a session dropped meanwhile is released with `sessions`, not held
   }
 
   static ucs_status_t post_rma_reads(Session& s, BatchState& batch,
@@ -1169,6 +1217,8 @@ class UcxEngine final : public TransferEngine {
       link_thread_.join();
     }
     if (link_epoll_fd_ >= 0) ::close(link_epoll_fd_);
+    if (driver_epoll_fd_ >= 0) ::close(driver_epoll_fd_);
+    driver_epoll_fd_ = -1;
     if (link_wake_fd_ >= 0) ::close(link_wake_fd_);
     link_epoll_fd_ = link_wake_fd_ = -1;
     if (progress_thread_.joinable()) {
@@ -1221,7 +1271,9 @@ class UcxEngine final : public TransferEngine {
   std::vector<std::weak_ptr<Session>> watched_;  // under link_thread_mu_
   std::thread link_thread_;
   std::atomic<bool> links_stopping_{false};
+  std::atomic<int> link_drivers_{0};
   int link_epoll_fd_ = -1;
+  int driver_epoll_fd_ = -1;  // what a driver of the links sleeps on (link_fd())
   int link_wake_fd_ = -1;
 
   std::thread progress_thread_;

@@ -133,6 +133,15 @@ class TransferEngine {
   virtual Status send_on_link(uint64_t token, std::span<const std::byte> message);
   // Forgets the link; a message in flight may be lost.
   virtual void close_link(uint64_t token);
+  // Who progresses the links this engine opened: an engine thread, unless a caller that
+  // waits anyway drives them (drive_links(true) until drive_links(false)). A driver sleeps
+  // on link_fd() among its own descriptors and calls progress_links() whenever it is
+  // readable and before every wait; meanwhile the engine's thread stands aside.
+  // progress_links() delivers what arrived to the handlers, on the calling thread, and
+  // returns false when more may be in already (do not sleep then).
+  virtual int link_fd() { return -1; }
+  virtual void drive_links(bool /*on*/) {}
+  virtual bool progress_links() { return true; }
 };
 
 Expected<std::unique_ptr<TransferEngine>> create_ucx_engine(const EngineConfig& config);
