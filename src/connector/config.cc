@@ -102,6 +102,9 @@ Status read_extra(const json& extra, ConnectorConfig& c) {
     } else if (key == "share_registered_memory") {
       if (!value.is_boolean()) return bad(where, "must be true or false");
       c.share_registered_memory = value.get<bool>();
+    } else if (key == "control_link") {
+      if (!value.is_boolean()) return bad(where, "must be true or false");
+      c.control_link = value.get<bool>();
     } else if (key == "insecure") {
       if (!value.is_boolean()) return bad(where, "must be true or false");
       c.insecure = value.get<bool>();
@@ -168,8 +171,9 @@ Status ConnectorConfig::load_curve_keys(std::string secret_key_file,
                                         std::string trusted_keys_file) {
   const std::string where = "kv_connector_extra_config.";
   if (secret_key_file.empty() || trusted_keys_file.empty()) {
-    return bad(where + (secret_key_file.empty() ? "curve_secret_key_file" : "curve_trusted_keys_file"),
-               "is missing: CURVE needs this engine's secret key file and its peers' public keys");
+    return bad(
+        where + (secret_key_file.empty() ? "curve_secret_key_file" : "curve_trusted_keys_file"),
+        "is missing: CURVE needs this engine's secret key file and its peers' public keys");
   }
   auto pair = control::read_secret_key_file(secret_key_file);
   if (!pair) return bad(where + "curve_secret_key_file", pair.status().message());
@@ -202,6 +206,7 @@ std::string ConnectorConfig::to_json() const {
   if (!curve.trusted_keys_file.empty()) extra["curve_trusted_keys_file"] = curve.trusted_keys_file;
   if (insecure) extra["insecure"] = true;
   if (!share_registered_memory) extra["share_registered_memory"] = false;
+  if (!control_link) extra["control_link"] = false;
   if (!metaserver_token_file.empty()) extra["metaserver_token_file"] = metaserver_token_file;
   json j = {{"kv_connector", "rd2h"},
             {"kv_role", role == KvRole::kProducer ? "kv_producer" : "kv_consumer"},

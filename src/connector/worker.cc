@@ -1,6 +1,5 @@
 #include "rd2h/connector/worker.h"
 
-
 #include "common/log.h"
 #include "control/channel.h"
 #include "decode/worker.h"
@@ -84,6 +83,7 @@ Status ConnectorWorker::register_kv_caches(std::vector<layout::CacheLayer> layer
     pc.p_tp = parallel_.tp_size;
     pc.sender.ack_timeout = config_.ack_timeout;
     pc.sender.reply_timeout = config_.reply_timeout;
+    pc.sender.control_link = config_.control_link;
     pc.send_timeout = config_.send_timeout;
     pc.register_memory = !engine_allocated;
     if (config_.curve.enabled()) {
@@ -111,6 +111,7 @@ Status ConnectorWorker::register_kv_caches(std::vector<layout::CacheLayer> layer
   dc.reader.d_tp = parallel_.tp_size;
   dc.reader.host = config_.host;
   dc.reader.hold_timeout = config_.hold_timeout;
+  dc.reader.control_link = config_.control_link;
   dc.p_tp = config_.prefill_tp_size;
   dc.kv_port = config_.kv_port;
   dc.global_dp_rank = parallel_.global_dp_rank;
@@ -151,8 +152,8 @@ Status ConnectorWorker::start_load_kv() {
   for (const auto& ext_id : metadata_.abort) decode_->remove_request(ext_id);
   const auto deadline = std::chrono::steady_clock::now() + config_.kv_arrival_timeout;
   for (const auto& r : metadata_.load) {
-    RD2H_RETURN_IF_ERROR(decode_->add_request(r.ext_id, r.internal_id, r.main_blocks,
-                                              r.indexer_blocks, deadline));
+    RD2H_RETURN_IF_ERROR(
+        decode_->add_request(r.ext_id, r.internal_id, r.main_blocks, r.indexer_blocks, deadline));
   }
   return Status::ok();
 }

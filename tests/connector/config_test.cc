@@ -20,7 +20,8 @@ TEST(ConnectorConfig, ReadsVllmKvTransferConfig) {
     "engine_id": "decode-0", "kv_ip": "10.1.2.3", "kv_buffer_device": "cpu", "kv_rank": 1,
     "kv_connector_extra_config": {"transfer_backend": "ucx", "transport": "tcp",
       "use_layerwise": false, "reply_timeout_ms": 1500, "request_id_suffix_chars": 0,
-      "prefill_tp_size": 4, "metaserver_attempts": 5, "insecure": true}})");
+      "prefill_tp_size": 4, "metaserver_attempts": 5, "insecure": true,
+      "control_link": false}})");
   ASSERT_TRUE(c) << c.status().to_string();
   EXPECT_EQ(c->role, KvRole::kConsumer);
   EXPECT_EQ(c->kv_port, 30000);
@@ -33,11 +34,13 @@ TEST(ConnectorConfig, ReadsVllmKvTransferConfig) {
   EXPECT_EQ(c->prefill_tp_size, 4);
   EXPECT_EQ(c->metaserver_attempts, 5);
   EXPECT_TRUE(c->insecure);
+  EXPECT_FALSE(c->control_link);
   auto p = ConnectorConfig::from_json(
       R"({"kv_connector": "rd2h", "kv_role": "kv_producer", "kv_port": 1})");
   ASSERT_TRUE(p);
   EXPECT_EQ(p->role, KvRole::kProducer);
   EXPECT_EQ(p->request_ids.suffix_chars, 9u) << "vLLM's id rule by default";
+  EXPECT_TRUE(p->control_link) << "links by default";
 }
 
 TEST(ConnectorConfig, ToJsonReadsBackAsTheSameConfiguration) {
@@ -60,6 +63,7 @@ TEST(ConnectorConfig, ToJsonReadsBackAsTheSameConfiguration) {
   c.metaserver_timeout = std::chrono::milliseconds(17);
   c.metaserver_resubmit = std::chrono::milliseconds(18);
   c.insecure = true;
+  c.control_link = false;
   auto back = ConnectorConfig::from_json(c.to_json());
   ASSERT_TRUE(back) << back.status().to_string() << "\n" << c.to_json();
   EXPECT_EQ(back->role, c.role);
@@ -80,6 +84,7 @@ TEST(ConnectorConfig, ToJsonReadsBackAsTheSameConfiguration) {
   EXPECT_EQ(back->metaserver_timeout.count(), 17);
   EXPECT_EQ(back->metaserver_resubmit.count(), 18);
   EXPECT_TRUE(back->insecure);
+  EXPECT_FALSE(back->control_link);
 }
 
 TEST(ConnectorConfig, BadConfigsAreRefusedNamingTheKey) {
@@ -117,7 +122,8 @@ TEST(ConnectorConfig, BadConfigsAreRefusedNamingTheKey) {
 TEST(ConnectorConfig, WithoutKeysOnlyLoopbackRunsUnlessInsecure) {
   const auto config = [](const std::string& ip, const std::string& extra) {
     return ConnectorConfig::from_json(R"({"kv_connector": "rd2h", "kv_role": "kv_consumer",
-        "kv_port": 30000, "kv_ip": ")" + ip + R"(", "kv_connector_extra_config": {)" + extra + "}}");
+        "kv_port": 30000, "kv_ip": ")" +
+                                      ip + R"(", "kv_connector_extra_config": {)" + extra + "}}");
   };
   for (const char* ip : {"127.0.0.1", "127.3.2.1", "localhost", "::1"}) {
     EXPECT_TRUE(config(ip, "")) << ip;

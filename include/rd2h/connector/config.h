@@ -79,6 +79,10 @@ struct ConnectorConfig {
   // (transfer::EngineConfig::share_registered); "share_registered_memory": false keeps it
   // private, and such reads are answered by the Prefill process.
   bool share_registered_memory = true;
+  // Readiness and answers travel on the transfer engine's own connection (a link, offered
+  // in MF_META and opened by Decode) where both ends are rd2h; "control_link": false keeps
+  // them on ZeroMQ.
+  bool control_link = true;
   // Fills `curve` from the two files.
   Status load_curve_keys(std::string secret_key_file, std::string trusted_keys_file);
 
