@@ -342,9 +342,20 @@ void Sender::transmit(Endpoint& ep, Task task) {
 }
 
 void Sender::receive(const std::string& url, Endpoint& ep) {
+  // Answers on the link first: once a connection moved there, ZeroMQ carries no answer.
+  while (ep.link && ep.on_link) {
+    std::vector<std::byte> bytes;
+    {
+      std::lock_guard lock(ep.link->mu);
+      if (ep.link->messages.empty()) break;
+      bytes = std::move(ep.link->messages.front());
+      ep.link->messages.pop_front();
+    }
+    if (!answer(url, ep, bytes)) return;
+  }
   for (;;) {
     auto payload = ep.dealer->try_receive();
-    if (!payload || !payload->has_value()) break;
+    if (!payload || !payload->has_value()) return;
     const auto& bytes = **payload;
     if (!ep.acked) {
       if (protocol::is_ack(bytes)) {
@@ -361,28 +372,16 @@ void Sender::receive(const std::string& url, Endpoint& ep) {
                                   : "Decode answered MF_META with something other than ACK";
       return fail_endpoint(url, ep, why);
     }
-    const bool on_link = ep.on_link;
-    if (!answer(url, ep, bytes)) return;
-    if (on_link) {
-      // Decode answers on ZeroMQ a connection that moved to the link only when its end of
-      // the link is gone (its session broke): the connection starts again.
+    if (ep.on_link) {
+      // Decode speaks on ZeroMQ to a connection that moved to the link only when its end
+      // of the link is gone (its session broke); what it says may overtake answers still
+      // on the link, so it answers nothing: the connection starts again.
       auto told = protocol::decode_message(bytes);
       const auto* failed = told ? std::get_if<protocol::ReadFailed>(&*told) : nullptr;
       count(&SenderStats::connections_lost);
       return fail_endpoint(url, ep,
                            "Decode " + url + " left the transfer link" +
                                (failed != nullptr ? ": " + failed->error : std::string()));
-    }
-  }
-  // Answers on the link come after those on ZeroMQ: a connection moves to the link only
-  // with nothing owed on ZeroMQ.
-  while (ep.link && ep.acked) {
-    std::vector<std::byte> bytes;
-    {
-      std::lock_guard lock(ep.link->mu);
-      if (ep.link->messages.empty()) return;
-      bytes = std::move(ep.link->messages.front());
-      ep.link->messages.pop_front();
     }
     if (!answer(url, ep, bytes)) return;
   }
@@ -428,7 +427,11 @@ bool Sender::drop_if_lost(const std::string& url, Endpoint& ep) {
       std::lock_guard lock(ep.link->mu);
       closed = ep.link->closed;
     }
-    if (closed) {
+    if (closed && !ep.on_link) {
+      // Never used: the connection stays on ZeroMQ (slower, not wrong).
+      engine_->close_link(ep.link_token);
+      ep.link.reset();
+    } else if (closed) {
       count(&SenderStats::connections_lost);
       fail_endpoint(url, ep, "the transfer link to " + url + " closed (Decode restarted or died)");
       return true;

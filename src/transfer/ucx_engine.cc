@@ -566,11 +566,12 @@ class UcxEngine final : public TransferEngine {
 
   bool progress_links() override {
     const bool sessions = progress_sessions();
+    // One progress of the serving worker, which may be busy serving reads: a driver comes
+    // back to check what it waits for, and calls again.
     std::lock_guard lock(served_links_->mu);
-    while (ucp_worker_progress(server_worker_) != 0) {
-    }
+    const unsigned events = ucp_worker_progress(server_worker_);
     served_links_->after_progress();
-    return ucp_worker_arm(server_worker_) != UCS_ERR_BUSY && sessions;
+    return events == 0 && ucp_worker_arm(server_worker_) != UCS_ERR_BUSY && sessions;
   }
 
   void close_link(uint64_t token) override {
@@ -624,6 +625,9 @@ class UcxEngine final : public TransferEngine {
       s->watched = true;
       std::lock_guard watch_lock(link_thread_mu_);
       watched_.push_back(s);
+      // The link thread arms the new worker before it sleeps again.
+      uint64_t one = 1;
+      [[maybe_unused]] auto n = ::write(link_wake_fd_, &one, sizeof(one));
     }
     return Status::ok();
   }
@@ -1232,8 +1236,9 @@ class UcxEngine final : public TransferEngine {
       sessions_.clear();
     }
     // The serving worker goes first: its unfinished replies may still read registered memory.
-    served_links_.reset();  // its endpoints, on the serving worker
+    if (served_links_) served_links_->close_all();  // its endpoints, on the serving worker
     if (server_worker_ != nullptr) ucp_worker_destroy(server_worker_);
+    served_links_.reset();  // after the worker: a send it cancels still finds its bytes
     server_worker_ = nullptr;
     for (auto& [base, reg] : regs_) {
       ucp_mem_unmap(context_, reg.memh);

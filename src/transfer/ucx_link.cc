@@ -9,9 +9,11 @@ bool acceptable_link_message(size_t length, const ucp_am_recv_param_t* param) {
   return (param->recv_attr & UCP_AM_RECV_ATTR_FLAG_RNDV) == 0 && length <= kMaxLinkMessageBytes;
 }
 
-ServedLinks::~ServedLinks() {
+void ServedLinks::close_all() {
+  std::lock_guard lock(mu);
   for (auto& [token, link] : links_) {
     if (link.ep != nullptr) close_endpoint(link.ep, link.network);
+    link.ep = nullptr;
   }
 }
 
@@ -50,7 +52,8 @@ void ServedLinks::close(uint64_t token) {
   auto it = links_.find(token);
   if (it == links_.end()) return;
   if (it->second.ep != nullptr) close_endpoint(it->second.ep, it->second.network);
-  if (it->second.owner) retired_.push_back(std::move(it->second.owner));
+  // An endpoint with an error handler may still name its owner until the worker goes.
+  if (it->second.owner && it->second.network) retired_.push_back(std::move(it->second.owner));
   links_.erase(it);
 }
 
@@ -75,11 +78,43 @@ Status ServedLinks::send(uint64_t token, std::span<const std::byte> message) {
     return invalid_argument("a link message of " + std::to_string(message.size()) +
                             " bytes is over the limit of " + std::to_string(kMaxLinkMessageBytes));
   }
-  std::lock_guard lock(mu);
+  std::unique_lock lock(mu, std::try_to_lock);
+  if (!lock.owns_lock()) {
+    // Whoever progresses the worker holds it, perhaps serving reads for a while: the
+    // message waits for it in the queue, and the caller does not.
+    {
+      std::lock_guard queue_lock(queue_mu_);
+      queued_.emplace_back(token, std::vector<std::byte>(message.begin(), message.end()));
+    }
+    ucp_worker_signal(worker_);
+    return Status::ok();
+  }
+  send_queued();  // what was queued before goes first
   auto it = links_.find(token);
   if (it == links_.end() || it->second.ep == nullptr || it->second.closed) {
     return failed_precondition("link " + std::to_string(token) + " is not open");
   }
+  return post(it->second, token, message);
+}
+
+void ServedLinks::send_queued() {
+  std::deque<std::pair<uint64_t, std::vector<std::byte>>> queued;
+  {
+    std::lock_guard queue_lock(queue_mu_);
+    queued.swap(queued_);
+  }
+  for (auto& [token, bytes] : queued) {
+    auto it = links_.find(token);
+    if (it == links_.end()) continue;  // closed meanwhile
+    if (it->second.ep == nullptr || it->second.closed) {
+      fail(it->second);  // its sender learns the message went nowhere
+      continue;
+    }
+    (void)post(it->second, token, bytes);  // a failure closes the link
+  }
+}
+
+Status ServedLinks::post(Link& link, uint64_t token, std::span<const std::byte> message) {
   // UCX may read the bytes after this returns: they are copied into what it keeps.
   InFlight& m = in_flight_.emplace_back();
   m.header.token = token;
@@ -93,8 +128,8 @@ Status ServedLinks::send(uint64_t token, std::span<const std::byte> message) {
     ucp_request_free(request);
   };
   p.user_data = &m;
-  void* req = ucp_am_send_nbx(it->second.ep, kAmLinkMessage, &m.header, sizeof(m.header),
-                              m.bytes.data(), m.bytes.size(), &p);
+  void* req = ucp_am_send_nbx(link.ep, kAmLinkMessage, &m.header, sizeof(m.header), m.bytes.data(),
+                              m.bytes.size(), &p);
   if (req == nullptr) {
     in_flight_.pop_back();
     return Status::ok();
@@ -102,7 +137,7 @@ Status ServedLinks::send(uint64_t token, std::span<const std::byte> message) {
   if (UCS_PTR_IS_ERR(req)) {
     in_flight_.pop_back();
     const ucs_status_t st = UCS_PTR_STATUS(req);
-    fail(it->second);
+    fail(link);
     return peer_dead("link " + std::to_string(token) + " failed: " + ucs_status_string(st));
   }
   // The progress thread sleeps on the worker: it has a send to finish.
@@ -133,6 +168,7 @@ void ServedLinks::after_progress() {
     }
   }
   opening_.clear();
+  send_queued();
   in_flight_.remove_if([](const InFlight& m) { return m.done; });
 }
 

@@ -14,6 +14,7 @@
 #include <ucp/api/ucp.h>
 
 #include <cstdint>
+#include <deque>
 #include <list>
 #include <memory>
 #include <mutex>
@@ -49,7 +50,6 @@ bool acceptable_link_message(size_t length, const ucp_am_recv_param_t* param);
 class ServedLinks {
  public:
   explicit ServedLinks(ucp_worker_h worker) : worker_(worker) {}
-  ~ServedLinks();  // after the worker's progress stopped: closes every endpoint
   ServedLinks(const ServedLinks&) = delete;
   ServedLinks& operator=(const ServedLinks&) = delete;
 
@@ -59,8 +59,13 @@ class ServedLinks {
   Status install();
   bool has(uint64_t token);
   Status expect(uint64_t token, LinkHandler handler);
+  // Sends at once, or, while whoever progresses the worker holds mu, queues the message
+  // for it (a failure then reaches the handler as kClosed).
   Status send(uint64_t token, std::span<const std::byte> message);
   void close(uint64_t token);
+  // Once the worker's progress stopped, before the worker is destroyed (which cancels what
+  // is still in flight; this object goes after it).
+  void close_all();
   // After each progress of the worker (mu held): connects the links opened meanwhile (an
   // endpoint is not created inside a handler) and frees sends that completed.
   void after_progress();
@@ -97,12 +102,16 @@ class ServedLinks {
                                  size_t length, const ucp_am_recv_param_t* param);
   static void on_endpoint_error(void* arg, ucp_ep_h ep, ucs_status_t status);
   void fail(Link& link);
+  Status post(Link& link, uint64_t token, std::span<const std::byte> message);
+  void send_queued();  // mu held
   static void close_endpoint(ucp_ep_h ep, bool network);
 
   ucp_worker_h worker_;
   std::unordered_map<uint64_t, Link> links_;
   std::vector<Opening> opening_;
   std::list<InFlight> in_flight_;
+  std::mutex queue_mu_;  // after mu, when both are taken
+  std::deque<std::pair<uint64_t, std::vector<std::byte>>> queued_;
   // Owners of closed links' endpoints: UCX may still hold their address until the worker goes.
   std::vector<std::unique_ptr<EndpointOwner>> retired_;
 };
