@@ -7,6 +7,7 @@
 #include <chrono>
 
 #include "rd2h/common/deadline.h"
+#include "transfer/ucx_link.h"
 
 namespace rd2h::tools {
 
@@ -73,14 +74,7 @@ struct UcxAmEcho::Side {
     wp.thread_mode = UCS_THREAD_MODE_SINGLE;
     st = ucp_worker_create(context, &wp, &worker);
     if (st != UCS_OK) return ucs_failed("ucp_worker_create", st);
-    ucp_am_handler_param_t hp{};
-    hp.field_mask = UCP_AM_HANDLER_PARAM_FIELD_ID | UCP_AM_HANDLER_PARAM_FIELD_CB |
-                    UCP_AM_HANDLER_PARAM_FIELD_ARG;
-    hp.id = kAmId;
-    hp.cb = on_message;
-    hp.arg = this;
-    st = ucp_worker_set_am_recv_handler(worker, &hp);
-    if (st != UCS_OK) return ucs_failed("ucp_worker_set_am_recv_handler", st);
+    RD2H_RETURN_IF_ERROR(transfer::set_am_handler(worker, kAmId, on_message, this));
     st = ucp_worker_get_efd(worker, &efd);
     if (st != UCS_OK) return ucs_failed("ucp_worker_get_efd", st);
     epfd = ::epoll_create1(EPOLL_CLOEXEC);

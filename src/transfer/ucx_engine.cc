@@ -251,14 +251,7 @@ class UcxEngine final : public TransferEngine {
     auto server = create_worker();
     if (!server) return server.status().with_context("creating the serving worker");
     server_worker_ = *server;
-    ucp_am_handler_param_t hp{};
-    hp.field_mask = UCP_AM_HANDLER_PARAM_FIELD_ID | UCP_AM_HANDLER_PARAM_FIELD_CB |
-                    UCP_AM_HANDLER_PARAM_FIELD_ARG;
-    hp.id = kAmReadRequest;
-    hp.cb = on_am_read_request;
-    hp.arg = this;
-    st = ucp_worker_set_am_recv_handler(server_worker_, &hp);
-    if (st != UCS_OK) return ucs_error("ucp_worker_set_am_recv_handler", st);
+    RD2H_RETURN_IF_ERROR(set_am_handler(server_worker_, kAmReadRequest, on_am_read_request, this));
     served_links_ = std::make_unique<ServedLinks>(server_worker_);
     RD2H_RETURN_IF_ERROR(served_links_->install());
     ucp_worker_attr_t attr{};
@@ -1042,21 +1035,11 @@ class UcxEngine final : public TransferEngine {
     auto worker = create_worker();
     if (!worker) return worker.status().with_context("connecting to " + s.id);
     s.worker = *worker;
-    ucp_am_handler_param_t hp{};
-    hp.field_mask = UCP_AM_HANDLER_PARAM_FIELD_ID | UCP_AM_HANDLER_PARAM_FIELD_CB |
-                    UCP_AM_HANDLER_PARAM_FIELD_ARG;
-    hp.id = kAmReadReply;
-    hp.cb = on_am_read_reply;
-    hp.arg = &s;
-    ucs_status_t hst = ucp_worker_set_am_recv_handler(s.worker, &hp);
-    if (hst != UCS_OK) return ucs_error("ucp_worker_set_am_recv_handler", hst);
-    hp.id = kAmLinkMessage;
-    hp.cb = on_am_link_message;
-    hst = ucp_worker_set_am_recv_handler(s.worker, &hp);
-    if (hst != UCS_OK) return ucs_error("ucp_worker_set_am_recv_handler", hst);
+    RD2H_RETURN_IF_ERROR(set_am_handler(s.worker, kAmReadReply, on_am_read_reply, &s));
+    RD2H_RETURN_IF_ERROR(set_am_handler(s.worker, kAmLinkMessage, on_am_link_message, &s));
     ucp_worker_attr_t attr{};
     attr.field_mask = UCP_WORKER_ATTR_FIELD_ADDRESS;
-    hst = ucp_worker_query(s.worker, &attr);
+    ucs_status_t hst = ucp_worker_query(s.worker, &attr);
     if (hst != UCS_OK) return ucs_error("ucp_worker_query", hst);
     const auto* address = reinterpret_cast<const std::byte*>(attr.address);
     s.worker_address.assign(address, address + attr.address_length);

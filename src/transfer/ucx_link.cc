@@ -17,21 +17,23 @@ void ServedLinks::close_all() {
   }
 }
 
-Status ServedLinks::install() {
-  for (auto [id, cb] : {std::pair{kAmLinkOpen, &ServedLinks::on_open},
-                        std::pair{kAmLinkMessage, &ServedLinks::on_message}}) {
-    ucp_am_handler_param_t hp{};
-    hp.field_mask = UCP_AM_HANDLER_PARAM_FIELD_ID | UCP_AM_HANDLER_PARAM_FIELD_CB |
-                    UCP_AM_HANDLER_PARAM_FIELD_ARG;
-    hp.id = id;
-    hp.cb = cb;
-    hp.arg = this;
-    if (ucs_status_t st = ucp_worker_set_am_recv_handler(worker_, &hp); st != UCS_OK) {
-      return transport_error(std::string("ucp_worker_set_am_recv_handler (links): ") +
-                             ucs_status_string(st));
-    }
+Status set_am_handler(ucp_worker_h worker, uint16_t id, ucp_am_recv_callback_t cb, void* arg) {
+  ucp_am_handler_param_t hp{};
+  hp.field_mask = UCP_AM_HANDLER_PARAM_FIELD_ID | UCP_AM_HANDLER_PARAM_FIELD_CB |
+                  UCP_AM_HANDLER_PARAM_FIELD_ARG;
+  hp.id = id;
+  hp.cb = cb;
+  hp.arg = arg;
+  if (ucs_status_t st = ucp_worker_set_am_recv_handler(worker, &hp); st != UCS_OK) {
+    return transport_error("ucp_worker_set_am_recv_handler (active message " + std::to_string(id) +
+                           "): " + ucs_status_string(st));
   }
   return Status::ok();
+}
+
+Status ServedLinks::install() {
+  RD2H_RETURN_IF_ERROR(set_am_handler(worker_, kAmLinkOpen, &ServedLinks::on_open, this));
+  return set_am_handler(worker_, kAmLinkMessage, &ServedLinks::on_message, this);
 }
 
 bool ServedLinks::has(uint64_t token) {

@@ -40,6 +40,10 @@ struct LinkMessageHeader {
   uint64_t token;
 };
 
+// Installs `cb` (with `arg`) as the worker's handler of active messages `id`; the error
+// names the id.
+Status set_am_handler(ucp_worker_h worker, uint16_t id, ucp_am_recv_callback_t cb, void* arg);
+
 // Whether an active message carries a link message this side may take: eager, and within
 // the bound. Rendezvous data that is not received is dropped by UCX.
 bool acceptable_link_message(size_t length, const ucp_am_recv_param_t* param);
