@@ -44,6 +44,7 @@ Sender::Sender(SenderConfig config, std::shared_ptr<control::Context> context,
       waker_(std::make_shared<Waker>()) {
   waker_->fd = wake_fd;
   waker_->driver_fd = driver_fd;
+  waker_->sender = this;
 }
 
 namespace {
@@ -69,6 +70,31 @@ void Sender::Waker::wake() {
   signal_fd(driver_fd);
 }
 
+void Sender::Waker::write_done() {
+  // A notification that comes while this thread pumps (an event it asked that was done
+  // already) is seen by that pump.
+  thread_local bool pumping = false;
+  if (pumping) return;
+  {
+    std::lock_guard lock(sender_mu);
+    pumping = true;
+    const bool sent = sender != nullptr && sender->try_pump();
+    pumping = false;
+    if (sent) return;
+  }
+  wake();
+}
+
+bool Sender::try_pump() {
+  if (notifying_.load() == std::this_thread::get_id()) return false;
+  std::unique_lock lock(mu_, std::try_to_lock);
+  if (!lock.owns_lock() || stopping_.load()) return false;
+  on_completion_ = true;
+  pump();
+  on_completion_ = false;
+  return true;
+}
+
 void Sender::Waker::wake_driver() {
   std::lock_guard lock(mu);
   if (fd < 0) return;
@@ -76,6 +102,10 @@ void Sender::Waker::wake_driver() {
 }
 
 Sender::~Sender() {
+  {
+    std::lock_guard lock(waker_->sender_mu);  // a write completing now finishes first
+    waker_->sender = nullptr;
+  }
   stopping_.store(true);
   waker_->wake();
   if (thread_.joinable()) thread_.join();
@@ -236,10 +266,12 @@ std::optional<Status> Sender::write_outcome(Task& t) {
   }
   if (t.written) return std::nullopt;  // still being written; told already
   t.written = std::make_shared<Written>();
+  notifying_.store(std::this_thread::get_id());
   t.notifies = t.event->notify([written = t.written, waker = waker_] {
     written->done.store(true);
-    waker->wake();
+    waker->write_done();
   });
+  notifying_.store(std::thread::id{});
   if (!t.notifies) {
     waker_->wake();  // the sender thread waits on it
     return std::nullopt;
@@ -339,6 +371,7 @@ void Sender::transmit(Endpoint& ep, Task task) {
   trace::instant("readiness", "sender", task.layer_idx);
   count(&SenderStats::readiness_sent);
   if (ep.on_link) count(&SenderStats::readiness_on_link);
+  if (on_completion_) count(&SenderStats::sent_on_completion);
 }
 
 void Sender::receive(const std::string& url, Endpoint& ep) {

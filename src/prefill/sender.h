@@ -56,6 +56,8 @@ struct SenderStats {
   uint64_t mf_meta_sent = 0;
   uint64_t readiness_sent = 0;
   uint64_t readiness_on_link = 0;  // of readiness_sent, those sent on a transfer link
+  // Of readiness_sent, those sent by the thread that completed the layer's write.
+  uint64_t sent_on_completion = 0;
   uint64_t answers = 0;
   uint64_t failures = 0;          // gate generations failed by the sender (timeouts, refusals)
   uint64_t connections_lost = 0;  // Decode connections that closed under us
@@ -117,7 +119,12 @@ class Sender {
     std::mutex mu;
     int fd = -1, driver_fd = -1;  // -1 once the sender is gone
     std::atomic<int> drivers{0};  // threads in serve_until
+    std::mutex sender_mu;         // the sender, while it lives (taken before its mu_)
+    Sender* sender = nullptr;
     void wake();
+    // A write completed: what became ready goes out on the calling thread if the sender is
+    // free, else whoever holds it or the sender thread is woken.
+    void write_done();
     // Something that whoever waits in serve_until reads (an answer on a link): wakes it,
     // or the sender thread when nobody waits.
     void wake_driver();
@@ -155,6 +162,8 @@ class Sender {
   // whose write is still running (its notification, or the sender thread's wait on it,
   // wakes whoever serves). Never blocks.
   void pump();
+  // pump() if the sender's lock is free (never on the thread that holds it); whether it did.
+  bool try_pump();
   // The outcome of the task's write, or nullopt while it is still being written (asking
   // its event to notify, or the sender thread to wait on it, the first time).
   std::optional<Status> write_outcome(Task& t);
@@ -194,6 +203,10 @@ class Sender {
   std::mutex mu_;  // the sockets and everything below
   std::map<std::string, Endpoint> endpoints_;
   std::deque<Task> queued_;  // waiting for their layer's write
+  // The thread asking an event to notify (with mu_ held): a notification it gets at once
+  // must not take mu_ again.
+  std::atomic<std::thread::id> notifying_{};
+  bool on_completion_ = false;  // pumping on the thread that completed a write
 
   mutable std::mutex stats_mu_;
   SenderStats stats_;

@@ -193,6 +193,24 @@ TEST_F(SenderTest, AReadinessWhoseWriteIsDoneGoesOnTheWireBeforeSendReturns) {
   EXPECT_TRUE(wait(*s, g1).is_ok());
 }
 
+TEST_F(SenderTest, AReadinessGoesOutFromTheThreadThatCompletesItsWrite) {
+  auto s = acknowledged_sender();
+  ASSERT_TRUE(s);
+  // Each layer's write completes on this thread after send() queued its readiness: it goes
+  // on the wire from here, unless the sender happens to be busy on another thread that
+  // instant (then that thread or the sender's sends it), which 20 layers in a row are not.
+  SlotGate gate;
+  for (int l = 0; l < 20; ++l) {
+    auto written = std::make_shared<HostWriteEvent>();
+    const uint64_t g = gate.open(l % kLayers, 1);
+    s->send(reader_->url(), ready(l % kLayers, {}), {{&gate, g}}, written);
+    written->complete();
+    ASSERT_TRUE(wait(*s, gate).is_ok()) << "layer " << l;
+  }
+  EXPECT_GT(s->stats().sent_on_completion, 0u);
+  EXPECT_EQ(s->stats().answers, 21u);
+}
+
 // A write event that can only be waited on (a device event without callbacks).
 class WaitOnlyEvent final : public WriteEvent {
  public:
