@@ -66,11 +66,6 @@ class RouterChannel {
   // Sends [identity, "", payload]. An identity with no live connection is an error.
   Status send(const std::string& identity, std::span<const std::byte> payload);
 
-  // Whether the connection to the peer closed since the last call. ZeroMQ reconnects on
-  // its own, but the peer then sees a new connection: whatever was said on the old one
-  // (MF_META) must be said again, and answers owed on it will not come.
-  bool connection_lost();
-
   // Identities whose connection closed since the last call (each once): what was kept
   // for them can go. Only identities that sent something are known.
   std::vector<std::string> take_disconnected();

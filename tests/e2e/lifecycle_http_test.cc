@@ -85,7 +85,8 @@ class HttpLifecycle : public ::testing::Test {
 TEST_F(HttpLifecycle, ALongPromptIsChunkedTransferredVerifiedAndAnswered) {
   // 100 tokens: 7 blocks of 16, the last partial; Decode caches 2, Prefill sends 5 in
   // chunks of 48 tokens.
-  auto r = post("/v1/completions", {{"model", "rd2h-sim"}, {"prompt", text(100, 'a')}, {"max_tokens", 4}});
+  auto r = post("/v1/completions",
+                {{"model", "rd2h-sim"}, {"prompt", text(100, 'a')}, {"max_tokens", 4}});
   ASSERT_TRUE(r) << httplib::to_string(r.error());
   ASSERT_EQ(r->status, 200) << r->body;
   const json out = json::parse(r->body);
@@ -188,7 +189,7 @@ TEST_F(HttpLifecycle, AStreamedRequestToPrefillGetsItsOneToken) {
   EXPECT_NE(r->body.find("data: [DONE]"), std::string::npos) << r->body;
 }
 
-TEST(Engine, AZeroTokenBudgetIsRefusedBeforeAnythingStarts) {
+TEST(SimEngine, AZeroTokenBudgetIsRefusedBeforeAnythingStarts) {
   EngineConfig c = engine_config(connector::KvRole::kProducer, 1);
   c.token_budget = 0;
   auto e = Engine::start(c);
