@@ -10,6 +10,7 @@
 #include <optional>
 #include <thread>
 
+#include "common/metrics.h"
 #include "common/trace.h"
 #include "decode/worker.h"
 #include "prefill/worker.h"
@@ -37,13 +38,6 @@ constexpr const char* kStages[] = {
     "-> answer read (one way, the waiting thread wakes)",
     "-> wait_for_layer_send returns (gate)"};
 constexpr size_t kStageCount = sizeof(kStages) / sizeof(kStages[0]);
-
-double percentile(std::vector<double> v, double p) {
-  if (v.empty()) return 0;
-  std::sort(v.begin(), v.end());
-  const size_t i = std::min(v.size() - 1, static_cast<size_t>(p * static_cast<double>(v.size())));
-  return v[i];
-}
 
 std::shared_ptr<transfer::TransferEngine> make_engine(transfer::Role role, uint32_t timeout_ms) {
   transfer::EngineConfig cfg;
@@ -380,7 +374,8 @@ int run_bench_layers(const BenchLayersOptions& o) {
     // Around the first configuration's read, as measured so far.
     std::vector<double> reads;
     for (const auto& x : setups.front()->samples) reads.push_back(x.read_us);
-    floor.measure(count, std::chrono::microseconds(static_cast<int64_t>(percentile(reads, 0.5))),
+    floor.measure(count,
+                  std::chrono::microseconds(static_cast<int64_t>(metrics::quantile(reads, 0.5))),
                   zmq_around_read);
   }
   std::vector<std::vector<std::vector<double>>> stages;
@@ -391,7 +386,7 @@ int run_bench_layers(const BenchLayersOptions& o) {
   }
 
   const auto wake = wakeup_round_trips(o.layers);
-  const double zmq_p50 = percentile(zmq, 0.5);
+  const double zmq_p50 = metrics::quantile(zmq, 0.5);
 
   std::printf("rd2h bench layers: shm, one Prefill and one Decode worker in one process\n");
   std::printf(
@@ -415,21 +410,21 @@ int run_bench_layers(const BenchLayersOptions& o) {
     if (first_gbps == 0) first_gbps = gbps;
     std::printf("%9u %7s %10.2f %11.1f us %11.1f us %12.1f us %11.1f us %8.2f %8.2fx\n",
                 s->requests, s->link ? "link" : "zeromq",
-                static_cast<double>(s->layer_bytes) / (1 << 20), percentile(overhead, 0.5),
-                percentile(overhead, 0.99), percentile(round_trip, 0.5), percentile(read, 0.5),
-                gbps, gbps / first_gbps);
+                static_cast<double>(s->layer_bytes) / (1 << 20), metrics::quantile(overhead, 0.5),
+                metrics::quantile(overhead, 0.99), metrics::quantile(round_trip, 0.5),
+                metrics::quantile(read, 0.5), gbps, gbps / first_gbps);
   }
   std::printf("\nfloor on this machine, measured in the same rounds:\n");
   std::printf(
       "  bare ZeroMQ DEALER/ROUTER round trip (two contexts, tcp loopback): p50 %.1f us, "
       "p99 %.1f us\n",
-      zmq_p50, percentile(zmq, 0.99));
-  const double around_p50 = percentile(zmq_around_read, 0.5);
+      zmq_p50, metrics::quantile(zmq, 0.99));
+  const double around_p50 = metrics::quantile(zmq_around_read, 0.5);
   std::printf(
       "  the same round trip around the read (the echo busy for the read's p50 first, which\n"
       "  is then subtracted):                                              p50 %.1f us, "
       "p99 %.1f us\n",
-      around_p50, percentile(zmq_around_read, 0.99));
+      around_p50, metrics::quantile(zmq_around_read, 0.99));
   for (const auto& u : ucx) {
     if (!u.error.empty()) {
       std::printf("  bare UCX active-message round trip (%s): not measured: %s\n", u.tls,
@@ -439,24 +434,25 @@ int run_bench_layers(const BenchLayersOptions& o) {
     std::printf(
         "  bare UCX active-message round trip (two contexts, %s):%*s p50 %.1f us, p99 %.1f us "
         "(%.2fx the ZeroMQ one's p50)\n",
-        u.tls, static_cast<int>(13 - std::string(u.tls).size()), "", percentile(u.samples, 0.5),
-        percentile(u.samples, 0.99), zmq_p50 > 0 ? percentile(u.samples, 0.5) / zmq_p50 : 0.0);
+        u.tls, static_cast<int>(13 - std::string(u.tls).size()), "",
+        metrics::quantile(u.samples, 0.5), metrics::quantile(u.samples, 0.99),
+        zmq_p50 > 0 ? metrics::quantile(u.samples, 0.5) / zmq_p50 : 0.0);
   }
   std::printf(
       "  two-thread wake-up round trip (condition variable):              p50 %.1f us, "
       "p99 %.1f us\n",
-      percentile(wake, 0.5), percentile(wake, 0.99));
+      metrics::quantile(wake, 0.5), metrics::quantile(wake, 0.99));
   for (const auto& s : setups) {
     std::vector<double> overhead;
     for (const auto& x : s->samples) overhead.push_back(std::max(0.0, x.round_trip_us - x.read_us));
-    const double zmq_p99 = percentile(zmq, 0.99);
+    const double zmq_p99 = metrics::quantile(zmq, 0.99);
     std::printf(
         "  %u requests, %s: overhead p50 = %.2fx, p99 = %.2fx the bare ZeroMQ round trip's; "
         "p50 = %.2fx the one around the read\n",
         s->requests, s->link ? "link" : "zeromq",
-        zmq_p50 > 0 ? percentile(overhead, 0.5) / zmq_p50 : 0.0,
-        zmq_p99 > 0 ? percentile(overhead, 0.99) / zmq_p99 : 0.0,
-        around_p50 > 0 ? percentile(overhead, 0.5) / around_p50 : 0.0);
+        zmq_p50 > 0 ? metrics::quantile(overhead, 0.5) / zmq_p50 : 0.0,
+        zmq_p99 > 0 ? metrics::quantile(overhead, 0.99) / zmq_p99 : 0.0,
+        around_p50 > 0 ? metrics::quantile(overhead, 0.5) / around_p50 : 0.0);
   }
   std::printf(
       "\noverhead = round trip (save_kv_layer until every answer is in) - the reader's engine "
@@ -469,7 +465,7 @@ int run_bench_layers(const BenchLayersOptions& o) {
   std::printf("\n");
   for (size_t k = 0; k < kStageCount; ++k) {
     std::printf("%-78s", kStages[k]);
-    for (const auto& st : stages) std::printf(" %12.1f", percentile(st[k], 0.5));
+    for (const auto& st : stages) std::printf(" %12.1f", metrics::quantile(st[k], 0.5));
     std::printf("\n");
   }
   return 0;

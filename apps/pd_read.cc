@@ -11,6 +11,7 @@
 #include <random>
 #include <thread>
 
+#include "common/metrics.h"
 #include "common/pattern.h"
 #include "rd2h/common/deadline.h"
 
@@ -32,26 +33,31 @@ std::string join(const std::vector<uint64_t>& v) {
   return s;
 }
 
-double percentile(std::vector<double> v, double p) {
-  if (v.empty()) return 0;
-  size_t k = static_cast<size_t>(p * static_cast<double>(v.size() - 1) + 0.5);
-  std::nth_element(v.begin(), v.begin() + static_cast<long>(k), v.end());
-  return v[k];
-}
-
 std::vector<std::string> source_argv(const PdReadOptions& o, const std::string& listen) {
-  return {self_executable(), "pd-read",
-          "--role",          "source",
-          "--listen",        listen,
-          "--transport",     o.transport,
-          "--memory",        o.memory,
-          "--layers",        std::to_string(o.layers),
-          "--blocks",        std::to_string(o.blocks),
-          "--main-bytes",    join(o.main_bytes),
-          "--indexer-bytes", std::to_string(o.indexer_bytes),
-          "--seed",          std::to_string(o.seed),
-          "--serve-timeout", std::to_string(o.serve_timeout_s),
-          "--busy-threads",  std::to_string(o.busy_threads),
+  return {self_executable(),
+          "pd-read",
+          "--role",
+          "source",
+          "--listen",
+          listen,
+          "--transport",
+          o.transport,
+          "--memory",
+          o.memory,
+          "--layers",
+          std::to_string(o.layers),
+          "--blocks",
+          std::to_string(o.blocks),
+          "--main-bytes",
+          join(o.main_bytes),
+          "--indexer-bytes",
+          std::to_string(o.indexer_bytes),
+          "--seed",
+          std::to_string(o.seed),
+          "--serve-timeout",
+          std::to_string(o.serve_timeout_s),
+          "--busy-threads",
+          std::to_string(o.busy_threads),
           o.share ? "--share" : "--no-share"};
 }
 
@@ -253,7 +259,7 @@ int run_dest(const PdReadOptions& o) {
     std::printf(
         "latency per batch: p50 %.1f us, p99 %.1f us; throughput %.2f GB/s "
         "(%.1f MiB in %zu batches)\n",
-        percentile(latency_us, 0.5), percentile(latency_us, 0.99),
+        metrics::quantile(latency_us, 0.5), metrics::quantile(latency_us, 0.99),
         static_cast<double>(bytes_total) / seconds_total / 1e9,
         static_cast<double>(bytes_total) / (1 << 20), latency_us.size());
   }

@@ -48,8 +48,8 @@ Histogram::Histogram(std::vector<double> bounds)
     : bounds_(std::move(bounds)), buckets_(bounds_.size() + 1, 0) {}
 
 void Histogram::observe(double value) {
-  const size_t i = static_cast<size_t>(
-      std::lower_bound(bounds_.begin(), bounds_.end(), value) - bounds_.begin());
+  const size_t i = static_cast<size_t>(std::lower_bound(bounds_.begin(), bounds_.end(), value) -
+                                       bounds_.begin());
   std::lock_guard lock(mu_);
   ++buckets_[i];
   sum_ += value;
@@ -75,8 +75,7 @@ std::vector<double> latency_buckets() {
           0.1,    0.25,    0.5,    1,     2.5,    5,     10,   30,    60};
 }
 
-Registry::Entry& Registry::add(const std::string& name, const std::string& help,
-                               const char* type) {
+Registry::Entry& Registry::add(const std::string& name, const std::string& help, const char* type) {
   std::lock_guard lock(mu_);
   entries_.push_back(std::make_unique<Entry>());
   Entry& e = *entries_.back();
@@ -157,6 +156,13 @@ std::string Registry::render() const {
     }
   }
   return out;
+}
+
+double quantile(std::vector<double> values, double p) {
+  if (values.empty()) return 0;
+  std::sort(values.begin(), values.end());
+  const auto rank = static_cast<size_t>(std::ceil(p * static_cast<double>(values.size())));
+  return values[std::min(values.size() - 1, rank > 0 ? rank - 1 : 0)];
 }
 
 }  // namespace rd2h::metrics

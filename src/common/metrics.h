@@ -63,6 +63,11 @@ class Histogram {
 // Upper bounds for latencies in seconds, from 100 us to 60 s.
 std::vector<double> latency_buckets();
 
+// The p-quantile (0..1] of `values` by nearest rank: the smallest value with at least a
+// share p of them at or below it; 0 for no values. The one definition every figure rd2h
+// reports from samples uses (the demo, the benches, pd-read).
+double quantile(std::vector<double> values, double p);
+
 // One metric name with its label names; a series per distinct tuple of label values,
 // made at its first use and kept for the registry's life.
 template <typename M>

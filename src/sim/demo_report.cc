@@ -34,13 +34,6 @@ double hidden_fraction(const std::vector<Interval>& reads, std::vector<Interval>
   return total > 0 ? hidden / total : 0;
 }
 
-double quantile(std::vector<double> values, double p) {
-  if (values.empty()) return 0;
-  std::sort(values.begin(), values.end());
-  const auto rank = static_cast<size_t>(std::ceil(p * static_cast<double>(values.size())));
-  return values[std::min(values.size() - 1, rank > 0 ? rank - 1 : 0)];
-}
-
 DemoSummary summarize(const std::vector<EngineTrace>& engines,
                       const std::vector<ClientRecord>& client) {
   DemoSummary s;
@@ -180,8 +173,8 @@ std::string format_summary(const DemoSummary& s) {
         static_cast<unsigned long long>(s.slot_waits), s.slot_wait_us / 1e3);
     out += buf;
   }
-  std::snprintf(buf, sizeof(buf), "time to first token  p50 %.1f ms, p99 %.1f ms\n",
-                s.ttft_p50_ms, s.ttft_p99_ms);
+  std::snprintf(buf, sizeof(buf), "time to first token  p50 %.1f ms, p99 %.1f ms\n", s.ttft_p50_ms,
+                s.ttft_p99_ms);
   return out + buf;
 }
 

@@ -6,6 +6,7 @@
 #include <string>
 #include <vector>
 
+#include "common/metrics.h"
 #include "common/trace.h"
 
 namespace rd2h::sim {
@@ -36,8 +37,7 @@ struct Interval {
 // the transfer hidden behind compute. 0 when there are no reads.
 double hidden_fraction(const std::vector<Interval>& reads, std::vector<Interval> compute);
 
-// The p-quantile (0..1) by nearest rank; 0 for no values.
-double quantile(std::vector<double> values, double p);
+using metrics::quantile;
 
 struct DemoSummary {
   uint64_t requests = 0, prompts = 0, tokens = 0, failed = 0;

@@ -49,5 +49,15 @@ TEST(Metrics, AHistogramsBucketsAreCumulativeUpToInf) {
             "x_seconds_count{route=\"/a\"} 7\n");
 }
 
+TEST(Metrics, QuantileIsTheNearestRank) {
+  EXPECT_EQ(quantile({}, 0.5), 0);
+  EXPECT_EQ(quantile({5}, 0.99), 5);
+  EXPECT_EQ(quantile({4, 1, 3, 2}, 0.5), 2);
+  std::vector<double> hundred;
+  for (int i = 100; i >= 1; --i) hundred.push_back(i);
+  EXPECT_EQ(quantile(hundred, 0.99), 99);
+  EXPECT_EQ(quantile(hundred, 1.0), 100);
+}
+
 }  // namespace
 }  // namespace rd2h::metrics

@@ -380,7 +380,8 @@ TEST(DemoConfigText, TheShippedExampleIsAccepted) {
   std::stringstream text;
   text << in.rdbuf();
   DemoOptions o;
-  Status st = apply_demo_config_text(text.str(), kSmall, o, [](const std::string&) { return false; });
+  Status st =
+      apply_demo_config_text(text.str(), kSmall, o, [](const std::string&) { return false; });
   ASSERT_TRUE(st) << st.to_string();
   EXPECT_EQ(o.requests, 12u);
   EXPECT_EQ(o.bytes_per_token, (std::vector<uint64_t>{64, 8, 16, 4}));
@@ -395,16 +396,6 @@ TEST(DemoReport, HiddenFractionCountsOnlyReadTimeUnderCompute) {
   EXPECT_DOUBLE_EQ(hidden_fraction({{10, 30}}, compute), 1.0);
   EXPECT_DOUBLE_EQ(hidden_fraction({{140, 160}, {200, 210}, {10, 30}}, compute), 30.0 / 50.0);
   EXPECT_DOUBLE_EQ(hidden_fraction({}, compute), 0.0);
-}
-
-TEST(DemoReport, QuantileIsTheNearestRank) {
-  EXPECT_EQ(quantile({}, 0.5), 0);
-  EXPECT_EQ(quantile({5}, 0.99), 5);
-  EXPECT_EQ(quantile({4, 1, 3, 2}, 0.5), 2);
-  std::vector<double> hundred;
-  for (int i = 100; i >= 1; --i) hundred.push_back(i);
-  EXPECT_EQ(quantile(hundred, 0.99), 99);
-  EXPECT_EQ(quantile(hundred, 1.0), 100);
 }
 
 TEST(DemoReport, ReadyDelayIsMeasuredFromPrefillsLastLayerToTheLastDecodeRank) {
