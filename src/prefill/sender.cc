@@ -376,7 +376,7 @@ void Sender::transmit(Endpoint& ep, Task task) {
 
 void Sender::receive(const std::string& url, Endpoint& ep) {
   // Answers on the link first: once a connection moved there, ZeroMQ carries no answer.
-  while (ep.link && ep.on_link) {
+  while (ep.on_link) {
     std::vector<std::byte> bytes;
     {
       std::lock_guard lock(ep.link->mu);

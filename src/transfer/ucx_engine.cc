@@ -518,12 +518,12 @@ class UcxEngine final : public TransferEngine {
   }
 
   Status send_on_link(uint64_t token, std::span<const std::byte> message) override {
-    if (served_links_->has(token)) return served_links_->send(token, message);
     if (message.size() > kMaxLinkMessageBytes) {
       return invalid_argument("a link message of " + std::to_string(message.size()) +
                               " bytes is over the limit of " +
                               std::to_string(kMaxLinkMessageBytes));
     }
+    if (served_links_->has(token)) return served_links_->send(token, message);
     std::shared_ptr<Session> s;
     {
       std::lock_guard lock(link_tokens_mu_);
@@ -551,10 +551,7 @@ class UcxEngine final : public TransferEngine {
       return;
     }
     --link_drivers_;
-    if (link_wake_fd_ >= 0) {
-      uint64_t one = 1;
-      [[maybe_unused]] auto n = ::write(link_wake_fd_, &one, sizeof(one));
-    }
+    wake_link_thread();
   }
 
   bool progress_links() override {
@@ -618,9 +615,7 @@ class UcxEngine final : public TransferEngine {
       s->watched = true;
       std::lock_guard watch_lock(link_thread_mu_);
       watched_.push_back(s);
-      // The link thread arms the new worker before it sleeps again.
-      uint64_t one = 1;
-      [[maybe_unused]] auto n = ::write(link_wake_fd_, &one, sizeof(one));
+      wake_link_thread();  // it arms the new worker before it sleeps again
     }
     return Status::ok();
   }
@@ -664,6 +659,12 @@ class UcxEngine final : public TransferEngine {
     }
     ucp_request_free(req);  // one still in flight goes with the worker, next
     return result.is_ok() ? result : fail_session(s, std::move(result));
+  }
+
+  void wake_link_thread() {
+    if (link_wake_fd_ < 0) return;
+    uint64_t one = 1;
+    [[maybe_unused]] auto n = ::write(link_wake_fd_, &one, sizeof(one));
   }
 
   Status start_link_thread() {
@@ -1199,8 +1200,7 @@ class UcxEngine final : public TransferEngine {
   void shutdown() {
     if (link_thread_.joinable()) {
       links_stopping_.store(true);
-      uint64_t one = 1;
-      [[maybe_unused]] auto n = ::write(link_wake_fd_, &one, sizeof(one));
+      wake_link_thread();
       link_thread_.join();
     }
     if (link_epoll_fd_ >= 0) ::close(link_epoll_fd_);

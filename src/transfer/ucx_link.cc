@@ -76,10 +76,6 @@ void ServedLinks::fail(Link& link) {
 }
 
 Status ServedLinks::send(uint64_t token, std::span<const std::byte> message) {
-  if (message.size() > kMaxLinkMessageBytes) {
-    return invalid_argument("a link message of " + std::to_string(message.size()) +
-                            " bytes is over the limit of " + std::to_string(kMaxLinkMessageBytes));
-  }
   std::unique_lock lock(mu, std::try_to_lock);
   if (!lock.owns_lock()) {
     // Whoever progresses the worker holds it, perhaps serving reads for a while: the

@@ -64,7 +64,7 @@ class ServedLinks {
   bool has(uint64_t token);
   Status expect(uint64_t token, LinkHandler handler);
   // Sends at once, or, while whoever progresses the worker holds mu, queues the message
-  // for it (a failure then reaches the handler as kClosed).
+  // for it (a failure then reaches the handler as kClosed). The caller bounded its length.
   Status send(uint64_t token, std::span<const std::byte> message);
   void close(uint64_t token);
   // Once the worker's progress stopped, before the worker is destroyed (which cancels what
