@@ -35,11 +35,8 @@ TEST(MetaserverClient, AnHttpErrorCountsAsDeliveredAndIsNotRetried) {
 }
 
 TEST(MetaserverClient, RetriesARefusedConnectionUntilTheServerIsUp) {
-  int port = 0;
-  {
-    Server probe(200);  // find a free port, then free it again
-    port = probe.port();
-  }
+  testing::ClosedPort closed;  // refuses until the server binds it
+  const int port = closed.port();
   ClientConfig config;
   config.backoff = 10ms;
   config.resubmit = 50ms;

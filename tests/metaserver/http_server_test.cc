@@ -416,6 +416,7 @@ TEST(ProxyIds, RequestIdsAreWellFormedVersion4UuidsDistinctAcrossTwoProxies) {
     res.status = 500;
     res.set_content("no", "text/plain");
   });
+  rd2h::testing::reuse_address_only(decode);
   const int port = decode.bind_to_any_port("127.0.0.1");
   std::thread t([&] { decode.listen_after_bind(); });
   ASSERT_TRUE(eventually([&] { return decode.is_running(); }));

@@ -8,6 +8,7 @@
 
 #include <condition_variable>
 #include <cstring>
+#include <optional>
 #include <nlohmann/json.hpp>
 
 #include "metaserver/client.h"
@@ -17,6 +18,7 @@ namespace rd2h::metaserver {
 namespace {
 
 using nlohmann::json;
+using rd2h::testing::ClosedPort;
 using rd2h::testing::eventually;
 using namespace std::chrono_literals;
 
@@ -31,20 +33,27 @@ class Engine {
       if (resets) ++*resets;
       res.set_content("{}", "application/json");
     });
+    rd2h::testing::reuse_address_only(server_);
     port_ = server_.bind_to_any_port("127.0.0.1");
     thread_ = std::thread([this] { server_.listen_after_bind(); });
     EXPECT_TRUE(eventually([this] { return server_.is_running(); }));
   }
-  ~Engine() {
+  ~Engine() { kill(); }
+  std::string origin() const { return "http://127.0.0.1:" + std::to_string(port_); }
+
+  // Gone as a killed engine is: its port refuses connections (and stays this test's).
+  void kill() {
+    if (!thread_.joinable()) return;
     server_.stop();
     thread_.join();
+    closed_.emplace(port_);
   }
-  std::string origin() const { return "http://127.0.0.1:" + std::to_string(port_); }
 
  private:
   httplib::Server server_;
   int port_ = 0;
   std::thread thread_;
+  std::optional<ClosedPort> closed_;
 };
 
 // What Prefill got, and whether it ran.
@@ -352,7 +361,7 @@ TEST_F(ProxyTest, HealthcheckCountsInstancesAndResetPrefixCacheReachesEveryEngin
   ASSERT_TRUE(reset);
   EXPECT_EQ(reset->status, 200) << reset->body;
   EXPECT_EQ(resets_.load(), 3);
-  prefill_.pop_back();  // one engine gone: named in a 500
+  prefill_.back()->kill();  // one engine gone: named in a 500
   reset = c.Post("/reset_prefix_cache", "", "application/json");
   ASSERT_TRUE(reset);
   EXPECT_EQ(reset->status, 500);
@@ -361,7 +370,7 @@ TEST_F(ProxyTest, HealthcheckCountsInstancesAndResetPrefixCacheReachesEveryEngin
 
 TEST_F(ProxyTest, APrefillThatIsGoneFailsTheClientRequestWithinASecond) {
   start();
-  prefill_.clear();  // its port refuses connections now, as a killed engine's does
+  for (auto& p : prefill_) p->kill();
   const auto begin = std::chrono::steady_clock::now();
   auto r = client_post("/v1/completions", {{"model", "m"}, {"prompt", "hello"}});
   const auto took = std::chrono::steady_clock::now() - begin;

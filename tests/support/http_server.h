@@ -1,9 +1,12 @@
 // Test helpers over real HTTP: a stand-in for the proxy's metaserver endpoint on a free
-// loopback port, and a bounded wait on a condition.
+// loopback port, a port that refuses connections, and a bounded wait on a condition.
 #pragma once
 
 #include <gtest/gtest.h>
 #include <httplib.h>
+#include <netinet/in.h>
+#include <sys/socket.h>
+#include <unistd.h>
 
 #include <chrono>
 #include <mutex>
@@ -28,6 +31,46 @@ bool eventually(F done, std::chrono::milliseconds limit = 20s) {
   return true;
 }
 
+// A stand-in server's socket options: SO_REUSEADDR only, as rd2h's own servers. httplib's
+// default adds SO_REUSEPORT.
+inline void reuse_address_only(httplib::Server& server) {
+  server.set_socket_options([](socket_t sock) {
+    int yes = 1;
+    ::setsockopt(sock, SOL_SOCKET, SO_REUSEADDR, &yes, sizeof(yes));
+  });
+}
+
+// A loopback port that refuses connections, as a killed server's does, and that the kernel
+// hands to no other socket binding port 0 while this lives: tests run side by side, and a
+// port freed in one could otherwise be taken by the next server another test starts, which
+// would then get this test's requests. A server may still bind it on purpose
+// (SO_REUSEADDR: this socket never listens).
+class ClosedPort {
+ public:
+  // `port` 0: a fresh one.
+  explicit ClosedPort(int port = 0) : fd_(::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0)) {
+    int yes = 1;
+    ::setsockopt(fd_, SOL_SOCKET, SO_REUSEADDR, &yes, sizeof(yes));
+    sockaddr_in a{};
+    a.sin_family = AF_INET;
+    a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+    a.sin_port = htons(static_cast<uint16_t>(port));
+    socklen_t n = sizeof(a);
+    EXPECT_EQ(::bind(fd_, reinterpret_cast<sockaddr*>(&a), n), 0) << "port " << port;
+    EXPECT_EQ(::getsockname(fd_, reinterpret_cast<sockaddr*>(&a), &n), 0);
+    port_ = ntohs(a.sin_port);
+  }
+  ~ClosedPort() { ::close(fd_); }
+  ClosedPort(const ClosedPort&) = delete;
+  ClosedPort& operator=(const ClosedPort&) = delete;
+  int port() const { return port_; }
+  std::string origin() const { return "http://127.0.0.1:" + std::to_string(port_); }
+
+ private:
+  int fd_;
+  int port_ = 0;
+};
+
 // An HTTP server on a free loopback port answering POST /v1/metaserver with `status`,
 // keeping every body it got.
 class MetaserverStub {
@@ -43,6 +86,7 @@ class MetaserverStub {
       res.status = status_;
       res.set_content(status_ == 200 ? R"({"status":"ok"})" : "boom", "application/json");
     });
+    reuse_address_only(server_);
     // Bound and listening from here on: connections queue until the accept loop runs.
     port_ = port == 0 ? server_.bind_to_any_port("127.0.0.1") : port;
     if (port != 0) {
