@@ -95,13 +95,26 @@ Expected<SharedBacking> share_in_place(void* addr, size_t length) {
       return fail("mapping the memfd over the pages at " + hex(start + off));
     }
   }
-  void* live = ::mmap(nullptr, page, PROT_READ | PROT_WRITE, MAP_SHARED, fd,
-                      static_cast<off_t>(total));
+  void* live =
+      ::mmap(nullptr, page, PROT_READ | PROT_WRITE, MAP_SHARED, fd, static_cast<off_t>(total));
   if (live == MAP_FAILED) return fail("mapping the memfd's live word");
-  SharedBacking b{fd, static_cast<uint64_t>(st.st_ino), start, total, total,
-                  static_cast<uint64_t*>(live)};
+  SharedBacking b(fd, static_cast<uint64_t>(st.st_ino), start, total, total,
+                  static_cast<uint64_t*>(live));
   __atomic_store_n(b.live, uint64_t{1}, __ATOMIC_RELEASE);
   return b;
+}
+
+SharedBacking& SharedBacking::operator=(SharedBacking&& o) noexcept {
+  if (this != &o) {
+    release();
+    fd = std::exchange(o.fd, -1);
+    inode = o.inode;
+    base = o.base;
+    length = o.length;
+    live_offset = o.live_offset;
+    live = std::exchange(o.live, nullptr);
+  }
+  return *this;
 }
 
 void SharedBacking::release() {
@@ -149,8 +162,7 @@ Expected<PeerMapping> PeerMapping::map(pid_t pid, int fd, uint64_t inode, uint64
   if (own < 0) return unreachable("cannot open " + path + ": " + errno_text());
   struct stat st {};
   const bool same = ::fstat(own, &st) == 0 && S_ISREG(st.st_mode) &&
-                    static_cast<uint64_t>(st.st_ino) == inode &&
-                    offset + length >= offset &&
+                    static_cast<uint64_t>(st.st_ino) == inode && offset + length >= offset &&
                     static_cast<uint64_t>(st.st_size) >= offset + length &&
                     live_offset % page_size() == 0 &&
                     static_cast<uint64_t>(st.st_size) >= live_offset + page_size();

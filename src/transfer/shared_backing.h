@@ -16,16 +16,29 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <utility>
 
 #include "rd2h/common/status.h"
 
 namespace rd2h::transfer {
 
+// Owns the memfd and the mapped live word; released (the range marked unregistered, the
+// file let go) when this goes, or earlier by release().
 struct SharedBacking {
-  int fd = -1;            // the memfd now holding the pages
-  uint64_t inode = 0;     // its identity, checked by readers against fd reuse
-  uintptr_t base = 0;     // the address offset 0 of the file is mapped at (page aligned)
-  uint64_t length = 0;    // whole pages covering the range
+  SharedBacking() = default;
+  SharedBacking(int fd, uint64_t inode, uintptr_t base, uint64_t length, uint64_t live_offset,
+                uint64_t* live)
+      : fd(fd), inode(inode), base(base), length(length), live_offset(live_offset), live(live) {}
+  SharedBacking(SharedBacking&& o) noexcept { *this = std::move(o); }
+  SharedBacking& operator=(SharedBacking&& o) noexcept;
+  SharedBacking(const SharedBacking&) = delete;
+  SharedBacking& operator=(const SharedBacking&) = delete;
+  ~SharedBacking() { release(); }
+
+  int fd = -1;          // the memfd now holding the pages
+  uint64_t inode = 0;   // its identity, checked by readers against fd reuse
+  uintptr_t base = 0;   // the address offset 0 of the file is mapped at (page aligned)
+  uint64_t length = 0;  // whole pages covering the range
   // The page after them in the file holds a word that says the range is still registered
   // (1) or not (0): readers look at it before each read, as a serving peer would check.
   uint64_t live_offset = 0;

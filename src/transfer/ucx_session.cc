@@ -1,11 +1,172 @@
 #include "transfer/ucx_session.h"
 
+#include <sys/mman.h>
+#include <unistd.h>
+
+#include <algorithm>
 #include <cstring>
 
 #include "rd2h/common/deadline.h"
+#include "transfer/ucx_lanes.h"
 #include "transfer/ucx_link.h"
 
 namespace rd2h::transfer {
+
+namespace {
+
+// The local address of a co-located peer's region, when UCX can map it (memory the peer's
+// engine allocated, over shared memory). Its pages are faulted in now, at connect, so the
+// first reads do not pay for them.
+const std::byte* map_region(ucp_rkey_h rkey, const ExportedRegion& region) {
+  void* ptr = nullptr;
+  if (ucp_rkey_ptr(rkey, region.base, &ptr) != UCS_OK || ptr == nullptr) return nullptr;
+#ifdef MADV_POPULATE_READ
+  const uintptr_t page = static_cast<uintptr_t>(::sysconf(_SC_PAGESIZE));
+  const uintptr_t start = reinterpret_cast<uintptr_t>(ptr) & ~(page - 1);
+  const uintptr_t end = reinterpret_cast<uintptr_t>(ptr) + region.length;
+  // Advisory: an older kernel refuses it and the pages fault in on first read instead.
+  (void)::madvise(reinterpret_cast<void*>(start), end - start, MADV_POPULATE_READ);
+#endif
+  return static_cast<const std::byte*>(ptr);
+}
+
+}  // namespace
+
+Status Session::open(ucp_context_h context, const EngineConfig& config, const HostIdentity& self,
+                     UcxMetadata from) {
+  id = from.session_id;
+  colocated = self.same_host_as(from.identity);
+  if (config.transport == Transport::kShm && !colocated) {
+    return unreachable("peer " + id + " runs on host " + from.hostname +
+                       ", but shared memory reaches only peers on this host (" + config.hostname +
+                       "); use transport tcp or auto");
+  }
+  if (colocated) {
+    auto w = ProcessWatch::open(from.identity.pid, from.identity.start_time);
+    if (!w) return w.status().with_context("connecting to " + id);
+    watch = std::move(*w);
+  }
+  // Peer error handling would force UCX off shared memory, so it is used only where the
+  // peer is reached over a network transport; co-located peers are watched by pidfd.
+  const bool network = config.transport == Transport::kTcp || !colocated;
+  err_mode = network ? UCP_ERR_HANDLING_MODE_PEER : UCP_ERR_HANDLING_MODE_NONE;
+  RD2H_RETURN_IF_ERROR(connect_endpoint(context, config, from));
+  RD2H_RETURN_IF_ERROR(import_regions(config, from));
+  RD2H_RETURN_IF_ERROR(await_wireup(config.connect_timeout));
+  choose_read_path(config.read_path);
+  peer = std::move(from);
+  return Status::ok();
+}
+
+Status Session::connect_endpoint(ucp_context_h context, const EngineConfig& config,
+                                 const UcxMetadata& from) {
+  auto w = create_worker(context);
+  if (!w) return w.status().with_context("connecting to " + id);
+  worker = std::move(*w);
+  RD2H_RETURN_IF_ERROR(set_am_handler(worker.get(), kAmReadReply, on_am_read_reply, this));
+  RD2H_RETURN_IF_ERROR(set_am_handler(worker.get(), kAmLinkMessage, on_am_link_message, this));
+  auto address = transfer::worker_address(worker.get());
+  if (!address) return address.status();
+  worker_address = std::move(*address);
+
+  ucp_ep_params_t params{};
+  params.field_mask = UCP_EP_PARAM_FIELD_REMOTE_ADDRESS | UCP_EP_PARAM_FIELD_ERR_HANDLING_MODE;
+  params.address = reinterpret_cast<const ucp_address_t*>(from.worker_address.data());
+  params.err_mode = err_mode;
+  if (err_mode == UCP_ERR_HANDLING_MODE_PEER) {
+    params.field_mask |= UCP_EP_PARAM_FIELD_ERR_HANDLER;
+    params.err_handler.cb = on_endpoint_error;
+    params.err_handler.arg = this;
+  }
+  ucp_ep_h created = nullptr;
+  if (ucs_status_t st = ucp_ep_create(worker.get(), &params, &created); st != UCS_OK) {
+    return unreachable("cannot reach peer " + id + " (it serves over " + from.transport +
+                       ", this engine uses " + std::string(to_string(config.transport)) +
+                       "): " + ucs_status_string(st));
+  }
+  ep = UcxEndpoint(worker.get(), created, err_mode == UCP_ERR_HANDLING_MODE_PEER);
+  return Status::ok();
+}
+
+Status Session::import_regions(const EngineConfig& config, const UcxMetadata& from) {
+  const bool mappable = colocated && config.transport != Transport::kTcp;
+  for (size_t i = 0; i < from.regions.size(); ++i) {
+    const ExportedRegion& r = from.regions[i];
+    ucp_rkey_h rkey = nullptr;
+    if (ucs_status_t st = ucp_ep_rkey_unpack(ep.get(), r.packed_rkey.data(), &rkey); st != UCS_OK) {
+      return invalid_metadata("region " + std::to_string(i) + " of peer " + id +
+                              ": its rkey does not unpack: " + ucs_status_string(st));
+    }
+    rkeys.emplace_back(rkey);
+    const std::byte* at = mappable ? map_region(rkey, r) : nullptr;
+    if (at == nullptr && mappable && r.fd >= 0) {
+      auto file = PeerMapping::map(from.identity.pid, r.fd, r.inode, r.file_offset, r.length,
+                                   r.live_offset);
+      if (file) {
+        at = file->data();
+        file_maps.resize(i);
+        file_maps.push_back(std::move(*file));
+      }
+      // Otherwise (not permitted here, say) the region is read over the am path.
+    }
+    mapped.push_back(at);
+  }
+  return Status::ok();
+}
+
+// A flush completes once the endpoint is wired up with the peer: an unreachable peer fails
+// here, within the connect timeout, rather than on the first read.
+Status Session::await_wireup(std::chrono::milliseconds timeout) {
+  ucp_request_param_t fp{};
+  void* req = ucp_ep_flush_nbx(ep.get(), &fp);
+  if (UCS_PTR_IS_ERR(req)) {
+    return unreachable("cannot reach peer " + id + ": " + ucs_status_string(UCS_PTR_STATUS(req)));
+  }
+  Status result = Status::ok();
+  if (req != nullptr) {
+    const Deadline deadline(timeout);
+    while (ucp_request_check_status(req) == UCS_INPROGRESS) {
+      ucp_worker_progress(worker.get());
+      if (watch.exited()) {
+        result = peer_dead("peer " + id + " exited while connecting");
+        break;
+      }
+      if (deadline.expired()) {
+        result = unreachable("peer " + id + " did not answer within " +
+                             std::to_string(timeout.count()) + " ms");
+        break;
+      }
+    }
+    if (ucs_status_t st = ucp_request_check_status(req); result.is_ok() && st != UCS_OK) {
+      result = unreachable("cannot reach peer " + id + ": " + ucs_status_string(st));
+    }
+    ucp_request_free(req);
+  }
+  if (result.is_ok() && ep_error != UCS_OK) {
+    result = unreachable("cannot reach peer " + id + ": " + ucs_status_string(ep_error));
+  }
+  return result;
+}
+
+void Session::choose_read_path(ReadPath path) {
+  const LaneTransports lanes = endpoint_lanes(ep.get());
+  switch (path) {
+    case ReadPath::kAuto:
+      rma_get = rma_is_one_sided(lanes.rma);
+      break;
+    case ReadPath::kRma:
+      rma_get = true;
+      break;
+    case ReadPath::kActiveMessage:
+      rma_get = false;
+      break;
+  }
+  // Without RMA lanes UCX emulates get over the active-message lanes.
+  transport = join_transports(rma_get && !lanes.rma.empty() ? lanes.rma : lanes.am);
+  if (std::any_of(mapped.begin(), mapped.end(), [](auto p) { return p != nullptr; })) {
+    transport += "+mapped";
+  }
+}
 
 void Session::release() {
   std::map<uint64_t, LinkHandler> gone;
@@ -13,87 +174,24 @@ void Session::release() {
   for (auto& [token, handler] : gone) handler(LinkEvent::kClosed, {});
   mapped.clear();
   file_maps.clear();
-  if (worker != nullptr) {
-    if (ep != nullptr) {
-      ucp_request_param_t p{};
-      p.op_attr_mask = UCP_OP_ATTR_FIELD_FLAGS;
-      p.flags = err_mode == UCP_ERR_HANDLING_MODE_PEER ? UCP_EP_CLOSE_FLAG_FORCE : 0;
-      void* req = ucp_ep_close_nbx(ep, &p);
-      // A graceful close to a dead peer may never finish; give it a short bounded chance
-      // and let the worker's destruction discard the rest.
-      Deadline d(std::chrono::milliseconds(100));
-      while (UCS_PTR_IS_PTR(req) && ucp_request_check_status(req) == UCS_INPROGRESS &&
-             !d.expired()) {
-        ucp_worker_progress(worker);
-      }
-      if (UCS_PTR_IS_PTR(req)) ucp_request_free(req);
-      ep = nullptr;
-    }
-    // After the endpoint's close has had its chance to flush the reads that use them.
-    for (auto rkey : rkeys) ucp_rkey_destroy(rkey);
-    rkeys.clear();
-    ucp_worker_destroy(worker);
-    worker = nullptr;
-  }
+  ep.close();
+  rkeys.clear();  // after the endpoint's close has had its chance to flush reads using them
+  worker.reset();
 }
 
-void on_request_done(void* request, ucs_status_t status, void* user_data) {
-  static_cast<BatchState*>(user_data)->finish(status);
-  ucp_request_free(request);
-}
-
-void on_am_data_received(void* request, ucs_status_t status, size_t /*length*/, void* user_data) {
-  static_cast<BatchState*>(user_data)->finish(status);
-  ucp_request_free(request);
+int64_t Session::find_region(uint64_t addr, uint64_t len) const {
+  const auto& regions = peer.regions;
+  auto it = std::upper_bound(regions.begin(), regions.end(), addr,
+                             [](uint64_t a, const ExportedRegion& r) { return a < r.base; });
+  if (it == regions.begin()) return -1;
+  --it;
+  if (addr + len > it->base + it->length) return -1;
+  return it - regions.begin();
 }
 
 void on_endpoint_error(void* arg, ucp_ep_h /*ep*/, ucs_status_t status) {
   auto* s = static_cast<Session*>(arg);
   if (s->ep_error == UCS_OK) s->ep_error = status;
-}
-
-ucs_status_t on_am_read_reply(void* arg, const void* header, size_t header_length, void* data,
-                              size_t length, const ucp_am_recv_param_t* param) {
-  auto* s = static_cast<Session*>(arg);
-  const bool rndv = (param->recv_attr & UCP_AM_RECV_ATTR_FLAG_RNDV) != 0;
-  // Returning UCS_OK without receiving rendezvous data lets UCX drop it.
-  auto drop = [] { return UCS_OK; };
-  AmReadReplyHeader h;
-  if (header_length != sizeof(h)) return drop();
-  std::memcpy(&h, header, sizeof(h));
-  BatchState* b = s->active;
-  if (b == nullptr || h.batch_id != b->id || h.index >= b->answered.size() ||
-      b->answered[h.index] != 0) {
-    return drop();  // late, foreign or duplicate: nothing waits for it
-  }
-  b->answered[h.index] = 1;
-  if (h.refused != 0 || length != b->length[h.index]) {
-    if (b->refusal.empty()) {
-      b->refusal = "the peer refused read " + std::to_string(h.index) +
-                   (h.refused != 0 ? ": range not registered there (any more)"
-                                   : ": reply of " + std::to_string(length) + " bytes");
-    }
-    b->finish(UCS_ERR_INVALID_ADDR);
-    return drop();
-  }
-  void* dst = reinterpret_cast<void*>(b->local[h.index]);
-  if (!rndv) {
-    std::memcpy(dst, data, length);
-    b->finish(UCS_OK);
-    return UCS_OK;
-  }
-  ucp_request_param_t p{};
-  p.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA;
-  p.cb.recv_am = on_am_data_received;
-  p.user_data = b;
-  void* req = ucp_am_recv_data_nbx(s->worker, data, dst, length, &p);
-  if (req == nullptr) {
-    b->finish(UCS_OK);
-  } else if (UCS_PTR_IS_ERR(req)) {
-    b->finish(UCS_PTR_STATUS(req));
-  }
-  // Otherwise on_am_data_received finishes it; `outstanding` still counts this read.
-  return UCS_OK;
 }
 
 ucs_status_t on_am_link_message(void* arg, const void* header, size_t header_length, void* data,

@@ -1,12 +1,19 @@
 // A UCX session: one connection from this engine to a peer engine, with its own worker,
 // endpoint, unpacked rkeys, peer liveness watch, and the state of the batch being read.
-// Also the wire format of the active-message read path and the UCX callbacks that drive
-// a batch. Everything here runs on the thread that holds Session::mu.
+// Everything here runs on the thread that holds Session::mu.
+//
+// Failure detection: UCX's shared-memory transports do not support peer error handling,
+// and asking for it makes UCX fall back to TCP. So endpoints to co-located peers use no
+// error handling and the session watches the peer process through a pidfd; endpoints to
+// remote peers (or over TCP) use UCP_ERR_HANDLING_MODE_PEER. A failed session is torn down
+// by destroying its worker, which cancels whatever it had in flight without touching other
+// sessions.
 #pragma once
 
 #include <ucp/api/ucp.h>
 
 #include <atomic>
+#include <chrono>
 #include <cstdint>
 #include <map>
 #include <mutex>
@@ -18,52 +25,11 @@
 #include "rd2h/transfer/transfer_engine.h"
 #include "transfer/peer_liveness.h"
 #include "transfer/shared_backing.h"
+#include "transfer/ucx_handles.h"
 #include "transfer/ucx_metadata.h"
+#include "transfer/ucx_read.h"
 
 namespace rd2h::transfer {
-
-// Progress state of one batch. Lives on the reading thread's stack; UCX callbacks of this
-// batch only run inside ucp_worker_progress/ucp_worker_destroy called by that thread.
-struct BatchState {
-  uint64_t id = 0;
-  size_t outstanding = 0;  // reads, requests and replies not finished yet
-  ucs_status_t first_error = UCS_OK;
-  std::string refusal;  // why the peer refused a read, if it did
-  // For the am path: where each read lands, and which replies have arrived.
-  std::span<const uintptr_t> local;
-  std::span<const size_t> length;
-  std::vector<uint8_t> answered;
-
-  void finish(ucs_status_t status) {
-    --outstanding;
-    if (status != UCS_OK && first_error == UCS_OK) first_error = status;
-  }
-};
-
-// Wire format of the am read path (both ends are rd2h engines; native byte order).
-inline constexpr uint16_t kAmReadRequest = 0x7264;  // reader -> server: ranges to send back
-inline constexpr uint16_t kAmReadReply = 0x7265;    // server -> reader: one range's bytes
-inline constexpr size_t kAmRangesPerRequest = 256;  // keeps a request small enough to go eager
-
-struct AmReadRequestHeader {
-  uint64_t batch_id;
-  uint32_t first_index;
-  uint32_t count;
-};
-struct AmRange {
-  uint64_t addr;
-  uint64_t length;
-};
-// A request as the reader keeps it while UCX sends it.
-struct AmReadRequest {
-  AmReadRequestHeader header;
-  std::vector<AmRange> ranges;
-};
-struct AmReadReplyHeader {
-  uint64_t batch_id;
-  uint32_t index;
-  uint32_t refused;  // non-zero: the range is not registered on the server
-};
 
 struct Session {
   std::mutex mu;  // serialises reads and teardown on this session
@@ -73,9 +39,11 @@ struct Session {
   ucp_err_handling_mode_t err_mode = UCP_ERR_HANDLING_MODE_NONE;
   std::string transport = "unknown";
 
-  ucp_worker_h worker = nullptr;
-  ucp_ep_h ep = nullptr;
-  std::vector<ucp_rkey_h> rkeys;  // parallel to peer.regions
+  // Declared in the order they are made: the endpoint goes before the rkeys its reads
+  // use, and both before the worker.
+  UcxWorker worker;
+  std::vector<UcxRkey> rkeys;  // parallel to peer.regions
+  UcxEndpoint ep;
   // Where UCX maps a region of a co-located peer into this process (ucp_rkey_ptr), or null.
   // Reads from a mapped region are plain copies: no per-read protocol, no peer involvement.
   std::vector<const std::byte*> mapped;
@@ -100,9 +68,25 @@ struct Session {
 
   ~Session() { release(); }
 
+  // Connects to `peer` (caller holds mu): a worker of `context`, an endpoint whose wire-up
+  // is confirmed within the connect timeout, the peer's regions' rkeys and, for a
+  // co-located peer, its regions mapped where they can be; then the read path.
+  Status open(ucp_context_h context, const EngineConfig& config, const HostIdentity& self,
+              UcxMetadata peer);
+
   // Destroys this session's UCX objects. Anything in flight is cancelled with the worker,
   // and every link hears kClosed.
   void release();
+
+  // Marks the session broken, cancels its in-flight reads, and returns `why`.
+  Status fail(Status why) {
+    mark_broken(why);
+    release();
+    return why;
+  }
+
+  // The index of the peer region holding all of [addr, addr+len), or -1.
+  int64_t find_region(uint64_t addr, uint64_t len) const;
 
   void mark_broken(const Status& why) {
     if (!broken.load()) {
@@ -110,17 +94,18 @@ struct Session {
       broken.store(true);
     }
   }
+
+ private:
+  // The steps of open().
+  Status connect_endpoint(ucp_context_h context, const EngineConfig& config,
+                          const UcxMetadata& from);
+  Status import_regions(const EngineConfig& config, const UcxMetadata& from);
+  Status await_wireup(std::chrono::milliseconds timeout);
+  void choose_read_path(ReadPath path);
 };
 
-// Completion of a read, an am request send, or an am receive: finishes one unit of the
-// batch in user_data.
-void on_request_done(void* request, ucs_status_t status, void* user_data);
-void on_am_data_received(void* request, ucs_status_t status, size_t length, void* user_data);
 // Peer error handling: records the endpoint's failure on the Session in arg.
 void on_endpoint_error(void* arg, ucp_ep_h ep, ucs_status_t status);
-// Reader side of the am path: one range's bytes arrive for the Session in arg.
-ucs_status_t on_am_read_reply(void* arg, const void* header, size_t header_length, void* data,
-                              size_t length, const ucp_am_recv_param_t* param);
 // Connecting side of a link: a message from the serving side for the Session in arg.
 ucs_status_t on_am_link_message(void* arg, const void* header, size_t header_length, void* data,
                                 size_t length, const ucp_am_recv_param_t* param);

@@ -1,0 +1,80 @@
+// One batch of reads on a UCX session, by the path each region takes:
+//  - mapped: a co-located peer's region is mapped into this process (by UCX, or from the
+//    peer's memfd): a read is a copy, with no protocol and no help from the peer.
+//  - rma: ucp_get, where the endpoint's RMA lanes are hardware (RDMA).
+//  - am: otherwise. UCX 1.13 emulates get in software on TCP and shared memory, and its
+//    emulation aborts the serving process when a reader vanishes with reads in flight.
+//    So the reader asks with an active message and the server answers each range with one
+//    (ucx_serving.h), whose failures UCX reports through callbacks like any send.
+// Also the am path's wire format (both ends are rd2h engines; native byte order).
+#pragma once
+
+#include <ucp/api/ucp.h>
+
+#include <chrono>
+#include <cstdint>
+#include <span>
+#include <string>
+#include <vector>
+
+#include "rd2h/common/status.h"
+
+namespace rd2h::transfer {
+
+struct Session;
+class Registrations;
+
+// Progress state of one batch. Lives on the reading thread's stack; UCX callbacks of this
+// batch only run inside ucp_worker_progress/ucp_worker_destroy called by that thread.
+struct BatchState {
+  uint64_t id = 0;
+  size_t outstanding = 0;  // reads, requests and replies not finished yet
+  ucs_status_t first_error = UCS_OK;
+  std::string refusal;  // why the peer refused a read, if it did
+  // For the am path: where each read lands, and which replies have arrived.
+  std::span<const uintptr_t> local;
+  std::span<const size_t> length;
+  std::vector<uint8_t> answered;
+
+  void finish(ucs_status_t status) {
+    --outstanding;
+    if (status != UCS_OK && first_error == UCS_OK) first_error = status;
+  }
+};
+
+inline constexpr uint16_t kAmReadRequest = 0x7264;  // reader -> server: ranges to send back
+inline constexpr uint16_t kAmReadReply = 0x7265;    // server -> reader: one range's bytes
+inline constexpr size_t kAmRangesPerRequest = 256;  // keeps a request small enough to go eager
+
+struct AmReadRequestHeader {
+  uint64_t batch_id;
+  uint32_t first_index;
+  uint32_t count;
+};
+struct AmRange {
+  uint64_t addr;
+  uint64_t length;
+};
+// A request as the reader keeps it while UCX sends it.
+struct AmReadRequest {
+  AmReadRequestHeader header;
+  std::vector<AmRange> ranges;
+};
+struct AmReadReplyHeader {
+  uint64_t batch_id;
+  uint32_t index;
+  uint32_t refused;  // non-zero: the range is not registered on the server
+};
+
+// Reads local[i] <- remote[i] (length[i] bytes each) from the session's peer, within
+// `timeout`. Every range is checked against `registrations` and the peer's regions before
+// anything is read. The caller holds s.mu and found the session whole; a failure breaks it.
+Status read_batch(Session& s, const Registrations& registrations, std::span<const uintptr_t> local,
+                  std::span<const uintptr_t> remote, std::span<const size_t> length,
+                  std::chrono::milliseconds timeout);
+
+// Reader side of the am path: one range's bytes arrive for the Session in arg.
+ucs_status_t on_am_read_reply(void* arg, const void* header, size_t header_length, void* data,
+                              size_t length, const ucp_am_recv_param_t* param);
+
+}  // namespace rd2h::transfer
