@@ -59,19 +59,6 @@ Expected<std::pair<std::string, int>> split_host_port(const std::string& host_po
   return std::pair{host, static_cast<int>(port)};
 }
 
-Socket& Socket::operator=(Socket&& o) noexcept {
-  if (this != &o) {
-    if (fd_ >= 0) ::close(fd_);
-    fd_ = o.fd_;
-    o.fd_ = -1;
-  }
-  return *this;
-}
-
-Socket::~Socket() {
-  if (fd_ >= 0) ::close(fd_);
-}
-
 Expected<Socket> Socket::listen(const std::string& host_port) {
   auto hp = split_host_port(host_port);
   if (!hp) return hp.status();
@@ -129,16 +116,16 @@ Expected<Socket> Socket::connect(const std::string& host_port, const Deadline& d
 }
 
 Expected<Socket> Socket::accept(const Deadline& deadline) {
-  RD2H_RETURN_IF_ERROR(wait_fd(fd_, POLLIN, deadline, "waiting for a connection"));
-  int fd = ::accept4(fd_, nullptr, nullptr, SOCK_CLOEXEC | SOCK_NONBLOCK);
-  if (fd < 0) return internal_error(std::string("accept: ") + std::strerror(errno));
-  return Socket(fd);
+  RD2H_RETURN_IF_ERROR(wait_fd(fd(), POLLIN, deadline, "waiting for a connection"));
+  const int accepted = ::accept4(fd(), nullptr, nullptr, SOCK_CLOEXEC | SOCK_NONBLOCK);
+  if (accepted < 0) return internal_error(std::string("accept: ") + std::strerror(errno));
+  return Socket(accepted);
 }
 
 std::string Socket::local_address() const {
   sockaddr_storage ss{};
   socklen_t len = sizeof(ss);
-  if (::getsockname(fd_, reinterpret_cast<sockaddr*>(&ss), &len) != 0) return "?";
+  if (::getsockname(fd(), reinterpret_cast<sockaddr*>(&ss), &len) != 0) return "?";
   char host[NI_MAXHOST], port[NI_MAXSERV];
   if (::getnameinfo(reinterpret_cast<sockaddr*>(&ss), len, host, sizeof(host), port, sizeof(port),
                     NI_NUMERICHOST | NI_NUMERICSERV) != 0) {
@@ -152,13 +139,13 @@ std::string Socket::local_address() const {
 Status Socket::send_all(std::span<const std::byte> data, const Deadline& deadline) {
   size_t sent = 0;
   while (sent < data.size()) {
-    ssize_t n = ::send(fd_, data.data() + sent, data.size() - sent, MSG_NOSIGNAL | MSG_DONTWAIT);
+    ssize_t n = ::send(fd(), data.data() + sent, data.size() - sent, MSG_NOSIGNAL | MSG_DONTWAIT);
     if (n > 0) {
       sent += static_cast<size_t>(n);
       continue;
     }
     if (n < 0 && (errno == EAGAIN || errno == EWOULDBLOCK || errno == EINTR)) {
-      RD2H_RETURN_IF_ERROR(wait_fd(fd_, POLLOUT, deadline, "send"));
+      RD2H_RETURN_IF_ERROR(wait_fd(fd(), POLLOUT, deadline, "send"));
       continue;
     }
     return peer_dead(std::string("send: ") + std::strerror(errno));
@@ -169,14 +156,14 @@ Status Socket::send_all(std::span<const std::byte> data, const Deadline& deadlin
 Status Socket::recv_exact(std::span<std::byte> out, const Deadline& deadline) {
   size_t got = 0;
   while (got < out.size()) {
-    ssize_t n = ::recv(fd_, out.data() + got, out.size() - got, MSG_DONTWAIT);
+    ssize_t n = ::recv(fd(), out.data() + got, out.size() - got, MSG_DONTWAIT);
     if (n > 0) {
       got += static_cast<size_t>(n);
       continue;
     }
     if (n == 0) return peer_dead("the peer closed the connection");
     if (errno == EAGAIN || errno == EWOULDBLOCK || errno == EINTR) {
-      RD2H_RETURN_IF_ERROR(wait_fd(fd_, POLLIN, deadline, "receive"));
+      RD2H_RETURN_IF_ERROR(wait_fd(fd(), POLLIN, deadline, "receive"));
       continue;
     }
     return peer_dead(std::string("recv: ") + std::strerror(errno));

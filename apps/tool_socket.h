@@ -7,6 +7,7 @@
 #include <string>
 #include <vector>
 
+#include "common/unique_fd.h"
 #include "rd2h/common/deadline.h"
 #include "rd2h/common/status.h"
 
@@ -16,13 +17,8 @@ class Socket {
  public:
   Socket() = default;
   explicit Socket(int fd) : fd_(fd) {}
-  Socket(Socket&& o) noexcept : fd_(o.fd_) { o.fd_ = -1; }
-  Socket& operator=(Socket&& o) noexcept;
-  Socket(const Socket&) = delete;
-  Socket& operator=(const Socket&) = delete;
-  ~Socket();
 
-  int fd() const { return fd_; }
+  int fd() const { return fd_.get(); }
 
   // Listens on "host:port" (port 0 picks a free one).
   static Expected<Socket> listen(const std::string& host_port);
@@ -38,7 +34,7 @@ class Socket {
   Expected<std::vector<std::byte>> recv_frame(size_t max_len, const Deadline& deadline);
 
  private:
-  int fd_ = -1;
+  UniqueFd fd_;
 };
 
 // Splits "host:port"; the port must be 0..65535.

@@ -6,6 +6,7 @@
 #include <signal.h>
 #include <spawn.h>
 #include <sys/prctl.h>
+#include <sys/syscall.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -91,6 +92,11 @@ Expected<Subprocess> Subprocess::spawn(const std::vector<std::string>& argv,
   p.pid_ = pid;
   p.stdin_fd_ = in_pipe[1];
   p.stdout_fd_ = out_pipe[0];
+  // The child is not reaped before this, so its pid cannot name another process yet.
+  p.pidfd_.reset(static_cast<int>(::syscall(SYS_pidfd_open, pid, 0)));
+  if (!p.pidfd_.valid()) {
+    return internal_error("cannot watch " + argv[0] + " (pidfd_open): " + std::strerror(errno));
+  }
   return p;
 }
 
@@ -102,6 +108,7 @@ Subprocess& Subprocess::operator=(Subprocess&& other) noexcept {
   if (this != &other) {
     reset();
     pid_ = std::exchange(other.pid_, -1);
+    pidfd_ = std::move(other.pidfd_);
     stdin_fd_ = std::exchange(other.stdin_fd_, -1);
     stdout_fd_ = std::exchange(other.stdout_fd_, -1);
     buffered_ = std::move(other.buffered_);
@@ -123,6 +130,7 @@ void Subprocess::reset() {
   if (stdin_fd_ >= 0) ::close(stdin_fd_);
   if (stdout_fd_ >= 0) ::close(stdout_fd_);
   pid_ = stdin_fd_ = stdout_fd_ = -1;
+  pidfd_.reset();
   exit_status_.reset();
 }
 
@@ -209,6 +217,8 @@ Status Subprocess::stop(std::chrono::milliseconds timeout) {
   if (pid_ <= 0 || exit_status_) return failed_precondition("no running child");
   ::kill(pid_, SIGSTOP);
   Deadline deadline(timeout);
+  // No fd reports that a process stopped (its pidfd only reports its exit): a short
+  // back-off, bounded by the deadline.
   auto pause = std::chrono::microseconds(50);
   for (;;) {
     int status = 0;
@@ -230,9 +240,7 @@ Status Subprocess::stop(std::chrono::milliseconds timeout) {
 Expected<int> Subprocess::wait(std::chrono::milliseconds timeout) {
   if (exit_status_) return *exit_status_;
   if (pid_ <= 0) return failed_precondition("no child");
-  Deadline deadline(timeout);
-  // waitpid has no timeout; poll it with a short back-off, bounded by the deadline.
-  auto pause = std::chrono::microseconds(100);
+  const Deadline deadline(timeout);
   for (;;) {
     int status = 0;
     pid_t r = ::waitpid(pid_, &status, WNOHANG);
@@ -245,8 +253,8 @@ Expected<int> Subprocess::wait(std::chrono::milliseconds timeout) {
       return timeout_error("child " + std::to_string(pid_) + " did not exit within " +
                            std::to_string(timeout.count()) + " ms");
     }
-    std::this_thread::sleep_for(pause);
-    pause = std::min(pause * 2, std::chrono::microseconds(20000));
+    pollfd p{pidfd_.get(), POLLIN, 0};  // readable once it exited
+    ::poll(&p, 1, deadline.remaining_ms());
   }
 }
 

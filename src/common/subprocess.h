@@ -9,6 +9,7 @@
 #include <string>
 #include <vector>
 
+#include "common/unique_fd.h"
 #include "rd2h/common/deadline.h"
 #include "rd2h/common/status.h"
 
@@ -60,6 +61,7 @@ class Subprocess {
   Expected<bool> read_more(const Deadline& deadline);
 
   pid_t pid_ = -1;
+  UniqueFd pidfd_;  // readable once the child exits
   int stdin_fd_ = -1;
   int stdout_fd_ = -1;
   std::string buffered_;

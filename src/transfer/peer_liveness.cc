@@ -66,22 +66,9 @@ Expected<ProcessWatch> ProcessWatch::open(int32_t pid, uint64_t start_time) {
   return watch;
 }
 
-ProcessWatch& ProcessWatch::operator=(ProcessWatch&& other) noexcept {
-  if (this != &other) {
-    if (fd_ >= 0) ::close(fd_);
-    fd_ = other.fd_;
-    other.fd_ = -1;
-  }
-  return *this;
-}
-
-ProcessWatch::~ProcessWatch() {
-  if (fd_ >= 0) ::close(fd_);
-}
-
 bool ProcessWatch::exited() const {
-  if (fd_ < 0) return false;
-  pollfd p{fd_, POLLIN, 0};
+  if (!fd_.valid()) return false;
+  pollfd p{fd_.get(), POLLIN, 0};
   return ::poll(&p, 1, 0) > 0 && (p.revents & (POLLIN | POLLHUP | POLLERR)) != 0;
 }
 

@@ -6,6 +6,7 @@
 #include <cstdint>
 #include <string>
 
+#include "common/unique_fd.h"
 #include "rd2h/common/status.h"
 
 namespace rd2h::transfer {
@@ -32,19 +33,14 @@ class ProcessWatch {
   ProcessWatch() = default;
   // Fails when the process is gone or its pid now names another process.
   static Expected<ProcessWatch> open(int32_t pid, uint64_t start_time);
-  ProcessWatch(ProcessWatch&& other) noexcept : fd_(other.fd_) { other.fd_ = -1; }
-  ProcessWatch& operator=(ProcessWatch&& other) noexcept;
-  ProcessWatch(const ProcessWatch&) = delete;
-  ProcessWatch& operator=(const ProcessWatch&) = delete;
-  ~ProcessWatch();
 
-  bool valid() const { return fd_ >= 0; }
+  bool valid() const { return fd_.valid(); }
   // True once the watched process has exited. Never blocks.
   bool exited() const;
 
  private:
   explicit ProcessWatch(int fd) : fd_(fd) {}
-  int fd_ = -1;
+  UniqueFd fd_;
 };
 
 }  // namespace rd2h::transfer
