@@ -5,6 +5,7 @@
 // itself; descriptors cover exactly the requested blocks, or are refused with nothing added.
 #include <msgpack.hpp>
 
+#include "decode/layer_meta.h"
 #include "fuzz_support.h"
 #include "layout/layout.h"
 #include "protocol/messages.h"
@@ -37,7 +38,7 @@ void check_descriptors(const layout::LayerTensors& t) {
     const layout::ReadRole role{0, 2, member, 2};
     std::vector<layout::Descriptor> out{{1, 2, 3}};
     const Status st =
-        layout::append_request_descriptors(t, decode, {&req, &dest, &dest}, role, out);
+        layout::append_request_descriptors(t, decode, {decode::source_blocks(req), dest, dest}, role, out);
     if (!st) {
       RD2H_FUZZ_CHECK(out.size() == 1, "a refused request left descriptors behind");
       continue;
@@ -83,9 +84,9 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   RD2H_FUZZ_CHECK(protocol::encode(std::get<protocol::MfMeta>(*again)) == bytes,
                   "re-encoding the layer map is not a fixed point");
   for (size_t i = 0; i < meta.layers.size(); ++i) {
-    auto t = layout::from_layer_meta(meta.layers[i].second);
+    auto t = decode::from_layer_meta(meta.layers[i].second);
     if (!t) {
-      fuzz::check_refusal(t.status(), "layout::from_layer_meta");
+      fuzz::check_refusal(t.status(), "decode::from_layer_meta");
       continue;
     }
     const Status same = layout::validate_layer(static_cast<int64_t>(i), *t, *t);

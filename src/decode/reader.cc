@@ -7,6 +7,7 @@
 
 #include "common/log.h"
 #include "common/trace.h"
+#include "decode/layer_meta.h"
 #include "layout/cache.h"
 
 namespace rd2h::decode {
@@ -418,7 +419,7 @@ void Reader::handle_mf_meta(const std::string& identity, const protocol::MfMeta&
   }
   Peer peer;
   for (const auto& [name, layer_meta] : meta.layers) {
-    auto tensors = layout::from_layer_meta(layer_meta);
+    auto tensors = from_layer_meta(layer_meta);
     if (!tensors) return refuse(tensors.status().with_context(name));
     peer.layers.emplace(name, PeerLayer{std::move(*tensors), nullptr, Status::ok()});
   }
@@ -536,7 +537,7 @@ Status Reader::read_layer(const std::string& identity, const protocol::ReadReady
         return not_found(where() + ": request " + req.ext_id + " has no destination on Decode");
       }
       if (Status st = layout::append_request_descriptors(
-              layer.tensors, *layer.decode, {&req, &dest->main, &dest->indexer}, role, descriptors);
+              layer.tensors, *layer.decode, {source_blocks(req), dest->main, dest->indexer}, role, descriptors);
           !st) {
         return st.with_context(where());
       }

@@ -15,7 +15,7 @@ Expected<int64_t> layer_index_from_name(std::string_view name) {
     int64_t index = 0;
     auto [end, ec] = std::from_chars(first, last, index);
     if (ec == std::errc() && end != first && (end == last || *end == '.') && index >= 0 &&
-        index <= protocol::kMaxLayerIndex) {
+        index <= kMaxLayerIndex) {
       return index;
     }
   }
@@ -66,19 +66,6 @@ Expected<LayerTensors> to_layer_tensors(const CacheLayer& layer) {
     t.bytes_per_block.push_back(per_block);
   }
   return t;
-}
-
-protocol::LayerMeta to_layer_meta(const CacheLayer& layer) {
-  protocol::LayerMeta m;
-  for (const auto& c : layer.tensors) {
-    m.base_addrs.push_back(c.addr);
-    m.block_len.push_back(c.block_len);
-    m.block_size_scale.push_back(c.block_size_scale);
-    m.tensor_group_idx.push_back(c.group_idx);
-  }
-  m.main_tensor_count = layer.main_tensor_count;
-  m.has_indexer = layer.has_indexer;
-  return m;
 }
 
 std::vector<Region> merged_regions(const std::vector<CacheLayer>& layers) {

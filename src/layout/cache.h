@@ -1,6 +1,6 @@
 // The KV caches a host engine hands the connector (spec "Data Ownership", wire-format
-// "MF_META" and "Arithmetic both sides rely on"): one layer's tensors as allocated, what
-// they become on the wire and in the read arithmetic, the memory regions to register, and
+// "Arithmetic both sides rely on"): one layer's tensors as allocated, what they become in
+// the read arithmetic, the memory regions to register, and
 // the block slice a chunk of Prefill publishes. Pure functions over plain structs.
 #pragma once
 
@@ -10,11 +10,14 @@
 #include <vector>
 
 #include "layout/layout.h"
-#include "protocol/messages.h"
 #include "rd2h/common/status.h"
 #include "rd2h/layout/cache_layer.h"
 
 namespace rd2h::layout {
+
+// The largest layer index (the wire's bound, protocol::kMaxLayerIndex, which the connector
+// checks equal).
+inline constexpr int64_t kMaxLayerIndex = 1 << 20;
 
 // The layer index the wire carries: the n of "layers.<n>" in the layer's name.
 Expected<int64_t> layer_index_from_name(std::string_view name);
@@ -22,8 +25,6 @@ Expected<int64_t> layer_index_from_name(std::string_view name);
 // Checks a layer's shape (tensor count against main/indexer/scale, non-zero sizes, whole
 // blocks, no address overflow) and returns it as the read arithmetic sees it.
 Expected<LayerTensors> to_layer_tensors(const CacheLayer& layer);
-// The layer as MF_META describes it.
-protocol::LayerMeta to_layer_meta(const CacheLayer& layer);
 
 struct Region {
   uint64_t addr = 0;

@@ -12,7 +12,9 @@ std::string component_name(const LayerTensors& t, size_t i) {
   return "LIC8 scale";
 }
 
-Status check_shape(const LayerTensors& t, const char* side) {
+}  // namespace
+
+Status check_shape(const LayerTensors& t, std::string_view side) {
   const size_t expected = t.main_tensor_count + (t.has_indexer ? 1 : 0) + (t.has_scale ? 1 : 0);
   if (t.has_scale && !t.has_indexer) {
     return invalid_argument(std::string(side) + " has a LIC8 scale but no indexer");
@@ -24,6 +26,8 @@ Status check_shape(const LayerTensors& t, const char* side) {
   }
   return Status::ok();
 }
+
+namespace {
 
 // base + block * bytes, or an error when it overflows 64 bits.
 Expected<uint64_t> block_address(uint64_t base, int64_t block, uint64_t bytes) {
@@ -38,7 +42,7 @@ Expected<uint64_t> block_address(uint64_t base, int64_t block, uint64_t bytes) {
 
 // Descriptors for blocks [range) of one tensor, coalesced.
 Status append_tensor(const LayerTensors& prefill, const LayerTensors& decode, size_t tensor,
-                     const std::vector<int64_t>& src_blocks, const std::vector<int64_t>& dst_blocks,
+                     std::span<const int64_t> src_blocks, std::span<const int64_t> dst_blocks,
                      int64_t dst_start, Range range, std::vector<Descriptor>& out) {
   const size_t from = out.size();
   const uint64_t bytes = prefill.bytes_per_block[tensor];
@@ -72,18 +76,6 @@ Status append_tensor(const LayerTensors& prefill, const LayerTensors& decode, si
 }
 
 }  // namespace
-
-Expected<LayerTensors> from_layer_meta(const protocol::LayerMeta& meta) {
-  LayerTensors t;
-  t.base_addrs = meta.base_addrs;
-  t.main_tensor_count = meta.main_tensor_count;
-  t.has_indexer = meta.has_indexer;
-  t.has_scale = meta.has_indexer && meta.base_addrs.size() == meta.main_tensor_count + 2;
-  for (size_t i = 0; i < meta.base_addrs.size(); ++i)
-    t.bytes_per_block.push_back(meta.bytes_per_block(i));
-  RD2H_RETURN_IF_ERROR(check_shape(t, "MF_META layer"));
-  return t;
-}
 
 Status validate_layer(int64_t layer_idx, const LayerTensors& p, const LayerTensors& d) {
   const std::string layer = "layer " + std::to_string(layer_idx) + ": ";
@@ -126,18 +118,18 @@ Range share(size_t index, size_t size, int64_t start, size_t n) {
 Status append_request_descriptors(const LayerTensors& prefill, const LayerTensors& decode,
                                   const RequestRead& read, const ReadRole& role,
                                   std::vector<Descriptor>& out) {
-  const protocol::ReadReq& req = *read.req;
+  const SourceBlocks& req = read.src;
   const size_t from = out.size();
   auto fail = [&](const Status& st) {
     out.resize(from);
-    return st.with_context("request " + req.ext_id);
+    return st.with_context("request " + std::string(req.ext_id));
   };
   // Main KV is replicated across a contributor group: member 0 alone pulls this rank's share.
   if (role.group_member_idx == 0) {
     const Range main = share(static_cast<size_t>(role.d_rank), static_cast<size_t>(role.d_tp),
                              req.main_start, req.main_block_ids.size());
     for (size_t t = 0; t < prefill.main_tensor_count; ++t) {
-      Status st = append_tensor(prefill, decode, t, req.main_block_ids, *read.dest_main_blocks,
+      Status st = append_tensor(prefill, decode, t, req.main_block_ids, read.dest_main_blocks,
                                 req.main_start, main, out);
       if (!st) return fail(st);
     }
@@ -148,8 +140,8 @@ Status append_request_descriptors(const LayerTensors& prefill, const LayerTensor
         share(static_cast<size_t>(role.group_member_idx), static_cast<size_t>(role.tp_ratio),
               req.indexer_start, req.indexer_block_ids.size());
     for (size_t t = prefill.indexer_index(); t < prefill.base_addrs.size(); ++t) {
-      Status st = append_tensor(prefill, decode, t, req.indexer_block_ids,
-                                *read.dest_indexer_blocks, req.indexer_start, idx, out);
+      Status st = append_tensor(prefill, decode, t, req.indexer_block_ids, read.dest_indexer_blocks,
+                                req.indexer_start, idx, out);
       if (!st) return fail(st);
     }
   }

@@ -6,10 +6,11 @@
 #pragma once
 
 #include <cstdint>
+#include <span>
 #include <string>
+#include <string_view>
 #include <vector>
 
-#include "protocol/messages.h"
 #include "rd2h/common/status.h"
 
 namespace rd2h::layout {
@@ -30,9 +31,9 @@ struct LayerTensors {
   size_t scale_index() const { return main_tensor_count + 1; }
 };
 
-// Reads a layer as MF_META describes it; a scale is present when a tensor follows the
-// indexer.
-Expected<LayerTensors> from_layer_meta(const protocol::LayerMeta& meta);
+// Checks a layer's shape: as many base addresses and block sizes as its main tensors,
+// indexer and scale make, and a scale only with an indexer. The error names `side`.
+Status check_shape(const LayerTensors& t, std::string_view side);
 
 // Checks that Prefill's and Decode's tensors of a layer agree: main tensor count and bytes,
 // indexer presence and bytes, scale presence and bytes. The error names the layer, the
@@ -56,12 +57,22 @@ struct Descriptor {
   uint64_t length = 0;
 };
 
+// A request's blocks on Prefill for one layer, as its readiness publishes them: the
+// block ids, and where in Decode's block lists they start.
+struct SourceBlocks {
+  std::string_view ext_id;
+  std::span<const int64_t> main_block_ids;
+  std::span<const int64_t> indexer_block_ids;
+  int64_t main_start = 0;
+  int64_t indexer_start = 0;
+};
+
 // What one Decode rank reads for one request of one layer.
 struct RequestRead {
-  const protocol::ReadReq* req = nullptr;
-  // Decode's destination block lists for the request; read_req starts index into them.
-  const std::vector<int64_t>* dest_main_blocks = nullptr;
-  const std::vector<int64_t>* dest_indexer_blocks = nullptr;
+  SourceBlocks src;
+  // Decode's destination block lists for the request; src's starts index into them.
+  std::span<const int64_t> dest_main_blocks;
+  std::span<const int64_t> dest_indexer_blocks;
 };
 
 struct ReadRole {

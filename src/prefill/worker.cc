@@ -4,6 +4,7 @@
 #include <set>
 
 #include "control/curve.h"
+#include "prefill/layer_meta.h"
 #include "topology/topology.h"
 
 namespace rd2h::prefill {
@@ -71,7 +72,7 @@ Expected<std::unique_ptr<Worker>> Worker::create(WorkerConfig config,
   protocol::MfMeta& meta = worker->mf_meta_;
   meta.p_session = worker->engine_->session_id();
   for (const auto& layer : sorted)
-    meta.layers.emplace_back(layer.name, layout::to_layer_meta(layer));
+    meta.layers.emplace_back(layer.name, to_layer_meta(layer));
   meta.protocol_version = protocol::kProtocolVersion;
   meta.cache_layout_version = protocol::kCacheLayoutVersion;
   meta.backend_name = std::string(worker->engine_->backend_name());

@@ -8,6 +8,18 @@
 namespace rd2h::layout {
 namespace {
 
+// A request's blocks as a readiness carries them, owned; view() is what the arithmetic reads.
+struct Req {
+  std::string ext_id;
+  std::vector<int64_t> main_block_ids;
+  std::vector<int64_t> indexer_block_ids;
+  int64_t main_start = 0;
+  int64_t indexer_start = 0;
+  SourceBlocks view() const {
+    return {ext_id, main_block_ids, indexer_block_ids, main_start, indexer_start};
+  }
+};
+
 // K, V, indexer, LIC8 scale, with sizes that make every address distinct.
 LayerTensors side(uint64_t base) {
   LayerTensors t;
@@ -106,25 +118,6 @@ TEST(Validate, EachMismatchFailsTheLayerNamingBothValues) {
   }
 }
 
-TEST(LayerMeta, ScaleIsTheTensorAfterTheIndexer) {
-  protocol::LayerMeta m;
-  m.base_addrs = {1, 2, 3, 4};
-  m.block_len = {16, 16, 4, 1};
-  m.block_size_scale = {8, 8, 8, 8};
-  m.tensor_group_idx = {0, 0, 1, 1};
-  m.main_tensor_count = 2;
-  m.has_indexer = true;
-  auto t = from_layer_meta(m);
-  ASSERT_TRUE(t) << t.status().to_string();
-  EXPECT_TRUE(t->has_scale);
-  EXPECT_EQ(t->bytes_per_block, (std::vector<uint64_t>{128, 128, 32, 8}));
-  m.base_addrs.pop_back();
-  m.block_len.pop_back();
-  m.block_size_scale.pop_back();
-  m.tensor_group_idx.pop_back();
-  EXPECT_FALSE(from_layer_meta(m)->has_scale);
-}
-
 // Expands descriptors back into (tensor, source block) -> destination block, using the
 // block size of the tensor each address falls in.
 std::map<std::pair<size_t, int64_t>, int64_t> expand(const std::vector<Descriptor>& ds,
@@ -155,7 +148,7 @@ TEST(Descriptors, EveryTopologyReadsEachBlockExactlyOnceIntoItsDestination) {
     for (size_t n : {0u, 1u, 2u, 5u, 13u}) {
       for (int64_t start : {0, 1, 3}) {
         // Source blocks: runs of contiguous ids with gaps; destinations: a shuffled-looking list.
-        protocol::ReadReq req;
+        Req req;
         req.ext_id = "r";
         for (size_t i = 0; i < n; ++i)
           req.main_block_ids.push_back(static_cast<int64_t>(i + i / 3));
@@ -170,7 +163,7 @@ TEST(Descriptors, EveryTopologyReadsEachBlockExactlyOnceIntoItsDestination) {
           for (int m = 0; m < ratio; ++m) {
             std::vector<Descriptor> out;
             ReadRole role{dr, tp.d_tp, m, ratio};
-            ASSERT_TRUE(append_request_descriptors(p, d, {&req, &dest, &dest}, role, out).is_ok());
+            ASSERT_TRUE(append_request_descriptors(p, d, {req.view(), dest, dest}, role, out).is_ok());
             for (const auto& x : out) {
               (x.remote < p.base_addrs[2] ? main_all : rank_indexer).push_back(x);
             }
@@ -200,16 +193,16 @@ TEST(Descriptors, EveryTopologyReadsEachBlockExactlyOnceIntoItsDestination) {
 
 TEST(Descriptors, OnlyMemberZeroPullsMainKv) {
   const LayerTensors p = side(0x10000000), d = side(0x90000000);
-  protocol::ReadReq req{"r", {1, 2, 3, 4}, {1, 2, 3, 4}, 0, 0};
+  Req req{"r", {1, 2, 3, 4}, {1, 2, 3, 4}, 0, 0};
   std::vector<int64_t> dest{10, 11, 12, 13};
   std::vector<Descriptor> out;
-  ASSERT_TRUE(append_request_descriptors(p, d, {&req, &dest, &dest}, {0, 1, 1, 2}, out).is_ok());
+  ASSERT_TRUE(append_request_descriptors(p, d, {req.view(), dest, dest}, {0, 1, 1, 2}, out).is_ok());
   for (const auto& x : out) EXPECT_GE(x.remote, p.base_addrs[2]) << "member 1 read main KV";
 }
 
 TEST(Descriptors, ContiguousRunsOnBothSidesCoalesce) {
   const LayerTensors p = side(0x10000000), d = side(0x90000000);
-  protocol::ReadReq req{"r", {4, 5, 6, 9}, {}, 0, 0};
+  Req req{"r", {4, 5, 6, 9}, {}, 0, 0};
   std::vector<int64_t> dest{20, 21, 30, 31}, none;
   LayerTensors p_main = p, d_main = d;
   p_main.has_indexer = d_main.has_indexer = p_main.has_scale = d_main.has_scale = false;
@@ -219,7 +212,7 @@ TEST(Descriptors, ContiguousRunsOnBothSidesCoalesce) {
   d_main.bytes_per_block.resize(2);
   std::vector<Descriptor> out;
   ASSERT_TRUE(
-      append_request_descriptors(p_main, d_main, {&req, &dest, &none}, {0, 1, 0, 1}, out).is_ok());
+      append_request_descriptors(p_main, d_main, {req.view(), dest, none}, {0, 1, 0, 1}, out).is_ok());
   // Per tensor: 4,5 -> 20,21 merge; 6 -> 30 breaks (destination jumps); 9 -> 31 breaks
   // (source jumps). Tensors never merge with each other.
   ASSERT_EQ(out.size(), 6u);
@@ -232,17 +225,17 @@ TEST(Descriptors, ContiguousRunsOnBothSidesCoalesce) {
 
 TEST(Descriptors, DestinationOutsideTheRequestOrAllocationAddsNothing) {
   const LayerTensors p = side(0x10000000), d = side(0x90000000);
-  protocol::ReadReq req{"r7", {1, 2, 3}, {1, 2, 3}, 2, 2};
+  Req req{"r7", {1, 2, 3}, {1, 2, 3}, 2, 2};
   std::vector<int64_t> short_dest{0, 1, 2, 3};  // start 2 + 3 blocks needs 5
   std::vector<Descriptor> out{{1, 2, 3}};
-  Status st = append_request_descriptors(p, d, {&req, &short_dest, &short_dest}, {0, 1, 0, 1}, out);
+  Status st = append_request_descriptors(p, d, {req.view(), short_dest, short_dest}, {0, 1, 0, 1}, out);
   EXPECT_EQ(st.code(), StatusCode::kOutOfRange);
   EXPECT_NE(st.message().find("request r7"), std::string::npos) << st.message();
   EXPECT_NE(st.message().find("destination index 4"), std::string::npos) << st.message();
   EXPECT_EQ(out.size(), 1u);
 
   std::vector<int64_t> beyond{0, 0, 5, 256, 7};  // block 256 of 256 allocated
-  st = append_request_descriptors(p, d, {&req, &beyond, &beyond}, {0, 1, 0, 1}, out);
+  st = append_request_descriptors(p, d, {req.view(), beyond, beyond}, {0, 1, 0, 1}, out);
   EXPECT_EQ(st.code(), StatusCode::kOutOfRange);
   EXPECT_NE(st.message().find("destination block 256 is outside the 256 allocated"),
             std::string::npos)
@@ -252,10 +245,10 @@ TEST(Descriptors, DestinationOutsideTheRequestOrAllocationAddsNothing) {
 
 TEST(Descriptors, AddressOverflowIsAnError) {
   LayerTensors p = side(0xffffffffffff0000ull), d = side(0x90000000);
-  protocol::ReadReq req{"r", {1000}, {}, 0, 0};
+  Req req{"r", {1000}, {}, 0, 0};
   std::vector<int64_t> dest{1};
   std::vector<Descriptor> out;
-  Status st = append_request_descriptors(p, d, {&req, &dest, &dest}, {0, 1, 0, 1}, out);
+  Status st = append_request_descriptors(p, d, {req.view(), dest, dest}, {0, 1, 0, 1}, out);
   EXPECT_EQ(st.code(), StatusCode::kOutOfRange) << st.to_string();
   EXPECT_TRUE(out.empty());
 }
