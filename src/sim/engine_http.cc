@@ -1,0 +1,466 @@
+#include "sim/engine_impl.h"
+
+namespace rd2h::sim {
+
+namespace {
+
+std::string random_hex(size_t n) {
+  thread_local std::mt19937_64 rng(std::random_device{}());
+  static const char* digits = "0123456789abcdef";
+  std::string s(n, '0');
+  for (auto& c : s) c = digits[rng() & 15];
+  return s;
+}
+
+}  // namespace
+
+// One client request as its handler and its stream see it.
+struct Engine::Impl::Call {
+  std::string id, object, model;
+  bool chat = false;
+  int64_t created = 0;
+  std::vector<std::string> children;    // ext ids, one per prompt
+  std::vector<uint64_t> prompt_tokens;  // per prompt
+  std::vector<std::shared_future<Result>> results;
+  std::shared_ptr<Progress> progress;
+  std::chrono::steady_clock::time_point deadline;
+  std::function<bool()> client_went_away;  // true (and the request given up) if it did
+  char token_text = 'y';                   // what one generated token reads as
+  uint64_t recompute_after = 0;            // end the stream "recomputed" after this many
+  uint64_t max_tokens = 0;                 // the request's budget (never cut at its end)
+  std::function<void()> give_up;           // cancels the request in the engine core
+
+  json chunk(json choices) const {
+    return {{"id", id},
+            {"object", object + ".chunk"},
+            {"created", created},
+            {"model", model},
+            {"choices", std::move(choices)}};
+  }
+  json token_choice(size_t i, const std::string& text, json finish = nullptr) const {
+    json c = {{"index", i}};
+    if (chat) {
+      c["delta"] = text.empty() ? json::object() : json{{"content", text}};
+    } else {
+      c["text"] = text;
+    }
+    c["logprobs"] = nullptr;
+    c["finish_reason"] = std::move(finish);
+    return c;
+  }
+  json usage(const std::vector<Result>& done) const {
+    uint64_t prompt = 0, completion = 0;
+    for (uint64_t t : prompt_tokens) prompt += t;
+    for (const auto& r : done) completion += r.text.size();
+    return {{"prompt_tokens", prompt},
+            {"completion_tokens", completion},
+            {"total_tokens", prompt + completion}};
+  }
+  // Every prompt's result, or an HTTP status and why not.
+  std::variant<std::vector<Result>, std::pair<int, std::string>> wait() const {
+    std::vector<Result> done;
+    for (size_t i = 0; i < results.size(); ++i) {
+      while (results[i].wait_for(kLook) != std::future_status::ready) {
+        if (std::chrono::steady_clock::now() >= deadline) {
+          return std::pair{504, "request " + children[i] + " did not finish in time"};
+        }
+        if (client_went_away()) return std::pair{499, std::string("the client went away")};
+      }
+      const Result& r = results[i].get();
+      if (!r.ok) return std::pair{500, "request " + children[i] + ": " + r.error};
+      done.push_back(r);
+    }
+    return done;
+  }
+  json whole(const std::vector<Result>& done) const {
+    json choices = json::array();
+    uint64_t verified = 0;
+    for (size_t i = 0; i < done.size(); ++i) {
+      json c = {{"index", i}};
+      if (chat) {
+        c["message"] = {{"role", "assistant"}, {"content", done[i].text}};
+      } else {
+        c["text"] = done[i].text;
+      }
+      c["logprobs"] = nullptr;
+      c["finish_reason"] = "length";
+      choices.push_back(std::move(c));
+      verified += done[i].verified_blocks;
+    }
+    return {{"id", id},
+            {"object", object},
+            {"created", created},
+            {"model", model},
+            {"choices", choices},
+            {"usage", usage(done)},
+            {"rd2h", {{"verified_blocks", verified}}}};
+  }
+  // Ends the stream as a Decode that lost the request's KV: the request is given up, its
+  // last event has stop reason "recomputed".
+  bool recomputed(httplib::DataSink& sink, uint64_t tokens, bool include_usage) const {
+    give_up();
+    json c = token_choice(0, "", "stop");
+    c["stop_reason"] = "recomputed";
+    std::string out = "data: " + chunk({c}).dump() + "\n\n";
+    if (include_usage) {
+      json u = chunk(json::array());
+      u["usage"] = {{"prompt_tokens", prompt_tokens[0]},
+                    {"completion_tokens", tokens},
+                    {"total_tokens", prompt_tokens[0] + tokens}};
+      out += "data: " + u.dump() + "\n\n";
+    }
+    out += "data: [DONE]\n\n";
+    sink.write(out.data(), out.size());
+    sink.done();
+    return true;
+  }
+  // The stream: one event per token as the engine makes it, a last event per prompt with its
+  // finish reason, the usage if asked for, then [DONE]. False if the client went away.
+  bool stream(httplib::DataSink& sink, bool include_usage) const {
+    auto send = [&](const json& event) {
+      const std::string data = "data: " + event.dump() + "\n\n";
+      return sink.write(data.data(), data.size());
+    };
+    auto finish = [&](const std::string& data) {
+      sink.write(data.data(), data.size());
+      sink.done();
+      return true;
+    };
+    auto with_usage = [&](json event) {
+      if (include_usage) event["usage"] = nullptr;
+      return event;
+    };
+    const size_t n = children.size();
+    if (chat) {
+      json c = token_choice(0, "");
+      c["delta"] = {{"role", "assistant"}, {"content", ""}};
+      if (!send(with_usage(chunk({c})))) return false;
+    }
+    std::vector<uint64_t> sent(n, 0);
+    for (;;) {
+      std::vector<uint64_t> made;
+      bool all_ended;
+      {
+        std::unique_lock lock(progress->mu);
+        auto news = [&] {
+          for (size_t i = 0; i < n; ++i) {
+            if (progress->tokens[i] > sent[i]) return true;
+          }
+          return std::all_of(progress->ended.begin(), progress->ended.end(),
+                             [](bool e) { return e; });
+        };
+        progress->cv.wait_for(lock, kLook, news);
+        made = progress->tokens;
+        all_ended =
+            std::all_of(progress->ended.begin(), progress->ended.end(), [](bool e) { return e; });
+      }
+      // A stream that ends "recomputed" carries exactly recompute_after tokens.
+      const uint64_t cut = recompute_after > 0 && n == 1 ? recompute_after : UINT64_MAX;
+      for (size_t i = 0; i < n; ++i) {
+        for (; sent[i] < std::min(made[i], cut); ++sent[i]) {
+          if (!send(with_usage(chunk({token_choice(i, std::string(1, token_text))})))) {
+            client_went_away();
+            return false;
+          }
+        }
+      }
+      // Cut whether or not the engine made the rest already (it may be that fast): the
+      // stream ends at exactly recompute_after tokens, every time.
+      if (recompute_after > 0 && n == 1 && sent[0] >= recompute_after && sent[0] < max_tokens) {
+        return recomputed(sink, sent[0], include_usage);
+      }
+      if (all_ended) break;
+      if (std::chrono::steady_clock::now() >= deadline) {
+        return finish(
+            "data: " + metaserver::api_error_json(504, "the request did not finish in time") +
+            "\n\ndata: [DONE]\n\n");
+      }
+      if (client_went_away()) return false;
+    }
+    auto outcome = wait();
+    if (auto* failed = std::get_if<std::pair<int, std::string>>(&outcome)) {
+      if (failed->first == 499) return false;
+      return finish("data: " + metaserver::api_error_json(failed->first, failed->second) +
+                    "\n\ndata: [DONE]\n\n");
+    }
+    const auto& done = std::get<std::vector<Result>>(outcome);
+    uint64_t verified = 0;
+    for (size_t i = 0; i < n; ++i) {
+      // What the stream has not carried yet (Prefill's one token is not generated in steps).
+      if (done[i].text.size() > sent[i] &&
+          !send(with_usage(chunk({token_choice(i, done[i].text.substr(sent[i]))})))) {
+        return false;
+      }
+      verified += done[i].verified_blocks;
+      json last = with_usage(chunk({token_choice(i, "", "length")}));
+      if (i + 1 == n) last["rd2h"] = {{"verified_blocks", verified}};
+      if (!send(last)) return false;
+    }
+    if (include_usage) {
+      json u = chunk(json::array());
+      u["usage"] = usage(done);
+      if (!send(u)) return false;
+    }
+    return finish("data: [DONE]\n\n");
+  }
+};
+
+// A request id a client may give (X-Request-Id): it becomes part of the transfer's ids, so
+// it is short and plain.
+bool plain_request_id(const std::string& id) {
+  if (id.empty() || id.size() > 128) return false;
+  return std::all_of(id.begin(), id.end(), [](char c) {
+    return std::isalnum(static_cast<unsigned char>(c)) || c == '-' || c == '_' || c == '.' ||
+           c == ':';
+  });
+}
+
+void Engine::Impl::serve(const httplib::Request& req, httplib::Response& res, bool chat) {
+  auto fail = [&](int status, const std::string& why, const std::string& param = {},
+                  const std::string& code = {}) {
+    metaserver::set_api_error(res, status, why, param, code);
+  };
+  std::string parent = req.get_header_value("X-Request-Id");
+  if (!parent.empty()) {
+    res.set_header("X-Request-Id", parent);
+    if (!plain_request_id(parent)) {
+      return fail(400, "X-Request-Id must be 1 to 128 letters, digits and the characters - _ . :",
+                  "X-Request-Id");
+    }
+  }
+  auto body = json::parse(req.body, nullptr, false);
+  if (body.is_discarded() || !body.is_object()) return fail(400, "the body is not a JSON object");
+  const metaserver::PromptLimits limits{config.max_prompts, config.max_prompt_tokens};
+  metaserver::BodyFault fault;
+  if (auto checked = metaserver::check_openai_body(body, chat, limits, &fault); !checked) {
+    return fail(400, checked.status().message(), fault.param, fault.code);
+  }
+  if (auto m = body.find("model");
+      m != body.end() && m->is_string() && *m != config.served_model_name) {
+    return fail(404,
+                "the model '" + m->get<std::string>() + "' does not exist; this engine serves '" +
+                    config.served_model_name + "'",
+                "model", "model_not_found");
+  }
+  std::optional<connector::KvTransferParams> params;
+  if (body.contains("kv_transfer_params") && !body["kv_transfer_params"].is_null()) {
+    auto p = connector::KvTransferParams::from_json(body["kv_transfer_params"].dump());
+    if (!p) return fail(400, p.status().message(), "kv_transfer_params");
+    params = std::move(*p);
+  }
+  if (parent.empty()) parent = random_hex(32);
+  auto tokens_of = [](const json& prompt) {
+    std::vector<int64_t> t;
+    if (prompt.is_string()) {
+      for (unsigned char c : prompt.get<std::string>()) t.push_back(c);
+    } else if (prompt.is_array()) {
+      for (const auto& x : prompt) {
+        if (x.is_number_integer()) t.push_back(x.get<int64_t>());
+      }
+    }
+    return t;
+  };
+  // Field types were checked above; null stands for the field's absence.
+  auto field = [&](const char* name, json fallback) {
+    auto it = body.find(name);
+    return it == body.end() || it->is_null() ? fallback : *it;
+  };
+  std::vector<std::pair<std::string, std::vector<int64_t>>> children;
+  if (chat) {
+    std::string text;  // every message's text, one token per byte
+    for (const auto& m : field("messages", json::array())) {
+      auto c = m.find("content");
+      if (c == m.end() || c->is_null()) continue;
+      if (c->is_string()) {
+        text += c->get<std::string>();
+        continue;
+      }
+      for (const auto& part : *c) text += part.value("text", std::string());
+    }
+    children.push_back({"chatcmpl-" + parent, tokens_of(json(text))});
+  } else {
+    const json prompt = field("prompt", json(""));
+    if (prompt.is_array() && !prompt.empty() && !prompt[0].is_number()) {
+      for (size_t i = 0; i < prompt.size(); ++i) {
+        children.push_back({"cmpl-" + parent + "-" + std::to_string(i), tokens_of(prompt[i])});
+      }
+    } else {
+      children.push_back({"cmpl-" + parent + "-0", tokens_of(prompt)});
+    }
+  }
+  const char* prompt_param = chat ? "messages" : "prompt";
+  for (size_t i = 0; i < children.size(); ++i) {
+    const auto& [id, tokens] = children[i];
+    // A text prompt is one token per byte here.
+    if (tokens.size() > config.max_prompt_tokens) {
+      return fail(400,
+                  "request " + id + " has " + std::to_string(tokens.size()) +
+                      " prompt tokens; the limit is " + std::to_string(config.max_prompt_tokens),
+                  prompt_param, "context_length_exceeded");
+    }
+    if (tokens.empty()) return fail(400, "request " + id + " has an empty prompt", prompt_param);
+  }
+  const uint64_t max_tokens = metaserver::requested_max_tokens(body, 16);
+  if (auto why = never_fits(children, max_tokens)) {
+    return fail(400, *why, prompt_param, "context_length_exceeded");
+  }
+  auto call = std::make_shared<Call>();
+  call->chat = chat;
+  call->id = chat ? "chatcmpl-" + parent : "cmpl-" + parent;
+  call->object = chat ? "chat.completion" : "text_completion";
+  call->model = config.served_model_name;
+  call->created = static_cast<int64_t>(std::time(nullptr));
+  call->token_text = prefill ? 'x' : 'y';
+  if (!prefill) call->recompute_after = config.test_recompute_after;
+  call->max_tokens = max_tokens;
+  call->progress = std::make_shared<Progress>(children.size());
+  call->deadline = std::chrono::steady_clock::now() + config.request_timeout;
+  std::vector<std::shared_ptr<EngineRequest>> requests;
+  {
+    std::lock_guard lock(mu);
+    if (stopping) return fail(503, "the engine is stopping");
+    for (auto& [id, tokens] : children) {
+      // Both sides of the transfer know a request by this id: two at once would mix.
+      if (in_flight.count(id) != 0) {
+        return fail(409, "request " + id + " is already in flight", "X-Request-Id");
+      }
+    }
+    for (auto& [id, tokens] : children) in_flight.insert(id);
+    for (auto& [id, tokens] : children) {
+      auto r = std::make_shared<EngineRequest>();
+      r->ext_id = id;
+      r->request.request_id = id + "-" + random_hex(8);
+      r->request.num_prompt_tokens = tokens.size();
+      r->request.prompt_token_ids = std::move(tokens);
+      r->request.params = params;
+      r->max_tokens = max_tokens;
+      r->admit_with_previous = !prefill && !requests.empty();
+      r->progress = call->progress;
+      r->index = requests.size();
+      call->children.push_back(id);
+      call->prompt_tokens.push_back(r->request.num_prompt_tokens);
+      call->results.push_back(r->done.get_future().share());
+      requests.push_back(r);
+      incoming.push_back(std::move(r));
+      ++stats.requests;
+    }
+  }
+  cv.notify_all();
+  // A client that closes its connection gives its request up (as vLLM aborts it): the core
+  // frees what it holds instead of waiting out the request's deadlines.
+  call->give_up = [this, requests] {
+    for (auto& r : requests) r->cancelled.store(true);
+    {
+      std::lock_guard lock(mu);
+      cancels_pending = true;
+    }
+    cv.notify_all();
+  };
+  call->client_went_away = [give_up = call->give_up] {
+    if (!metaserver::client_gone()) return false;
+    give_up();
+    return true;
+  };
+  if (!field("stream", false).get<bool>()) {
+    auto outcome = call->wait();
+    if (auto* failed = std::get_if<std::pair<int, std::string>>(&outcome)) {
+      return fail(failed->first, failed->second);
+    }
+    return res.set_content(call->whole(std::get<std::vector<Result>>(outcome)).dump(),
+                           "application/json");
+  }
+  // The answer's status leaves with its first event: it waits for the first token (or the
+  // end of every prompt), so a request that fails before it gets an HTTP error.
+  {
+    auto& p = *call->progress;
+    std::unique_lock lock(p.mu);
+    auto started = [&] {
+      return std::any_of(p.tokens.begin(), p.tokens.end(), [](uint64_t t) { return t > 0; }) ||
+             std::all_of(p.ended.begin(), p.ended.end(), [](bool e) { return e; });
+    };
+    while (!p.cv.wait_for(lock, kLook, started) &&
+           std::chrono::steady_clock::now() < call->deadline) {
+      lock.unlock();
+      const bool gone = call->client_went_away();
+      lock.lock();
+      if (gone) return fail(499, "the client went away");
+    }
+    const bool any_token =
+        std::any_of(p.tokens.begin(), p.tokens.end(), [](uint64_t t) { return t > 0; });
+    lock.unlock();
+    if (!any_token) {
+      auto outcome = call->wait();  // ended: an error, or Prefill's one token
+      if (auto* failed = std::get_if<std::pair<int, std::string>>(&outcome)) {
+        return fail(failed->first, failed->second);
+      }
+    }
+  }
+  const json options = field("stream_options", json::object());
+  const bool include_usage = options.value("include_usage", json(false)).is_boolean() &&
+                             options.value("include_usage", false);
+  res.set_chunked_content_provider("text/event-stream",
+                                   [call, include_usage](size_t, httplib::DataSink& sink) {
+                                     return call->stream(sink, include_usage);
+                                   });
+}
+
+void Engine::Impl::report(httplib::Response& res) {
+  if (trace::enabled()) {
+    std::future<void> drained;
+    {
+      std::lock_guard lock(mu);
+      if (!stopping) {
+        event_drains.emplace_back();
+        drained = event_drains.back().get_future();
+      }
+    }
+    cv.notify_all();
+    if (drained.valid() &&
+        drained.wait_for(std::chrono::seconds(10)) != std::future_status::ready) {
+      res.status = 503;
+      return res.set_content(R"({"error": {"message": "the engine core is busy", "code": 503}})",
+                             "application/json");
+    }
+  }
+  json out;
+  {
+    std::lock_guard lock(mu);
+    out["stats"] = {{"requests", stats.requests},
+                    {"steps", stats.steps},
+                    {"prefill_chunks", stats.prefill_chunks},
+                    {"verified_blocks", stats.verified_blocks},
+                    {"failed_requests", stats.failed_requests},
+                    {"main_pool_locked", stats.main_pool_locked}};
+  }
+  out["role"] = prefill ? "prefill" : "decode";
+  out["tp"] = config.tp_size;
+  out["events"] = to_json(trace::drain());
+  out["events_dropped"] = trace::dropped();
+  res.set_content(out.dump(), "application/json");
+}
+
+Expected<Report> parse_report(std::string_view body) {
+  const json j = json::parse(body, nullptr, false);
+  if (j.is_discarded() || !j.is_object() || !j.contains("stats")) {
+    return invalid_argument("an engine report must be a JSON object with stats and events");
+  }
+  Report r;
+  try {
+    r.role = j.at("role").get<std::string>();
+    r.tp_size = j.at("tp").get<int>();
+    const json& s = j.at("stats");
+    r.stats.requests = s.at("requests").get<uint64_t>();
+    r.stats.steps = s.at("steps").get<uint64_t>();
+    r.stats.prefill_chunks = s.at("prefill_chunks").get<uint64_t>();
+    r.stats.verified_blocks = s.at("verified_blocks").get<uint64_t>();
+    r.stats.failed_requests = s.at("failed_requests").get<uint64_t>();
+    r.stats.main_pool_locked = s.at("main_pool_locked").get<bool>();
+    r.events_dropped = j.value("events_dropped", uint64_t{0});
+  } catch (const json::exception& e) {
+    return invalid_argument(std::string("engine report: ") + e.what());
+  }
+  r.events = events_from_json(j.value("events", json::array()));
+  return r;
+}
+
+}  // namespace rd2h::sim

@@ -1,0 +1,201 @@
+// The simulated engine's insides, shared by its parts: the state of one request, and
+// Engine::Impl, the engine core (engine_core.cc: scheduler loop, block allocator, rank
+// jobs) with its HTTP front (engine_http.cc) and its start-up (engine.cc).
+#pragma once
+
+#include <httplib.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cctype>
+#include <condition_variable>
+#include <ctime>
+#include <deque>
+#include <functional>
+#include <future>
+#include <map>
+#include <mutex>
+#include <nlohmann/json.hpp>
+#include <optional>
+#include <random>
+#include <set>
+#include <thread>
+#include <utility>
+#include <variant>
+
+#include "common/metrics.h"
+#include "common/trace.h"
+#include "metaserver/http_server.h"
+#include "metaserver/openai_body.h"
+#include "rd2h/connector/metadata.h"
+#include "rd2h/connector/scheduler.h"
+#include "rd2h/version.h"
+#include "sim/engine.h"
+#include "sim/kv_model.h"
+#include "sim/rank_set.h"
+#include "sim/shared_pool.h"
+#include "sim/sim_message.h"
+
+namespace rd2h::sim {
+
+using nlohmann::json;
+
+// How long the TP rank processes may take to start and load their connectors.
+inline constexpr std::chrono::seconds kRankStartTimeout{60};
+// How often a request's handler looks whether its client is still there.
+inline constexpr std::chrono::milliseconds kLook{100};
+
+struct Result {
+  bool ok = false;
+  std::string text;
+  std::string error;
+  uint64_t verified_blocks = 0;
+};
+
+struct EngineRequest {
+  connector::Request request;  // id, prompt length, params, tokens
+  std::string ext_id;          // the id both sides share (the client's, per prompt)
+  uint64_t max_tokens = 16;
+  std::vector<int64_t> blocks;
+  // Decode: a later prompt of a list, admitted only together with the prompts before it.
+  bool admit_with_previous = false;
+  uint64_t computed = 0;   // prompt tokens with KV
+  uint64_t generated = 0;  // Decode
+  // kAbandoned: Decode gave up a request whose KV was still loading (its client went away);
+  // it keeps its blocks until the connector reports no read into them is in flight.
+  enum class State { kWaitingRemote, kVerifying, kRunning, kAbandoned } state = State::kRunning;
+  std::atomic<bool> cancelled{false};  // its client went away
+  int verify_pending = 0;              // ranks still checking the request's KV
+  uint64_t verified_blocks = 0;
+  std::promise<Result> done;
+  std::chrono::steady_clock::time_point arrived = std::chrono::steady_clock::now();
+  // What the HTTP handler of its client request watches, and which prompt of it this is.
+  std::shared_ptr<struct Progress> progress;
+  size_t index = 0;
+
+  void produced_token();
+  void ended();
+};
+
+// Per prompt of one client request: the tokens generated so far and whether it ended. A
+// stream sends each token as it appears.
+struct Progress {
+  std::mutex mu;
+  std::condition_variable cv;
+  std::vector<uint64_t> tokens;
+  std::vector<bool> ended;
+
+  explicit Progress(size_t prompts) : tokens(prompts, 0), ended(prompts, false) {}
+};
+
+struct Engine::Impl {
+  EngineConfig config;
+  // GET /metrics.
+  metrics::Registry registry;
+  metaserver::HttpMetrics http_metrics{registry};
+  metrics::Family<metrics::Histogram>& ttft = registry.histogram(
+      "rd2h_engine_time_to_first_token_seconds",
+      "From a prompt's arrival to its first token (Prefill: to the end of its prefill)", {},
+      metrics::latency_buckets());
+  metrics::Family<metrics::Histogram>& e2e = registry.histogram(
+      "rd2h_engine_request_seconds", "From a prompt's arrival to its end, by outcome", {"outcome"},
+      metrics::latency_buckets());
+  metrics::Family<metrics::Counter>& prompts_done =
+      registry.counter("rd2h_engine_prompts_total", "Prompts ended, by outcome", {"outcome"});
+  // Decode: what its ranks' connectors read, summed over the ranks.
+  metrics::Family<metrics::Counter>& kv_layers = registry.counter(
+      "rd2h_kv_layers_total", "Layers of requests loaded (done) or failed, summed over ranks",
+      {"outcome"});
+  metrics::Family<metrics::Counter>& kv_reads =
+      registry.counter("rd2h_kv_reads_total", "Batched reads from Prefill ranks");
+  metrics::Family<metrics::Counter>& kv_bytes =
+      registry.counter("rd2h_kv_bytes_read_total", "KV bytes read from Prefill ranks");
+  metrics::Family<metrics::Histogram>& kv_read_seconds = registry.histogram(
+      "rd2h_kv_layer_read_seconds", "Latency of each batched read (one per layer and peer)", {},
+      metrics::latency_buckets());
+  void take_transfer(const json& delta) {
+    kv_layers.with({"done"}).inc(delta.value("layers_done", uint64_t{0}));
+    kv_layers.with({"failed"}).inc(delta.value("layers_failed", uint64_t{0}));
+    kv_reads.with().inc(delta.value("reads", uint64_t{0}));
+    kv_bytes.with().inc(delta.value("bytes_read", uint64_t{0}));
+    kv_read_seconds.with().add(delta.value("read_buckets", std::vector<uint64_t>{}),
+                               delta.value("read_seconds", 0.0));
+  }
+  bool prefill = false;
+  int64_t started_at = static_cast<int64_t>(std::time(nullptr));
+  std::unique_ptr<KvModel> model;
+  std::unique_ptr<connector::Scheduler> scheduler;
+  std::unique_ptr<RankSet> ranks;
+  std::optional<SharedPool> pool;  // Decode: main KV of every layer, shared by the ranks
+  bool corrupt_pending = false;
+  uint64_t checksum = 0;  // Decode's reads of its pool while decoding
+
+  std::unique_ptr<metaserver::HttpServer> http;
+  int http_port = 0;
+
+  std::mutex mu;
+  std::condition_variable cv;
+  std::deque<std::shared_ptr<EngineRequest>> incoming;
+  std::set<std::string> in_flight;  // ext ids of requests not answered yet
+  // Reports waiting for the ranks' timeline events (the core thread alone talks to them).
+  std::vector<std::promise<void>> event_drains;
+  bool stopping = false;
+  bool cancels_pending = false;  // a client went away: the core looks for what it gave up
+  EngineStats stats;
+  std::thread core;
+
+  std::vector<int64_t> free_blocks;
+  // Admitted once blocks free up, first come first served. On Decode a prompt list is one
+  // entry: it gets blocks for all its prompts at once or none, since Prefill starts only once
+  // every prompt has its blocks, and a list holding some while waiting for the rest could
+  // wait on blocks that only requests behind it would free.
+  std::deque<std::vector<std::shared_ptr<EngineRequest>>> waiting_blocks;
+  std::vector<std::shared_ptr<EngineRequest>> active;
+  std::map<std::string, std::shared_ptr<EngineRequest>> verifying;  // by ext id
+
+  std::chrono::milliseconds job_timeout() const {
+    return config.request_timeout + config.connector.send_timeout;
+  }
+  // Blocks holding the prompt's KV, and blocks the request needs here (Decode also holds
+  // the tokens it generates).
+  size_t prompt_blocks(const EngineRequest& r) const {
+    return (r.request.num_prompt_tokens + config.model.block_size - 1) / config.model.block_size;
+  }
+  size_t blocks_needed(const EngineRequest& r) const {
+    return blocks_needed(r.request.num_prompt_tokens, r.max_tokens);
+  }
+  size_t blocks_needed(uint64_t prompt_tokens, uint64_t max_tokens) const {
+    return (prompt_tokens + (prefill ? 0 : max_tokens) + config.model.block_size - 1) /
+           config.model.block_size;
+  }
+  // Why prompts that must hold blocks at once can never get them here (more than the
+  // engine has at all), if so.
+  std::optional<std::string> never_fits(
+      const std::vector<std::pair<std::string, std::vector<int64_t>>>& prompts,
+      uint64_t max_tokens) const;
+  // Runs `job` on every rank, then takes what their verifiers finished.
+  Expected<std::vector<json>> call_ranks(const json& job) {
+    auto replies = ranks->call_all(job, job_timeout());
+    take_verified(ranks->take_late());
+    if (replies) take_verified(*replies);
+    return replies;
+  }
+  void take_verified(const std::vector<json>& replies);
+  // Ends what clients that went away gave up (core thread).
+  void give_up_cancelled();
+
+  Status init();
+  struct Call;
+  void serve(const httplib::Request& req, httplib::Response& res, bool chat);
+  void report(httplib::Response& res);
+  void run_core();
+  void admit(const std::shared_ptr<EngineRequest>& r);
+  Status step();
+  void complete(const std::shared_ptr<EngineRequest>& r, Result result);
+  // Blocks [first, last) of `r` as a rank job names them.
+  json blocks_json(const EngineRequest& r, size_t first, size_t last) const;
+  Status verify(const std::shared_ptr<EngineRequest>& r);
+  void decode_token(EngineRequest& r);
+};
+
+}  // namespace rd2h::sim
