@@ -118,3 +118,10 @@ class [[nodiscard]] Expected {
     ::rd2h::Status rd2h_status_ = (expr);           \
     if (!rd2h_status_.is_ok()) return rd2h_status_; \
   } while (0)
+
+// Declares `var` as the value of `expr` (an Expected), or returns the Status that explains
+// why there is none.
+#define RD2H_TRY(var, expr)                        \
+  auto var##_result = (expr);                      \
+  if (!var##_result) return var##_result.status(); \
+  auto var = std::move(*var##_result)

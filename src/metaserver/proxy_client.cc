@@ -1,0 +1,466 @@
+#include <sodium.h>
+
+#include "metaserver/proxy_impl.h"
+
+namespace rd2h::metaserver {
+
+namespace {
+
+// A random (version 4) UUID from the operating system's cryptographic source: request ids
+// name transfers, so they must not be predictable.
+std::string uuid4() {
+  uint64_t a, b;
+  randombytes_buf(&a, sizeof(a));
+  randombytes_buf(&b, sizeof(b));
+  char out[37];
+  std::snprintf(out, sizeof(out), "%08x-%04x-4%03x-%04x-%012llx", static_cast<unsigned>(a >> 32),
+                static_cast<unsigned>((a >> 16) & 0xffff), static_cast<unsigned>(a & 0xfff),
+                static_cast<unsigned>(0x8000 | ((b >> 48) & 0x3fff)),
+                static_cast<unsigned long long>(b & 0xffffffffffffULL));
+  return out;
+}
+
+// An X-Request-Id a client may give: echoed and logged, so short and printable.
+bool printable_id(const std::string& id) {
+  if (id.empty() || id.size() > 128) return false;
+  return std::all_of(id.begin(), id.end(), [](char c) { return c > 0x20 && c < 0x7f; });
+}
+
+}  // namespace
+
+void Proxy::Impl::start_decode_leg(const std::shared_ptr<Parent>& parent, DecodeLeg& leg,
+                                   httplib::Headers headers, std::string payload) {
+  auto upstream = std::make_shared<httplib::Client>(config.decode[parent->decode]);
+  set_timeouts(*upstream, config.upstream_timeout);
+  {
+    std::lock_guard lock(parent->mu);
+    parent->upstream = upstream;  // from here on a failure closes the Decode request
+  }
+  const bool stream = parent->body.value("stream", ordered_json(false)).is_boolean() &&
+                      parent->body.value("stream", false);
+  const std::string origin = config.decode[parent->decode];
+  leg.thread = std::thread([parent, &leg, upstream, stream, origin, headers = std::move(headers),
+                            payload = std::move(payload)] {
+    httplib::Request up;
+    up.method = "POST";
+    up.path = parent->path;
+    up.headers = headers;
+    up.body = payload;
+    up.set_header("Content-Type", "application/json");
+    up.response_handler = [&](const httplib::Response& r) {
+      {
+        std::lock_guard lock(leg.mu);
+        leg.status = r.status;
+        leg.content_type = r.get_header_value("Content-Type");
+      }
+      leg.cv.notify_all();
+      return true;
+    };
+    up.content_receiver = [&](const char* data, size_t n, uint64_t, uint64_t) {
+      std::unique_lock lock(leg.mu);
+      if (!stream && leg.held + n > kMaxHeldAnswerBytes) {
+        leg.error = "Decode " + origin + " answered more than " +
+                    std::to_string(kMaxHeldAnswerBytes) + " bytes";
+        return false;
+      }
+      // A stream's backlog is bounded: Decode waits for a client that reads slowly.
+      while (!leg.stop && leg.held + n > kMaxHeldAnswerBytes && leg.held > 0) {
+        leg.cv.wait_for(lock, kLook);
+      }
+      if (leg.stop) return false;
+      leg.chunks.emplace_back(data, n);
+      leg.held += n;
+      lock.unlock();
+      leg.cv.notify_all();
+      return true;
+    };
+    httplib::Result r{nullptr, httplib::Error::Canceled};
+    if (parent->failed().second.empty()) r = upstream->send(up);
+    {
+      std::lock_guard lock(leg.mu);
+      if (!r && leg.error.empty()) {
+        leg.error = "Decode " + origin + " did not answer: " + httplib::to_string(r.error());
+      }
+      leg.done = true;
+    }
+    leg.cv.notify_all();
+  });
+}
+
+std::variant<Round, std::pair<int, std::string>> Proxy::Impl::begin_round(
+    const std::string& path, const ordered_json& client_body, size_t prompts) {
+  const bool chat = path == "/v1/chat/completions";
+  auto parent = std::make_shared<Parent>();
+  parent->id = uuid4();
+  parent->path = path;
+  if (chat) {
+    parent->children.push_back("chatcmpl-" + parent->id);
+  } else {
+    for (size_t i = 0; i < prompts; ++i) {
+      parent->children.push_back("cmpl-" + parent->id + "-" + std::to_string(i));
+    }
+  }
+  parent->body = client_body;
+  {
+    std::lock_guard lock(mu);
+    if (stopping || draining) {
+      return std::pair{503, api_error_json(503, "the proxy is shutting down")};
+    }
+    if (config.decode.empty() || config.prefill.empty()) {
+      return std::pair{503, api_error_json(503, "the proxy has no Prefill or no Decode instance")};
+    }
+    parent->decode = least_loaded(decode_load, decode_cursor);
+    upstream_in_flight.with({"decode", config.decode[parent->decode]}).add(1);
+    for (const auto& c : parent->children) by_child[c] = parent;
+    parents.insert(parent);
+  }
+  ordered_json body = client_body;
+  body["kv_transfer_params"] = {
+      {"do_remote_decode", false}, {"do_remote_prefill", true}, {"metaserver", metaserver_url()}};
+  httplib::Headers headers = auth;
+  headers.emplace("X-Request-Id", parent->id);
+  auto leg = std::make_shared<DecodeLeg>();
+  start_decode_leg(parent, *leg, headers, body.dump());
+  return Round{parent, leg};
+}
+
+bool Proxy::Impl::continuable(const ordered_json& body, bool chat, size_t prompts) {
+  if (prompts != 1) return false;  // a prompt list's choices would each need their round
+  if (chat) return body.contains("messages") && body["messages"].is_array();
+  const auto prompt = body.find("prompt");
+  if (prompt == body.end()) return false;
+  return prompt->is_string() ||
+         (prompt->is_array() && prompt->size() == 1 && (*prompt)[0].is_string());
+}
+
+ordered_json Proxy::Impl::next_round_body(const Continuation& c) const {
+  ordered_json body = c.body;
+  // The prompt and the text so far; the rest of the token budget.
+  if (c.chat) {
+    body["messages"].push_back({{"role", "assistant"}, {"content", c.text}});
+    body["continue_final_message"] = true;
+    body["add_generation_prompt"] = false;
+  } else if (body["prompt"].is_string()) {
+    body["prompt"] = body["prompt"].get<std::string>() + c.text;
+  } else {
+    body["prompt"][0] = body["prompt"][0].get<std::string>() + c.text;
+  }
+  if (c.budget) {
+    const uint64_t left = *c.budget - std::min(*c.budget, c.tokens);
+    for (const char* name : {"max_completion_tokens", "max_tokens"}) {
+      if (body.contains(name) && !body[name].is_null()) body[name] = left;
+    }
+  }
+  return body;
+}
+
+std::string Proxy::Impl::continue_event(Continuation& c, const std::string& event) {
+  const std::string raw = event + "\n\n";
+  if (event.rfind("data: ", 0) != 0) return raw;
+  const std::string data = event.substr(6);
+  if (data == "[DONE]") return c.recomputed ? std::string() : raw;
+  auto j = ordered_json::parse(data, nullptr, /*allow_exceptions=*/false);
+  // Not an event to follow (or nested too deep to copy and write back safely): as it is.
+  if (j.is_discarded() || !j.is_object() || j.contains("error") ||
+      nests_deeper_than(j, kMaxBodyNesting)) {
+    return raw;
+  }
+  if (c.rounds == 0) {
+    if (c.id.empty() && j.contains("id") && j["id"].is_string()) {
+      c.id = j["id"].get<std::string>();
+      c.created = j.value("created", ordered_json());
+    }
+  } else {
+    // One answer: every round's events carry the first round's id.
+    if (!c.id.empty()) j["id"] = c.id;
+    if (!c.created.is_null()) j["created"] = c.created;
+  }
+  auto choices = j.find("choices");
+  const bool has_choice =
+      choices != j.end() && choices->is_array() && !choices->empty() && (*choices)[0].is_object();
+  if (!has_choice) {
+    // The usage event, after the last choice.
+    auto usage = j.find("usage");
+    if (usage == j.end() || !usage->is_object()) return c.recomputed ? std::string() : raw;
+    const uint64_t prompt = usage->value("prompt_tokens", uint64_t{0});
+    const uint64_t completion = usage->value("completion_tokens", uint64_t{0});
+    if (c.rounds == 0) c.prompt_tokens = prompt;
+    if (c.recomputed) {
+      c.completion_tokens += completion;
+      return {};
+    }
+    if (c.rounds == 0) return raw;  // one round: Decode's own count
+    const uint64_t all = c.completion_tokens + completion;
+    (*usage)["prompt_tokens"] = c.prompt_tokens;
+    (*usage)["completion_tokens"] = all;
+    (*usage)["total_tokens"] = c.prompt_tokens + all;
+    return "data: " + j.dump() + "\n\n";
+  }
+  auto& choice = (*choices)[0];
+  std::string text;
+  if (c.chat) {
+    auto delta = choice.find("delta");
+    if (delta != choice.end() && delta->is_object()) {
+      if (delta->contains("content") && (*delta)["content"].is_string()) {
+        text = (*delta)["content"].get<std::string>();
+      }
+      // The client had the role from the first round.
+      if (c.rounds > 0) delta->erase("role");
+    }
+  } else if (choice.contains("text") && choice["text"].is_string()) {
+    text = choice["text"].get<std::string>();
+  }
+  c.text += text;
+  if (!text.empty()) ++c.tokens;
+  auto stop = choice.find("stop_reason");
+  const bool recomputed = stop != choice.end() && *stop == "recomputed";
+  const bool budget_left = !c.budget || c.tokens < *c.budget;
+  if (recomputed && budget_left && c.rounds < config.max_reissues) {
+    c.recomputed = true;  // the client's answer goes on in the next round
+    choice["finish_reason"] = nullptr;
+    choice.erase("stop_reason");
+    if (text.empty()) return {};
+  } else if (recomputed && !budget_left) {
+    // Every token asked for has arrived: the answer is whole, whatever Decode lost after.
+    choice["finish_reason"] = "length";
+    choice.erase("stop_reason");
+  } else if (c.rounds == 0) {
+    return raw;  // nothing to change: forwarded as Decode wrote it
+  } else if (text.empty() && choice["finish_reason"].is_null()) {
+    return {};  // the next round's opening event: the client is past it
+  }
+  return "data: " + j.dump() + "\n\n";
+}
+
+void Proxy::Impl::handle_client(const httplib::Request& req, httplib::Response& res, bool chat) {
+  const auto started = Clock::now();
+  const std::string client_id = req.get_header_value("X-Request-Id");
+  if (!client_id.empty() && !printable_id(client_id)) {
+    return set_api_error(res, 400, "X-Request-Id must be 1 to 128 printable characters",
+                         "X-Request-Id");
+  }
+  auto body = ordered_json::parse(req.body, nullptr, /*allow_exceptions=*/false);
+  if (body.is_discarded() || !body.is_object()) {
+    return set_api_error(res, 400, "the request body is not a JSON object");
+  }
+  BodyFault fault;
+  const auto prompts = check_openai_body(
+      body, chat, PromptLimits{config.max_prompts, config.max_prompt_tokens}, &fault);
+  if (!prompts) return set_api_error(res, 400, prompts.status().message(), fault.param, fault.code);
+  const auto stream_field = body.find("stream");
+  const bool stream =
+      stream_field != body.end() && stream_field->is_boolean() && stream_field->get<bool>();
+  // A stream Decode may end "recomputed" is followed across rounds, event by event.
+  auto cont = std::make_shared<Continuation>();
+  const bool follow = stream && config.max_reissues > 0 && continuable(body, chat, *prompts);
+  if (follow) {
+    cont->chat = chat;
+    cont->body = body;
+    if (body.contains("max_completion_tokens") || body.contains("max_tokens")) {
+      cont->budget = requested_max_tokens(body, 0);
+    }
+  }
+  const std::string path = chat ? "/v1/chat/completions" : "/v1/completions";
+  auto begun = begin_round(path, body, *prompts);
+  if (auto* refused = std::get_if<std::pair<int, std::string>>(&begun)) {
+    if (!client_id.empty()) res.set_header("X-Request-Id", client_id);
+    if (refused->first == 503) res.set_header("Connection", "close");
+    res.status = refused->first;
+    return res.set_content(refused->second, "application/json");
+  }
+  auto round = std::make_shared<Round>(std::get<Round>(std::move(begun)));
+  {
+    std::lock_guard lock(mu);
+    ++stats.requests;
+  }
+  auto parent = round->parent;
+  auto leg = round->leg;
+  // The client's id is echoed; the transfer is named by the proxy's own, which no client can
+  // predict or reuse.
+  res.set_header("X-Request-Id", client_id.empty() ? parent->id : client_id);
+  // A client that hangs up gives its request up: both legs are closed, so the engines free
+  // its blocks at once.
+  auto client_left = [this](const std::shared_ptr<Parent>& of) {
+    if (!client_gone()) return false;
+    {
+      std::lock_guard lock(mu);
+      ++stats.client_cancelled;
+    }
+    cancelled.with().inc();
+    of->fail(499, api_error_json(499, "the client went away"));
+    return true;
+  };
+  // Decode's status, or the end of its answer.
+  {
+    std::unique_lock lock(leg->mu);
+    while (!leg->cv.wait_for(lock, kLook, [&] { return leg->status != 0 || leg->done; })) {
+      lock.unlock();
+      const bool gone = client_left(parent);
+      lock.lock();
+      if (gone) break;
+    }
+  }
+  auto answer_failure = [&]() -> bool {
+    auto [status, failure] = parent->failed();
+    if (failure.empty()) return false;
+    res.status = status;
+    res.set_content(failure, "application/json");
+    return true;
+  };
+  bool streaming = false;
+  {
+    std::lock_guard lock(leg->mu);
+    streaming = stream && leg->status == 200;
+  }
+  if (!streaming) {
+    std::unique_lock lock(leg->mu);
+    while (!leg->cv.wait_for(lock, kLook, [&] { return leg->done; })) {
+      lock.unlock();
+      const bool gone = client_left(parent);
+      lock.lock();
+      if (gone) break;
+    }
+    const bool done = leg->done;
+    lock.unlock();
+    if (!answer_failure()) {
+      std::lock_guard held(leg->mu);
+      if (!done || !leg->error.empty() || leg->status == 0) {
+        set_api_error(res, 502, done ? leg->error : "the client went away");
+      } else {
+        std::string answer;
+        answer.reserve(leg->held);
+        for (auto& c : leg->chunks) answer += c;
+        res.status = leg->status;
+        res.set_content(answer, leg->content_type.empty() ? "application/json" : leg->content_type);
+      }
+    }
+    round->leg.reset();
+    leg.reset();  // joins the leg before the request is finished
+    finish(parent);
+    return;
+  }
+  leg.reset();
+  parent.reset();
+  auto first_event = std::make_shared<bool>(true);
+  res.set_chunked_content_provider(
+      "text/event-stream",
+      [this, round, cont, follow, path, prompts = *prompts, client_left, started, first_event](
+          size_t, httplib::DataSink& sink) {
+        auto write = [&](const std::string& out) {
+          if (out.empty()) return true;
+          if (std::exchange(*first_event, false)) {
+            ttft.with().observe(std::chrono::duration<double>(Clock::now() - started).count());
+          }
+          if (sink.write(out.data(), out.size())) return true;
+          client_left(round->parent);
+          round->parent->fail(499, api_error_json(499, "the client went away"));
+          return false;
+        };
+        // Raw, or event by event for a stream that may go on in another round.
+        auto forward = [&](std::string chunk) {
+          if (!follow) return write(chunk);
+          cont->pending += chunk;
+          if (cont->pending.size() > kMaxHeldAnswerBytes) {
+            return write("data: " +
+                         api_error_json(502, "Decode sent an event of more than " +
+                                                 std::to_string(kMaxHeldAnswerBytes) + " bytes") +
+                         "\n\n");
+          }
+          size_t end;
+          while ((end = cont->pending.find("\n\n")) != std::string::npos) {
+            std::string event = cont->pending.substr(0, end);
+            cont->pending.erase(0, end + 2);
+            if (!write(continue_event(*cont, event))) return false;
+          }
+          return true;
+        };
+        for (;;) {
+          auto& leg = round->leg;
+          std::unique_lock lock(leg->mu);
+          for (;;) {
+            while (!leg->chunks.empty()) {
+              std::string chunk = std::move(leg->chunks.front());
+              leg->chunks.pop_front();
+              leg->held -= chunk.size();
+              lock.unlock();
+              leg->cv.notify_all();
+              if (!forward(std::move(chunk))) return false;
+              lock.lock();
+            }
+            if (leg->done) break;
+            if (!leg->cv.wait_for(lock, kLook, [&] { return leg->done || !leg->chunks.empty(); })) {
+              lock.unlock();
+              if (client_left(round->parent)) return false;
+              lock.lock();
+            }
+          }
+          std::string error = leg->error;
+          const int status = leg->status;
+          lock.unlock();
+          auto [failed_status, failure] = round->parent->failed();
+          if (failure.empty() && error.empty() && status != 200) {
+            // A later round's Decode refused: its answer (an error object, not events) is
+            // what the client gets.
+            const auto answer = ordered_json::parse(cont->pending, nullptr, false);
+            failure = answer.is_object() && answer.contains("error")
+                          ? cont->pending
+                          : api_error_json(502, "Decode answered HTTP " + std::to_string(status));
+          }
+          if (!failure.empty() || !error.empty()) {
+            const std::string event =
+                "data: " + (failure.empty() ? api_error_json(502, error) : failure) + "\n\n" +
+                (cont->rounds > 0 ? "data: [DONE]\n\n" : "");
+            sink.write(event.data(), event.size());
+            sink.done();
+            return true;
+          }
+          if (!cont->recomputed) break;
+          // Decode lost the request's KV: the answer goes on from a new Prefill and Decode.
+          {
+            std::lock_guard stats_lock(mu);
+            ++stats.reissued;
+          }
+          reissued.with().inc();
+          log::info("proxy: request {}: Decode ended it recomputed after {} tokens; round {}",
+                    round->parent->id, cont->tokens, cont->rounds + 2);
+          auto next = begin_round(path, next_round_body(*cont), prompts);
+          leg.reset();  // joins the leg before its round is finished
+          finish(round->parent);
+          if (auto* refused = std::get_if<std::pair<int, std::string>>(&next)) {
+            const std::string event = "data: " + refused->second + "\n\ndata: [DONE]\n\n";
+            sink.write(event.data(), event.size());
+            sink.done();
+            // The finish callback finishes the round the client saw last: already done.
+            round->parent = std::make_shared<Parent>();
+            return true;
+          }
+          *round = std::get<Round>(std::move(next));
+          ++cont->rounds;
+          cont->recomputed = false;
+          cont->pending.clear();
+        }
+        sink.done();
+        return true;
+      },
+      [this, round](bool) {
+        round->leg.reset();
+        if (round->parent) finish(round->parent);
+      });
+}
+
+void Proxy::Impl::finish(const std::shared_ptr<Parent>& parent) {
+  {
+    std::lock_guard lock(mu);
+    for (const auto& c : parent->children) {
+      auto it = by_child.find(c);
+      if (it != by_child.end() && it->second == parent) by_child.erase(it);
+    }
+    if (parents.erase(parent) != 0) {
+      --decode_load[parent->decode];
+      upstream_in_flight.with({"decode", config.decode[parent->decode]}).add(-1);
+    }
+  }
+  idle_cv.notify_all();
+}
+
+}  // namespace rd2h::metaserver

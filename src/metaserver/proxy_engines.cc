@@ -1,0 +1,263 @@
+#include "metaserver/proxy_impl.h"
+
+namespace rd2h::metaserver {
+
+EngineAnswer ask_engine(httplib::Client& c, const std::string& method, const std::string& path,
+                        const httplib::Headers& headers, const std::string& body) {
+  httplib::Request req;
+  req.method = method;
+  req.path = path;
+  req.headers = headers;
+  if (method == "POST") {
+    req.body = body;
+    req.set_header("Content-Type", "application/json");
+  }
+  EngineAnswer a;
+  req.response_handler = [&](const httplib::Response& r) {
+    a.status = r.status;
+    return true;
+  };
+  req.content_receiver = [&](const char* data, size_t n, uint64_t, uint64_t) {
+    if (a.body.size() + n > kMaxEngineAnswerBytes) {
+      a.too_long = true;
+      return false;
+    }
+    a.body.append(data, n);
+    return true;
+  };
+  auto r = c.send(req);
+  if (a.too_long) {
+    a.error = "answered more than " + std::to_string(kMaxEngineAnswerBytes) + " bytes";
+  } else if (!r) {
+    a.error = "did not answer: " + httplib::to_string(r.error());
+  }
+  return a;
+}
+
+void set_timeouts(httplib::Client& c, std::chrono::milliseconds t) {
+  c.set_connection_timeout(std::chrono::seconds(5));
+  c.set_read_timeout(t);
+  c.set_write_timeout(t);
+}
+
+void Proxy::Impl::handle_rendezvous(const httplib::Request& req, httplib::Response& res) {
+  auto body = ordered_json::parse(req.body, nullptr, /*allow_exceptions=*/false);
+  if (body.is_discarded() || !body.is_object() || !body.contains("request_id") ||
+      !body["request_id"].is_string()) {
+    return set_api_error(res, 400, "a rendezvous is a JSON object with a string request_id");
+  }
+  if (nests_deeper_than(body, kMaxBodyNesting)) {  // it is kept and copied: bound the recursion
+    return set_api_error(res, 400,
+                         "the rendezvous nests arrays and objects deeper than " +
+                             std::to_string(kMaxBodyNesting) + " levels");
+  }
+  const std::string child = body["request_id"].get<std::string>();
+  std::shared_ptr<Parent> parent;
+  {
+    std::lock_guard lock(mu);
+    auto it = by_child.find(child);
+    if (it == by_child.end()) {
+      ++stats.unknown_rendezvous;
+      rendezvous_posts.with({"false"}).inc();
+      return set_api_error(res, 404, "unknown request id " + child, "request_id");
+    }
+    ++stats.rendezvous;
+    rendezvous_posts.with({"true"}).inc();
+    parent = it->second;
+  }
+  bool complete = false;
+  {
+    std::lock_guard lock(parent->mu);
+    parent->params[child] = body;
+    if (!parent->dispatched && parent->params.size() == parent->children.size()) {
+      parent->dispatched = true;
+      complete = true;
+    }
+  }
+  if (complete) {
+    std::lock_guard lock(mu);
+    if (stopping) return set_api_error(res, 502, "the proxy is stopping");
+    // Reap the dispatchers that ended, so a long-lived proxy does not collect threads.
+    for (auto it = dispatchers.begin(); it != dispatchers.end();) {
+      if (it->done->load()) {
+        it->thread.join();
+        it = dispatchers.erase(it);
+      } else {
+        ++it;
+      }
+    }
+    auto done = std::make_shared<std::atomic<bool>>(false);
+    dispatchers.push_back({std::thread([this, parent, done] {
+                             dispatch_prefill(parent);
+                             done->store(true);
+                           }),
+                           done});
+  }
+  res.set_content(R"({"status":"ok"})", "application/json");
+}
+
+void Proxy::Impl::dispatch_prefill(std::shared_ptr<Parent> parent) {
+  ordered_json body = parent->body;
+  body["stream"] = false;
+  body.erase("stream_options");
+  body["max_tokens"] = 1;
+  body["min_tokens"] = 1;
+  if (body.contains("max_completion_tokens")) body["max_completion_tokens"] = 1;
+  {
+    std::lock_guard lock(parent->mu);
+    ordered_json params = parent->params[parent->children[0]];
+    if (parent->children.size() > 1) {
+      ordered_json batch = ordered_json::object();
+      for (const auto& c : parent->children) batch[c] = parent->params[c];
+      params["batch_kv_transfer_params"] = batch;
+    }
+    body["kv_transfer_params"] = params;
+  }
+  const std::string payload = body.dump();
+  const int attempts = std::max(1, config.prefill_attempts);
+  std::string why;
+  int status = 502;
+  std::string refusal;  // Prefill's own error object, when the client's body is at fault
+  bool given_up = false;
+  for (int attempt = 1;; ++attempt) {
+    size_t which;
+    std::shared_ptr<httplib::Client> client;
+    bool stopped;
+    {
+      std::lock_guard lock(mu);
+      ++stats.prefill_dispatches;
+      which = least_loaded(prefill_load, prefill_cursor);
+      dispatches.with({config.prefill[which]}).inc();
+      upstream_in_flight.with({"prefill", config.prefill[which]}).add(1);
+      client = std::make_shared<httplib::Client>(config.prefill[which]);
+      set_timeouts(*client, config.upstream_timeout);
+      dispatch_clients.push_back(client);  // the destructor stops it while in flight
+      stopped = stopping;
+    }
+    {
+      std::lock_guard lock(parent->mu);
+      parent->prefill = client;  // a failure of the request closes it too
+      stopped = stopped || !parent->failure.empty();
+    }
+    // Client::stop() only cuts a request in flight: one not started must not start.
+    EngineAnswer r;
+    r.error = "did not answer: the request was given up";
+    if (!stopped) {
+      httplib::Headers headers = auth;
+      headers.emplace("X-Request-Id", parent->id);
+      r = ask_engine(*client, "POST", parent->path, headers, payload);
+    }
+    why.clear();
+    refusal.clear();
+    status = 502;
+    bool retry = false;
+    given_up = stopped || !parent->failed().second.empty();  // given up meanwhile
+    if (given_up) {
+      why = "the request was given up before Prefill";
+    } else if (!r) {
+      why = "Prefill " + config.prefill[which] + " " + r.error;
+      retry = !r.too_long;  // no answer: another try; an answer too long: none
+    } else if (r.status != 200) {
+      why = "Prefill " + config.prefill[which] + " answered HTTP " + std::to_string(r.status) +
+            ": " + r.body.substr(0, 200);
+      // A 4xx about the body (not the proxy's own token) is the client's to see as it is.
+      const auto e = ordered_json::parse(r.body, nullptr, false);
+      if (r.status >= 400 && r.status < 500 && r.status != 401 && r.status != 403 &&
+          e.is_object() && e.contains("error") && e["error"].is_object()) {
+        status = r.status;
+        refusal = r.body;
+      }
+      retry = r.status >= 500;
+    }
+    {
+      std::lock_guard lock(mu);
+      --prefill_load[which];
+      upstream_in_flight.with({"prefill", config.prefill[which]}).add(-1);
+      for (auto it = dispatch_clients.begin(); it != dispatch_clients.end(); ++it) {
+        if (*it == client) {
+          dispatch_clients.erase(it);
+          break;
+        }
+      }
+      if (!why.empty() && !given_up) {
+        ++stats.prefill_failures;
+        dispatch_failures.with({config.prefill[which]}).inc();
+      }
+    }
+    if (!retry || attempt >= attempts) break;
+    // Exponential backoff before the next attempt, cut short if the proxy stops.
+    const auto backoff = std::min<std::chrono::milliseconds>(
+        config.prefill_retry_backoff * (1 << std::min(attempt - 1, 10)), std::chrono::seconds(5));
+    log::info("proxy: request {}: {}; attempt {} of {} in {} ms", parent->id, why, attempt + 1,
+              attempts, static_cast<long long>(backoff.count()));
+    std::unique_lock lock(mu);
+    if (idle_cv.wait_for(lock, backoff, [&] { return stopping; })) break;
+  }
+  if (!why.empty() && !given_up) {
+    log::warn("proxy: request {}: {}", parent->id, why);
+    parent->fail(status, refusal.empty() ? api_error_json(502, why) : refusal);
+  }
+}
+
+void Proxy::Impl::handle_health(httplib::Response& res) {
+  {
+    std::lock_guard lock(mu);
+    if (stopping || draining) return set_api_error(res, 503, "the proxy is shutting down");
+  }
+  ordered_json out = {{"status", "ok"}};
+  std::vector<std::string> down;
+  for (const auto* role : {"prefill", "decode"}) {
+    const auto& list = role == std::string("prefill") ? config.prefill : config.decode;
+    ordered_json instances = ordered_json::array();
+    for (const auto& origin : list) {
+      httplib::Client c(origin);
+      c.set_connection_timeout(std::chrono::seconds(1));
+      c.set_read_timeout(std::chrono::seconds(2));
+      const bool ok = ask_engine(c, "GET", "/health", {}).status == 200;
+      if (!ok) down.push_back(std::string(role) + " " + origin);
+      instances.push_back({{"url", origin}, {"healthy", ok}});
+    }
+    out[role] = instances;
+  }
+  if (!down.empty()) {
+    std::string names;
+    for (const auto& d : down) names += (names.empty() ? "" : ", ") + d;
+    out["status"] = "unhealthy";
+    out["error"] = {{"message", "not answering /health: " + names}, {"type", "server_error"}};
+    res.status = 503;
+  }
+  res.set_content(out.dump(), "application/json");
+}
+
+void Proxy::Impl::handle_reset_prefix_cache(httplib::Response& res) {
+  std::vector<std::string> failed;
+  for (const auto* list : {&config.prefill, &config.decode}) {
+    for (const auto& origin : *list) {
+      httplib::Client c(origin);
+      set_timeouts(c, std::chrono::seconds(10));
+      const auto r = ask_engine(c, "POST", "/reset_prefix_cache", auth);
+      if (!r || r.status != 200) {
+        failed.push_back(origin +
+                         (r ? " (HTTP " + std::to_string(r.status) + ")" : " (" + r.error + ")"));
+      }
+    }
+  }
+  if (failed.empty()) return res.set_content(R"({"status":"ok"})", "application/json");
+  std::string names;
+  for (const auto& f : failed) names += (names.empty() ? "" : ", ") + f;
+  set_api_error(res, 500, "the prefix cache was not reset on " + names);
+}
+
+void Proxy::Impl::handle_models(httplib::Response& res) {
+  std::string last = "no Decode instance";
+  for (const auto& origin : config.decode) {
+    httplib::Client c(origin);
+    set_timeouts(c, std::chrono::seconds(5));
+    const auto r = ask_engine(c, "GET", "/v1/models", auth);
+    if (r && r.status == 200) return res.set_content(r.body, "application/json");
+    last = "Decode " + origin + (r ? " answered HTTP " + std::to_string(r.status) : " " + r.error);
+  }
+  set_api_error(res, 502, last);
+}
+
+}  // namespace rd2h::metaserver

@@ -1,0 +1,228 @@
+// The proxy's insides, shared by its parts: a client request and its rounds, and
+// Proxy::Impl, whose client side (proxy_client.cc: OpenAI routes, Decode legs, streams
+// continued across rounds) and engine side (proxy_engines.cc: rendezvous, Prefill
+// dispatch, the operator routes) are files of their own; proxy.cc starts and stops it.
+#pragma once
+
+#include <httplib.h>
+
+#include <cctype>
+#include <condition_variable>
+#include <cstdio>
+#include <deque>
+#include <list>
+#include <map>
+#include <mutex>
+#include <nlohmann/json.hpp>
+#include <optional>
+#include <set>
+#include <thread>
+#include <variant>
+
+#include "common/log.h"
+#include "metaserver/client.h"
+#include "metaserver/http_server.h"
+#include "metaserver/openai_body.h"
+#include "rd2h/metaserver/proxy.h"
+#include "rd2h/version.h"
+
+namespace rd2h::metaserver {
+
+using nlohmann::ordered_json;
+using Clock = std::chrono::steady_clock;
+
+// How often a waiting handler looks whether its client is still there.
+inline constexpr std::chrono::milliseconds kLook{100};
+// A Decode answer the proxy holds at once: a non-streamed one whole, a stream's backlog
+// while the client reads slower than Decode writes.
+inline constexpr size_t kMaxHeldAnswerBytes = 64u << 20;
+
+// What the proxy reads of an engine's answer to a request of its own (Prefill's one-token
+// answer, /health, /v1/models, /reset_prefix_cache): more is an error, never buffered.
+inline constexpr size_t kMaxEngineAnswerBytes = 1u << 20;
+
+// An engine's answer, its body bounded by kMaxEngineAnswerBytes.
+struct EngineAnswer {
+  int status = 0;  // 0: none (see error)
+  std::string body;
+  std::string error;  // why there is no answer: "did not answer: ...", "answered more than ..."
+  bool too_long = false;
+  explicit operator bool() const { return error.empty() && status != 0; }
+};
+
+// Sends one request of the proxy's own to an engine and reads its answer, bounded.
+EngineAnswer ask_engine(httplib::Client& c, const std::string& method, const std::string& path,
+                        const httplib::Headers& headers, const std::string& body = {});
+void set_timeouts(httplib::Client& c, std::chrono::milliseconds t);
+
+// One client request and the rendezvous of its children.
+struct Parent {
+  std::string id;
+  std::string path;  // /v1/completions or /v1/chat/completions
+  ordered_json body;
+  std::vector<std::string> children;
+  std::map<std::string, ordered_json> params;  // child -> Decode's rendezvous
+  size_t decode = 0;
+  std::mutex mu;
+  bool dispatched = false;
+  // Set when the request failed outside Decode (the Prefill dispatch, the client, the
+  // proxy stopping): the status and OpenAI error object the client gets.
+  int failure_status = 0;
+  std::string failure;
+  std::shared_ptr<httplib::Client> upstream;  // the Decode request, to close on failure
+  std::shared_ptr<httplib::Client> prefill;   // the Prefill dispatch, to close on failure
+
+  void fail(int status, const std::string& body) {
+    std::shared_ptr<httplib::Client> up, pre;
+    {
+      std::lock_guard lock(mu);
+      if (failure.empty()) {
+        failure_status = status;
+        failure = body;
+      }
+      up = upstream;
+      pre = prefill;
+    }
+    if (up) up->stop();
+    if (pre) pre->stop();
+  }
+  void fail(const std::string& why) { fail(502, api_error_json(502, why)); }
+  std::pair<int, std::string> failed() {
+    std::lock_guard lock(mu);
+    return {failure_status, failure};
+  }
+};
+
+// The Decode request of one client request, run on a thread of its own: meanwhile the
+// client's handler watches its client, and it answers with Decode's own status once
+// Decode's headers are in (a stream's status leaves with its first event).
+struct DecodeLeg {
+  std::mutex mu;
+  std::condition_variable cv;
+  int status = 0;  // Decode's HTTP status, once its headers are in
+  std::string content_type;
+  std::deque<std::string> chunks;
+  size_t held = 0;  // bytes in `chunks`
+  bool done = false;
+  std::string error;  // why the request failed in transport, if it did
+  bool stop = false;  // the handler is gone: drop what comes
+  std::thread thread;
+
+  ~DecodeLeg() {
+    {
+      std::lock_guard lock(mu);
+      stop = true;
+    }
+    cv.notify_all();
+    if (thread.joinable()) thread.join();
+  }
+};
+
+// One round of a client request: the request as one Prefill and one Decode serve it. A
+// stream that Decode ends with stop reason "recomputed" continues in a new round.
+struct Round {
+  std::shared_ptr<Parent> parent;
+  std::shared_ptr<DecodeLeg> leg;
+};
+
+// A stream the proxy continues across rounds: what the client has seen so far.
+struct Continuation {
+  bool chat = false;
+  ordered_json body;               // the client's body (with its stream_options: usage if asked)
+  std::optional<uint64_t> budget;  // the client's token limit, if it gave one
+  std::string id;                  // the first round's id and created time, kept in every event
+  ordered_json created;
+  std::string text;                // every token's text so far
+  uint64_t tokens = 0;             // events that carried text
+  uint64_t prompt_tokens = 0;      // the first round's usage
+  uint64_t completion_tokens = 0;  // usage of the rounds that ended recomputed
+  int rounds = 0;
+  bool recomputed = false;  // the current round ended with stop reason "recomputed"
+  std::string pending;      // the bytes of an event not complete yet
+};
+
+struct Proxy::Impl {
+  ProxyConfig config;
+  // GET /metrics on the client API.
+  metrics::Registry registry;
+  HttpMetrics http{registry};
+  metrics::Family<metrics::Histogram>& ttft = registry.histogram(
+      "rd2h_proxy_time_to_first_token_seconds",
+      "Streamed requests: from the request to its first event forwarded to the client", {},
+      metrics::latency_buckets());
+  metrics::Family<metrics::Counter>& rendezvous_posts =
+      registry.counter("rd2h_proxy_rendezvous_total",
+                       "Rendezvous posted by Decode, by whether the id was known", {"known"});
+  metrics::Family<metrics::Counter>& dispatches =
+      registry.counter("rd2h_proxy_prefill_dispatches_total",
+                       "Requests dispatched to a Prefill instance", {"instance"});
+  metrics::Family<metrics::Counter>& dispatch_failures = registry.counter(
+      "rd2h_proxy_prefill_failures_total", "Prefill dispatches that failed", {"instance"});
+  metrics::Family<metrics::Counter>& reissued = registry.counter(
+      "rd2h_proxy_recomputed_reissues_total",
+      "Streams Decode ended with stop reason recomputed, continued in a new round");
+  metrics::Family<metrics::Counter>& cancelled = registry.counter(
+      "rd2h_proxy_client_cancelled_total", "Requests given up because their client went away");
+  metrics::Family<metrics::Gauge>& upstream_in_flight =
+      registry.gauge("rd2h_proxy_upstream_in_flight", "Requests in flight on each engine instance",
+                     {"role", "instance"});
+  std::unique_ptr<HttpServer> api, rendezvous;
+  int api_port = 0, rendezvous_port = 0;
+  httplib::Headers auth;  // what the engines are sent: the bearer token, if any
+
+  mutable std::mutex mu;
+  std::condition_variable idle_cv;  // a client request finished (drain waits on it)
+  std::map<std::string, std::shared_ptr<Parent>> by_child;
+  std::set<std::shared_ptr<Parent>> parents;  // client requests in flight
+  std::vector<int> decode_load, prefill_load;
+  size_t decode_cursor = 0, prefill_cursor = 0;
+  ProxyStats stats;
+  bool stopping = false;
+  bool draining = false;
+  struct Dispatcher {
+    std::thread thread;
+    std::shared_ptr<std::atomic<bool>> done;
+  };
+  std::list<Dispatcher> dispatchers;
+  std::vector<std::shared_ptr<httplib::Client>> dispatch_clients;
+
+  // The instance with the fewest requests in flight; ties go round, so an idle fleet is
+  // used evenly. Caller holds mu.
+  size_t least_loaded(std::vector<int>& load, size_t& cursor) {
+    size_t best = cursor % load.size();
+    for (size_t k = 1; k < load.size(); ++k) {
+      const size_t i = (cursor + k) % load.size();
+      if (load[i] < load[best]) best = i;
+    }
+    cursor = best + 1;
+    ++load[best];
+    return best;
+  }
+
+  std::string metaserver_url() const {
+    return "http://" + config.host + ":" + std::to_string(rendezvous_port) + "/v1/metaserver";
+  }
+
+  void handle_client(const httplib::Request& req, httplib::Response& res, bool chat);
+  // Registers a round (its children, its Decode instance) and starts its Decode leg; an
+  // HTTP status and error body if the proxy cannot take it.
+  std::variant<Round, std::pair<int, std::string>> begin_round(const std::string& path,
+                                                               const ordered_json& body,
+                                                               size_t prompts);
+  // Whether the client can see Decode's stream as this proxy continues it across rounds.
+  static bool continuable(const ordered_json& body, bool chat, size_t prompts);
+  // One event of a continued stream: what the client gets of it (maybe nothing).
+  std::string continue_event(Continuation& c, const std::string& event);
+  // The body of the round that continues a stream Decode ended "recomputed".
+  ordered_json next_round_body(const Continuation& c) const;
+  void start_decode_leg(const std::shared_ptr<Parent>& parent, DecodeLeg& leg,
+                        httplib::Headers headers, std::string payload);
+  void handle_rendezvous(const httplib::Request& req, httplib::Response& res);
+  void handle_health(httplib::Response& res);
+  void handle_models(httplib::Response& res);
+  void handle_reset_prefix_cache(httplib::Response& res);
+  void dispatch_prefill(std::shared_ptr<Parent> parent);
+  void finish(const std::shared_ptr<Parent>& parent);
+};
+
+}  // namespace rd2h::metaserver
