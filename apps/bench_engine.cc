@@ -61,12 +61,10 @@ Expected<std::pair<double, double>> measure_pair(const BenchEngineOptions& o,
   const uint32_t batches = std::max<uint32_t>(1, o.min_batches / kRounds);
   std::vector<double> ra, rb;
   for (int r = 0; r < kRounds; ++r) {
-    auto x = measure(slice, batches, bytes_per_batch, a);
-    if (!x) return x.status();
-    ra.push_back(*x);
-    auto y = measure(slice, batches, bytes_per_batch, b);
-    if (!y) return y.status();
-    rb.push_back(*y);
+    RD2H_TRY(x, measure(slice, batches, bytes_per_batch, a));
+    ra.push_back(x);
+    RD2H_TRY(y, measure(slice, batches, bytes_per_batch, b));
+    rb.push_back(y);
   }
   std::sort(ra.begin(), ra.end());
   std::sort(rb.begin(), rb.end());
@@ -118,8 +116,7 @@ Expected<double> perftest_get(const std::string& exe, const std::vector<std::str
   Subprocess::Options options;
   options.extra_env = env;
   const int port = free_port();
-  auto server = Subprocess::spawn({exe, "-p", std::to_string(port)}, options);
-  if (!server) return server.status();
+  RD2H_TRY(server, Subprocess::spawn({exe, "-p", std::to_string(port)}, options));
   // The client must not start before the server listens: wait for the socket to appear.
   Deadline ready(20s);
   while (!port_listening(port)) {
@@ -127,19 +124,17 @@ Expected<double> perftest_get(const std::string& exe, const std::vector<std::str
     std::this_thread::sleep_for(2ms);
   }
   const uint64_t iters = std::max<uint64_t>(50, total_bytes / block);
-  auto client = Subprocess::spawn(
-      {exe, "127.0.0.1", "-p", std::to_string(port), "-t", "ucp_get", "-s", std::to_string(block),
-       "-n", std::to_string(iters), "-w", std::to_string(std::max<uint64_t>(5, iters / 10))},
-      options);
-  if (!client) return client.status();
-  auto out = client->read_all(300s);
-  if (!out) return out.status();
-  (void)client->wait(10s);
-  (void)server->wait(10s);
+  RD2H_TRY(client, Subprocess::spawn({exe, "127.0.0.1", "-p", std::to_string(port), "-t", "ucp_get",
+                                      "-s", std::to_string(block), "-n", std::to_string(iters),
+                                      "-w", std::to_string(std::max<uint64_t>(5, iters / 10))},
+                                     options));
+  RD2H_TRY(out, client.read_all(300s));
+  (void)client.wait(10s);
+  (void)server.wait(10s);
   // "Final:  iters  lat50  lat_avg  lat_overall  bw_avg  bw_overall  rate_avg  rate_overall"
-  auto pos = out->find("Final:");
+  auto pos = out.find("Final:");
   if (pos == std::string::npos) return internal_error("ucx_perftest printed no result");
-  std::istringstream f(out->substr(pos + 6));
+  std::istringstream f(out.substr(pos + 6));
   double v[6];
   for (double& x : v) f >> x;
   if (!f) return internal_error("cannot parse ucx_perftest's result");
@@ -173,8 +168,7 @@ struct Row {
 
 Expected<Row> bench_one(const BenchEngineOptions& o, const std::string& transport_name,
                         uint64_t block, const std::optional<std::string>& perftest) {
-  auto transport = transfer::parse_transport(transport_name);
-  if (!transport) return transport.status();
+  RD2H_TRY(transport, transfer::parse_transport(transport_name));
   const uint64_t per_batch = std::max<uint64_t>(1, o.batch_bytes / block);
   const uint64_t pool_blocks = per_batch * 2;
   if (pool_blocks > UINT32_MAX) return invalid_argument("too many blocks per batch");
@@ -189,15 +183,13 @@ Expected<Row> bench_one(const BenchEngineOptions& o, const std::string& transpor
   so.serve_timeout_s = 600;
   so.share = o.share;
   if (o.source_load == "busy") so.busy_threads = std::max(1u, std::thread::hardware_concurrency());
-  auto source = spawn_source(so);
-  if (!source) return source.status();
-  auto read_path = transfer::parse_read_path(o.read_path);
-  if (!read_path) return read_path.status();
+  RD2H_TRY(source, spawn_source(so));
+  RD2H_TRY(read_path, transfer::parse_read_path(o.read_path));
   transfer::EngineConfig cfg;
-  cfg.transport = *transport;
-  cfg.read_path = *read_path;
+  cfg.transport = transport;
+  cfg.read_path = read_path;
   cfg.read_timeout = cfg.connect_timeout = std::chrono::milliseconds(o.timeout_ms);
-  auto conn = connect_to_source(source->address, cfg);
+  auto conn = connect_to_source(source.address, cfg);
   if (!conn) return conn.status();
   auto& engine = *conn->engine;
   Row row;
@@ -256,16 +248,16 @@ Expected<Row> bench_one(const BenchEngineOptions& o, const std::string& transpor
   };
   RD2H_RETURN_IF_ERROR(copy(0));
   const bool stop = o.source_load == "stopped";
-  if (stop) ::kill(source->process.pid(), SIGSTOP);
+  if (stop) ::kill(source.process.pid(), SIGSTOP);
   auto gbs = measure_pair(o, dest_bytes, read, copy);
-  if (stop) ::kill(source->process.pid(), SIGCONT);
+  if (stop) ::kill(source.process.pid(), SIGCONT);
   if (!gbs) return gbs.status();
   row.engine = gbs->first;
   row.memcpy = gbs->second;
 
   RD2H_RETURN_IF_ERROR(engine.unregister_memory(dest.data()));
   release_source(*conn, true);
-  (void)source->process.wait(10s);
+  (void)source.process.wait(10s);
 
   // Over shm ucx_perftest re-reads one cache-resident buffer, so it is run only over tcp,
   // once with UCX's defaults and once with the TCP settings the engine applies.

@@ -61,16 +61,15 @@ Expected<std::vector<layout::CacheLayer>> slot_layers(transfer::TransferEngine& 
   if (o.indexer_bytes) bytes.push_back(o.indexer_bytes);
   uint64_t total = 0;
   for (auto b : bytes) total += b * o.blocks;
-  auto region = engine.allocate_memory(total);
-  if (!region) return region.status();
-  std::memset(region->addr, fill ? 0x5a : 0, total);
+  RD2H_TRY(region, engine.allocate_memory(total));
+  std::memset(region.addr, fill ? 0x5a : 0, total);
   std::vector<layout::CacheLayer> layers;
   for (uint32_t l = 0; l < names; ++l) {
     layout::CacheLayer layer{"model.layers." + std::to_string(l) + ".self_attn",
                              {},
                              o.main_bytes.size(),
                              o.indexer_bytes != 0};
-    uint64_t addr = reinterpret_cast<uint64_t>(region->addr);
+    uint64_t addr = reinterpret_cast<uint64_t>(region.addr);
     for (size_t t = 0; t < bytes.size(); ++t) {
       layer.tensors.push_back(
           {addr, bytes[t] * o.blocks, bytes[t], 1, t < o.main_bytes.size() ? 0u : 1u});
@@ -100,10 +99,8 @@ Expected<std::unique_ptr<Setup>> make_setup(const BenchLayersOptions& o, uint32_
   auto p_engine = make_engine(transfer::Role::kPrefill, o.timeout_ms);
   auto d_engine = make_engine(transfer::Role::kDecode, o.timeout_ms);
   if (!p_engine || !d_engine) return internal_error("no transfer engine");
-  auto p_layers = slot_layers(*p_engine, o, kNames, true);
-  if (!p_layers) return p_layers.status();
-  auto d_layers = slot_layers(*d_engine, o, kNames, false);
-  if (!d_layers) return d_layers.status();
+  RD2H_TRY(p_layers, slot_layers(*p_engine, o, kNames, true));
+  RD2H_TRY(d_layers, slot_layers(*d_engine, o, kNames, false));
 
   auto setup = std::make_unique<Setup>();
   setup->requests = requests;
@@ -111,16 +108,14 @@ Expected<std::unique_ptr<Setup>> make_setup(const BenchLayersOptions& o, uint32_
   decode::WorkerConfig dc;
   dc.register_memory = false;
   // Prefill and Decode each with their own ZeroMQ context, as in two processes.
-  auto decode = decode::Worker::create(dc, d_engine, control::Context::create(), *d_layers);
-  if (!decode) return decode.status();
-  setup->decode = std::move(*decode);
+  RD2H_TRY(decode, decode::Worker::create(dc, d_engine, control::Context::create(), d_layers));
+  setup->decode = std::move(decode);
   prefill::WorkerConfig pc;
   pc.register_memory = false;
   pc.send_timeout = std::chrono::milliseconds(o.timeout_ms);
   pc.sender.control_link = link;
-  auto prefill = prefill::Worker::create(pc, p_engine, control::Context::create(), *p_layers);
-  if (!prefill) return prefill.status();
-  setup->prefill = std::move(*prefill);
+  RD2H_TRY(prefill, prefill::Worker::create(pc, p_engine, control::Context::create(), p_layers));
+  setup->prefill = std::move(prefill);
   const std::string url = setup->decode->url();
   const int port = std::stoi(url.substr(url.rfind(':') + 1));
 

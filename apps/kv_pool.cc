@@ -97,18 +97,16 @@ Expected<SourceHandshake> decode_handshake(std::span<const std::byte> bytes) {
   h.layout.layers = *layers;
   h.layout.blocks = *blocks;
   for (uint32_t t = 0; t < *tensors; ++t) {
-    auto b = r.u64("tensor bytes");
-    if (!b) return b.status();
-    h.layout.tensor_bytes.push_back(*b);
+    RD2H_TRY(b, r.u64("tensor bytes"));
+    h.layout.tensor_bytes.push_back(b);
   }
   auto seed = r.u64("seed");
   auto base = r.u64("base");
   if (!seed || !base) return invalid_argument("truncated pd-read handshake");
   h.seed = *seed;
   h.base = *base;
-  auto meta = r.bytes("engine metadata", 1 << 24);
-  if (!meta) return meta.status();
-  h.engine_metadata.assign(meta->begin(), meta->end());
+  RD2H_TRY(meta, r.bytes("engine metadata", 1 << 24));
+  h.engine_metadata.assign(meta.begin(), meta.end());
   if (!r.at_end()) return invalid_argument("trailing bytes after the pd-read handshake");
   return h;
 }

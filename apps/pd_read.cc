@@ -96,9 +96,8 @@ struct Pool {
 Status make_pool(transfer::TransferEngine& engine, uint64_t bytes, bool allocate, Pool& pool) {
   pool.engine = &engine;
   if (allocate) {
-    auto r = engine.allocate_memory(bytes);
-    if (!r) return r.status();
-    pool.base = static_cast<std::byte*>(r->addr);
+    RD2H_TRY(r, engine.allocate_memory(bytes));
+    pool.base = static_cast<std::byte*>(r.addr);
     return Status::ok();
   }
   uint64_t rounded = (bytes + 4095) / 4096 * 4096;
@@ -311,16 +310,15 @@ KvPoolLayout PdReadOptions::layout() const {
 }
 
 Expected<SourceProcess> spawn_source(const PdReadOptions& o) {
-  auto p = Subprocess::spawn(source_argv(o, "127.0.0.1:0"));
-  if (!p) return p.status();
+  RD2H_TRY(p, Subprocess::spawn(source_argv(o, "127.0.0.1:0")));
   // Filling a large pool takes a while; the source prints its address once it is ready.
   // Other lines (UCX's own log goes to stdout) are passed through to stderr.
   Deadline deadline(std::chrono::seconds(120));
   for (;;) {
     auto line =
-        p->read_line(std::chrono::duration_cast<std::chrono::milliseconds>(deadline.remaining()));
+        p.read_line(std::chrono::duration_cast<std::chrono::milliseconds>(deadline.remaining()));
     if (!line) return line.status().with_context("waiting for the source to listen");
-    if (line->rfind("LISTENING ", 0) == 0) return SourceProcess{std::move(*p), line->substr(10)};
+    if (line->rfind("LISTENING ", 0) == 0) return SourceProcess{std::move(p), line->substr(10)};
     std::fprintf(stderr, "%s\n", line->c_str());
   }
 }
@@ -328,23 +326,19 @@ Expected<SourceProcess> spawn_source(const PdReadOptions& o) {
 Expected<SourceConnection> connect_to_source(const std::string& address,
                                              transfer::EngineConfig cfg) {
   Deadline deadline(std::max(cfg.connect_timeout, std::chrono::milliseconds(10000)));
-  auto sock = Socket::connect(address, deadline);
-  if (!sock) return sock.status();
-  auto frame = sock->recv_frame(kMaxHandshake, deadline);
+  RD2H_TRY(sock, Socket::connect(address, deadline));
+  auto frame = sock.recv_frame(kMaxHandshake, deadline);
   if (!frame) return frame.status().with_context("reading the source's handshake");
-  auto h = decode_handshake(*frame);
-  if (!h) return h.status();
-  RD2H_RETURN_IF_ERROR(h->layout.validate(kMaxPoolBytes).with_context("source layout"));
+  RD2H_TRY(h, decode_handshake(*frame));
+  RD2H_RETURN_IF_ERROR(h.layout.validate(kMaxPoolBytes).with_context("source layout"));
 
   cfg.role = transfer::Role::kDecode;
   // A reader of a loopback source stays on loopback too.
   const std::string source_host = interface_host(address);
   if (source_host.rfind("127.", 0) == 0 || source_host == "::1") cfg.listen_host = source_host;
-  auto engine = transfer::create_ucx_engine(cfg);
-  if (!engine) return engine.status();
-  auto session = (*engine)->connect(h->engine_metadata);
-  if (!session) return session.status();
-  return SourceConnection{std::move(*sock), std::move(*h), std::move(*engine), *session};
+  RD2H_TRY(engine, transfer::create_ucx_engine(cfg));
+  RD2H_TRY(session, engine->connect(h.engine_metadata));
+  return SourceConnection{std::move(sock), std::move(h), std::move(engine), session};
 }
 
 void release_source(SourceConnection& c, bool ok) {

@@ -60,33 +60,29 @@ Expected<std::pair<std::string, int>> split_host_port(const std::string& host_po
 }
 
 Expected<Socket> Socket::listen(const std::string& host_port) {
-  auto hp = split_host_port(host_port);
-  if (!hp) return hp.status();
-  auto res = resolve(hp->first, hp->second, true);
-  if (!res) return res.status();
+  RD2H_TRY(hp, split_host_port(host_port));
+  RD2H_TRY(res, resolve(hp.first, hp.second, true));
   Status last = unreachable("no address for " + host_port);
-  for (addrinfo* ai = *res; ai != nullptr; ai = ai->ai_next) {
+  for (addrinfo* ai = res; ai != nullptr; ai = ai->ai_next) {
     Socket s(::socket(ai->ai_family, ai->ai_socktype | SOCK_CLOEXEC, ai->ai_protocol));
     if (s.fd() < 0) continue;
     int one = 1;
     ::setsockopt(s.fd(), SOL_SOCKET, SO_REUSEADDR, &one, sizeof(one));
     if (::bind(s.fd(), ai->ai_addr, ai->ai_addrlen) == 0 && ::listen(s.fd(), 4) == 0) {
-      ::freeaddrinfo(*res);
+      ::freeaddrinfo(res);
       return s;
     }
     last = unreachable("cannot listen on " + host_port + ": " + std::strerror(errno));
   }
-  ::freeaddrinfo(*res);
+  ::freeaddrinfo(res);
   return last;
 }
 
 Expected<Socket> Socket::connect(const std::string& host_port, const Deadline& deadline) {
-  auto hp = split_host_port(host_port);
-  if (!hp) return hp.status();
-  auto res = resolve(hp->first, hp->second, false);
-  if (!res) return res.status();
+  RD2H_TRY(hp, split_host_port(host_port));
+  RD2H_TRY(res, resolve(hp.first, hp.second, false));
   Status last = unreachable("no address for " + host_port);
-  for (addrinfo* ai = *res; ai != nullptr; ai = ai->ai_next) {
+  for (addrinfo* ai = res; ai != nullptr; ai = ai->ai_next) {
     Socket s(
         ::socket(ai->ai_family, ai->ai_socktype | SOCK_CLOEXEC | SOCK_NONBLOCK, ai->ai_protocol));
     if (s.fd() < 0) continue;
@@ -104,14 +100,14 @@ Expected<Socket> Socket::connect(const std::string& host_port, const Deadline& d
       errno = err;
     }
     if (rc == 0) {
-      ::freeaddrinfo(*res);
+      ::freeaddrinfo(res);
       int one = 1;
       ::setsockopt(s.fd(), IPPROTO_TCP, TCP_NODELAY, &one, sizeof(one));
       return s;
     }
     last = unreachable("cannot connect to " + host_port + ": " + std::strerror(errno));
   }
-  ::freeaddrinfo(*res);
+  ::freeaddrinfo(res);
   return last;
 }
 

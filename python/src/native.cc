@@ -123,7 +123,8 @@ PyCacheTensor cache_tensor_of(const py::object& obj, std::optional<uint64_t> num
       if (!shape.empty()) blocks = shape[0].cast<uint64_t>();
     }
   } else if (PyObject_CheckBuffer(obj.ptr())) {
-    auto view = std::make_shared<py::buffer_info>(py::reinterpret_borrow<py::buffer>(obj).request(writable));
+    auto view = std::make_shared<py::buffer_info>(
+        py::reinterpret_borrow<py::buffer>(obj).request(writable));
     ssize_t expect = view->itemsize;
     for (ssize_t d = view->ndim - 1; d >= 0; --d) {
       if (view->shape[d] > 1 && view->strides[d] != expect) {
@@ -143,9 +144,9 @@ PyCacheTensor cache_tensor_of(const py::object& obj, std::optional<uint64_t> num
   }
   if (num_blocks) blocks = *num_blocks;
   if (blocks == 0 || out.tensor.bytes == 0 || out.tensor.bytes % blocks != 0) {
-    throw StatusError(invalid_argument(
-        "a KV cache tensor of " + std::to_string(out.tensor.bytes) + " bytes does not split into " +
-        std::to_string(blocks) + " blocks"));
+    throw StatusError(invalid_argument("a KV cache tensor of " + std::to_string(out.tensor.bytes) +
+                                       " bytes does not split into " + std::to_string(blocks) +
+                                       " blocks"));
   }
   out.tensor.block_len = out.tensor.bytes / blocks;
   return out;
@@ -188,7 +189,7 @@ class Scheduler {
                                                        const std::optional<std::string>& params,
                                                        uint64_t num_computed_tokens) {
     auto m = get().get_num_new_matched_tokens(make_request(request_id, num_prompt_tokens, params),
-                                            num_computed_tokens);
+                                              num_computed_tokens);
     return {m.tokens, m.load_async};
   }
   // Returns whether the request still asks for a remote prefill afterwards (Decode clears
@@ -204,8 +205,8 @@ class Scheduler {
   // `scheduled`: (request id, new block ids per group, computed tokens after the step,
   // resumed after a preemption: the block ids replace the request's).
   py::bytes build_connector_meta(
-      const std::vector<
-          std::tuple<std::string, std::vector<std::vector<int64_t>>, uint64_t, bool>>& scheduled) {
+      const std::vector<std::tuple<std::string, std::vector<std::vector<int64_t>>, uint64_t, bool>>&
+          scheduled) {
     std::vector<connector::ScheduledRequest> steps;
     steps.reserve(scheduled.size());
     for (const auto& [id, blocks, computed, resumed] : scheduled) {
@@ -289,12 +290,14 @@ class Worker {
   // `all_gather(mine) -> [per rank]` over the TP group; None: this rank is the only one.
   std::pair<std::vector<std::string>, std::vector<std::string>> get_finished(
       const std::optional<py::function>& all_gather) {
-    decode::AllGather gather = [](const decode::RankTerminal& mine)
-        -> Expected<std::vector<decode::RankTerminal>> { return std::vector{mine}; };
+    decode::AllGather gather =
+        [](const decode::RankTerminal& mine) -> Expected<std::vector<decode::RankTerminal>> {
+      return std::vector{mine};
+    };
     if (all_gather) {
       py::function fn = *all_gather;
-      gather = [fn](const decode::RankTerminal& mine)
-          -> Expected<std::vector<decode::RankTerminal>> {
+      gather =
+          [fn](const decode::RankTerminal& mine) -> Expected<std::vector<decode::RankTerminal>> {
         py::gil_scoped_acquire acquire;
         try {
           return fn(mine).cast<std::vector<decode::RankTerminal>>();
@@ -309,9 +312,8 @@ class Worker {
     }
     connector::FinishedTransfers out;
     call([&](connector::ConnectorWorker& w) {
-      auto done = w.get_finished(gather);
-      if (!done) return done.status();
-      out = std::move(*done);
+      RD2H_TRY(done, w.get_finished(gather));
+      out = std::move(done);
       return Status::ok();
     });
     return {std::move(out.sending), std::move(out.recving)};
@@ -417,9 +419,8 @@ PYBIND11_MODULE(_native, m) {
   m.attr("__version__") = RD2H_VERSION;
 
   Errors& err = errors();
-  err.base = py::reinterpret_steal<py::object>(
-      PyErr_NewExceptionWithDoc("rd2h.Error", "An rd2h call failed; .code names the kind.",
-                                PyExc_RuntimeError, nullptr));
+  err.base = py::reinterpret_steal<py::object>(PyErr_NewExceptionWithDoc(
+      "rd2h.Error", "An rd2h call failed; .code names the kind.", PyExc_RuntimeError, nullptr));
   auto sub = [&](const char* name, const char* doc, PyObject* also) {
     py::tuple bases = py::make_tuple(err.base, py::handle(also));
     return py::reinterpret_steal<py::object>(
@@ -484,7 +485,8 @@ PYBIND11_MODULE(_native, m) {
            "dimension unless num_blocks is given.")
       .def_property_readonly("addr", [](const PyCacheTensor& t) { return t.tensor.addr; })
       .def_property_readonly("bytes", [](const PyCacheTensor& t) { return t.tensor.bytes; })
-      .def_property_readonly("block_len", [](const PyCacheTensor& t) { return t.tensor.block_len; });
+      .def_property_readonly("block_len",
+                             [](const PyCacheTensor& t) { return t.tensor.block_len; });
 
   py::class_<PyCacheLayer>(m, "CacheLayer")
       .def(py::init([](std::string name, std::vector<PyCacheTensor> tensors,
@@ -513,9 +515,9 @@ PYBIND11_MODULE(_native, m) {
       .def("get_num_new_matched_tokens", &Scheduler::get_num_new_matched_tokens,
            py::arg("request_id"), py::arg("num_prompt_tokens"), py::arg("kv_transfer_params"),
            py::arg("num_computed_tokens"))
-      .def("update_state_after_alloc", &Scheduler::update_state_after_alloc,
-           py::arg("request_id"), py::arg("num_prompt_tokens"), py::arg("kv_transfer_params"),
-           py::arg("block_ids"), py::arg("num_external_tokens"))
+      .def("update_state_after_alloc", &Scheduler::update_state_after_alloc, py::arg("request_id"),
+           py::arg("num_prompt_tokens"), py::arg("kv_transfer_params"), py::arg("block_ids"),
+           py::arg("num_external_tokens"))
       .def("build_connector_meta", &Scheduler::build_connector_meta, py::arg("scheduled"))
       .def("request_finished", &Scheduler::request_finished, py::arg("request_id"),
            py::arg("num_prompt_tokens"), py::arg("kv_transfer_params"))

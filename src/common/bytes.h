@@ -49,34 +49,30 @@ class ByteReader {
   bool at_end() const { return pos_ == data_.size(); }
 
   Expected<uint8_t> u8(std::string_view field) {
-    auto v = get_le(1, field);
-    if (!v) return v.status();
-    return static_cast<uint8_t>(*v);
+    RD2H_TRY(v, get_le(1, field));
+    return static_cast<uint8_t>(v);
   }
   Expected<uint32_t> u32(std::string_view field) {
-    auto v = get_le(4, field);
-    if (!v) return v.status();
-    return static_cast<uint32_t>(*v);
+    RD2H_TRY(v, get_le(4, field));
+    return static_cast<uint32_t>(v);
   }
   Expected<uint64_t> u64(std::string_view field) { return get_le(8, field); }
 
   // A u32-length-prefixed byte string of at most `max_len` bytes.
   Expected<std::span<const std::byte>> bytes(std::string_view field, size_t max_len) {
-    auto n = u32(field);
-    if (!n) return n.status();
-    if (*n > max_len) {
-      return invalid_metadata(std::string(field) + ": length " + std::to_string(*n) +
+    RD2H_TRY(n, u32(field));
+    if (n > max_len) {
+      return invalid_metadata(std::string(field) + ": length " + std::to_string(n) +
                               " exceeds the limit of " + std::to_string(max_len));
     }
-    if (*n > remaining()) return truncated(field, *n);
-    auto out = data_.subspan(pos_, *n);
-    pos_ += *n;
+    if (n > remaining()) return truncated(field, n);
+    auto out = data_.subspan(pos_, n);
+    pos_ += n;
     return out;
   }
   Expected<std::string> str(std::string_view field, size_t max_len) {
-    auto b = bytes(field, max_len);
-    if (!b) return b.status();
-    return std::string(reinterpret_cast<const char*>(b->data()), b->size());
+    RD2H_TRY(b, bytes(field, max_len));
+    return std::string(reinterpret_cast<const char*>(b.data()), b.size());
   }
   Expected<std::span<const std::byte>> raw(std::string_view field, size_t n) {
     if (n > remaining()) return truncated(field, n);

@@ -159,18 +159,16 @@ Expected<std::string> Subprocess::read_line(std::chrono::milliseconds timeout) {
       buffered_.erase(0, nl + 1);
       return line;
     }
-    auto more = read_more(deadline);
-    if (!more) return more.status();
-    if (!*more) return failed_precondition("child " + std::to_string(pid_) + " closed its output");
+    RD2H_TRY(more, read_more(deadline));
+    if (!more) return failed_precondition("child " + std::to_string(pid_) + " closed its output");
   }
 }
 
 Expected<std::string> Subprocess::read_all(std::chrono::milliseconds timeout) {
   Deadline deadline(timeout);
   for (;;) {
-    auto more = read_more(deadline);
-    if (!more) return more.status();
-    if (!*more) return std::exchange(buffered_, {});
+    RD2H_TRY(more, read_more(deadline));
+    if (!more) return std::exchange(buffered_, {});
   }
 }
 

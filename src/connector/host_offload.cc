@@ -60,8 +60,7 @@ Expected<OffloadMetadata> decode_offload_metadata(std::span<const std::byte> byt
 
 Status HostOffloadWorker::register_kv_caches(std::vector<layout::CacheLayer> layers, bool) {
   for (auto& l : layers) {
-    auto checked = layout::to_layer_tensors(l);
-    if (!checked) return checked.status();
+    RD2H_TRY(checked, layout::to_layer_tensors(l));
     std::string name = l.name;
     layers_.emplace(std::move(name), std::move(l));
   }
@@ -69,9 +68,8 @@ Status HostOffloadWorker::register_kv_caches(std::vector<layout::CacheLayer> lay
 }
 
 Status HostOffloadWorker::bind_connector_metadata(std::span<const std::byte> metadata) {
-  auto m = decode_offload_metadata(metadata);
-  if (!m) return m.status();
-  for (const auto* list : {&m->save, &m->load}) {
+  RD2H_TRY(m, decode_offload_metadata(metadata));
+  for (const auto* list : {&m.save, &m.load}) {
     for (const auto& b : *list) {
       for (const auto& [name, l] : layers_) {
         if (b.block_id < 0 || static_cast<uint64_t>(b.block_id) * l.tensors[0].bytes_per_block() >=
@@ -82,7 +80,7 @@ Status HostOffloadWorker::bind_connector_metadata(std::span<const std::byte> met
       }
     }
   }
-  metadata_ = std::move(*m);
+  metadata_ = std::move(m);
   return Status::ok();
 }
 
@@ -93,8 +91,7 @@ Expected<const layout::CacheLayer*> HostOffloadWorker::layer(std::string_view na
 }
 
 Status HostOffloadWorker::wait_for_layer_load(std::string_view layer_name) {
-  auto l = layer(layer_name);
-  if (!l) return l.status();
+  RD2H_TRY(l, layer(layer_name));
   // The buffers may still be read for their previous owner: wait before they are written,
   // by this load or by the layer's compute (the waiter's owner leaves that wait to us).
   if (waiter_) {
@@ -104,13 +101,13 @@ Status HostOffloadWorker::wait_for_layer_load(std::string_view layer_name) {
   }
   if (metadata_.load.empty()) return Status::ok();
   for (const auto& b : metadata_.load) {
-    auto saved = store_->get(b.key, (*l)->name);
+    auto saved = store_->get(b.key, l->name);
     if (!saved) {
       return not_found("host offload: block '" + b.key + "' of " + std::string(layer_name) +
                        " is not in the store");
     }
     size_t offset = 0;
-    for (const auto& t : (*l)->tensors) {
+    for (const auto& t : l->tensors) {
       const uint64_t n = t.bytes_per_block();
       if (offset + n > saved->size()) return internal_error("host offload: short stored block");
       std::memcpy(reinterpret_cast<void*>(t.addr + static_cast<uint64_t>(b.block_id) * n),
@@ -124,18 +121,17 @@ Status HostOffloadWorker::wait_for_layer_load(std::string_view layer_name) {
 
 Status HostOffloadWorker::save_kv_layer(std::string_view layer_name,
                                         std::shared_ptr<prefill::WriteEvent> event) {
-  auto l = layer(layer_name);
-  if (!l) return l.status();
+  RD2H_TRY(l, layer(layer_name));
   if (event) RD2H_RETURN_IF_ERROR(event->wait(Deadline(std::chrono::seconds(60))));
   for (const auto& b : metadata_.save) {
     std::vector<std::byte> bytes;
-    for (const auto& t : (*l)->tensors) {
+    for (const auto& t : l->tensors) {
       const uint64_t n = t.bytes_per_block();
       const auto* src =
           reinterpret_cast<const std::byte*>(t.addr + static_cast<uint64_t>(b.block_id) * n);
       bytes.insert(bytes.end(), src, src + n);
     }
-    store_->put(b.key, (*l)->name, std::move(bytes));
+    store_->put(b.key, l->name, std::move(bytes));
     ++stats_.blocks_saved;
   }
   return Status::ok();

@@ -68,15 +68,14 @@ Status MultiConnectorWorker::register_kv_caches(std::vector<layout::CacheLayer> 
 }
 
 Status MultiConnectorWorker::bind_connector_metadata(std::span<const std::byte> metadata) {
-  auto blobs = decode_multi(metadata);
-  if (!blobs) return blobs.status();
-  if (blobs->size() != connectors_.size()) {
-    return invalid_argument("multi metadata: " + std::to_string(blobs->size()) + " entries for " +
+  RD2H_TRY(blobs, decode_multi(metadata));
+  if (blobs.size() != connectors_.size()) {
+    return invalid_argument("multi metadata: " + std::to_string(blobs.size()) + " entries for " +
                             std::to_string(connectors_.size()) + " connectors");
   }
   Status first;
   for (size_t i = 0; i < connectors_.size(); ++i) {
-    Status st = connectors_[i]->bind_connector_metadata((*blobs)[i]);
+    Status st = connectors_[i]->bind_connector_metadata(blobs[i]);
     if (!st && first.is_ok()) first = st.with_context(connectors_[i]->name());
   }
   return first;

@@ -41,14 +41,13 @@ Expected<GroupRoles> find_group_roles(const std::vector<KvCacheGroup>& groups) {
 
 Expected<std::unique_ptr<Scheduler>> Scheduler::create(ConnectorConfig config, Parallel parallel,
                                                        std::vector<KvCacheGroup> groups) {
-  auto roles = find_group_roles(groups);
-  if (!roles) return roles.status();
+  RD2H_TRY(roles, find_group_roles(groups));
   auto s = std::unique_ptr<Scheduler>(
-      new Scheduler(std::move(config), parallel, std::move(groups), *roles));
+      new Scheduler(std::move(config), parallel, std::move(groups), roles));
   if (s->config_.role == KvRole::kConsumer) {
-    auto base = topology::base_port(s->config_.kv_port, parallel.global_dp_rank, parallel.tp_size);
-    if (!base) return base.status();
-    s->base_port_ = *base;
+    RD2H_TRY(base,
+             topology::base_port(s->config_.kv_port, parallel.global_dp_rank, parallel.tp_size));
+    s->base_port_ = base;
     metaserver::ClientConfig mc;
     mc.timeout = s->config_.metaserver_timeout;
     mc.attempts = s->config_.metaserver_attempts;
@@ -100,13 +99,12 @@ Status Scheduler::update_state_after_alloc(Request& request,
 
 Status Scheduler::update_decode(Request& request,
                                 const std::vector<std::vector<int64_t>>& block_ids) {
-  auto ext = config_.request_ids.to_external(request.request_id);
-  if (!ext) return ext.status();
+  RD2H_TRY(ext, config_.request_ids.to_external(request.request_id));
   // Without a metaserver, or for a virtual request, the rendezvous reaches Prefill some
   // other way (or never): nothing is posted, and Decode still expects the KV.
   const bool post = !request.params->metaserver.empty() && !request.params->is_virtual;
   KvTransferParams rendezvous;
-  rendezvous.request_id = *ext;
+  rendezvous.request_id = ext;
   rendezvous.remote_engine_id = config_.engine_id;
   rendezvous.remote_host = config_.host;
   rendezvous.remote_port = base_port_;
@@ -118,28 +116,26 @@ Status Scheduler::update_decode(Request& request,
   rendezvous.remote_cached_tokens = computed == computed_.end() ? 0 : computed->second;
   if (post) {
     RD2H_RETURN_IF_ERROR(
-        metaserver_->post(*ext, request.params->metaserver, rendezvous.rendezvous_json()));
+        metaserver_->post(ext, request.params->metaserver, rendezvous.rendezvous_json()));
   }
   if (computed != computed_.end()) computed_.erase(computed);
   pending_.load.push_back(
-      {*ext, request.request_id, block_ids[roles_.main], block_ids[roles_.indexer]});
-  recv_[request.request_id] = *ext;
+      {ext, request.request_id, block_ids[roles_.main], block_ids[roles_.indexer]});
+  recv_[request.request_id] = ext;
   request.params->do_remote_prefill = false;
   return Status::ok();
 }
 
 Status Scheduler::update_prefill(Request& request,
                                  const std::vector<std::vector<int64_t>>& block_ids) {
-  auto ext = config_.request_ids.to_external(request.request_id);
-  if (!ext) return ext.status();
-  auto decode = request.params->for_request(*ext);
-  if (!decode) return decode.status();
+  RD2H_TRY(ext, config_.request_ids.to_external(request.request_id));
+  RD2H_TRY(decode, request.params->for_request(ext));
   // No Decode endpoint: nothing to send, so the request is not tracked (no readiness, no
   // gate closed for it).
-  if (decode->remote_host.empty() || decode->remote_port <= 0) return Status::ok();
+  if (decode.remote_host.empty() || decode.remote_port <= 0) return Status::ok();
   Send s;
-  s.ext_id = *ext;
-  s.decode = std::move(*decode);
+  s.ext_id = ext;
+  s.decode = std::move(decode);
   s.decode.batch.clear();
   s.num_prompt_tokens = request.num_prompt_tokens;
   s.main_blocks = block_ids[roles_.main];
@@ -214,9 +210,8 @@ Expected<ConnectorMetadata> Scheduler::build_connector_meta(
 
 Expected<std::vector<std::byte>> Scheduler::build_metadata(
     const std::vector<ScheduledRequest>& scheduled) {
-  auto meta = build_connector_meta(scheduled);
-  if (!meta) return meta.status();
-  return encode(*meta);
+  RD2H_TRY(meta, build_connector_meta(scheduled));
+  return encode(meta);
 }
 
 MetaserverStats Scheduler::metaserver_stats() const {

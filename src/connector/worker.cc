@@ -23,9 +23,8 @@ Expected<std::unique_ptr<ConnectorWorker>> ConnectorWorker::create(
     ec.read_timeout = config.read_timeout;
     ec.listen_host = config.host;
     ec.share_registered = config.share_registered_memory;
-    auto bound = transfer::bind_process_engine(ec);
-    if (!bound) return bound.status();
-    engine = std::move(*bound);
+    RD2H_TRY(bound, transfer::bind_process_engine(ec));
+    engine = std::move(bound);
   }
   return std::unique_ptr<ConnectorWorker>(
       new ConnectorWorker(std::move(config), parallel, tp_rank, std::move(engine)));
@@ -91,9 +90,8 @@ Status ConnectorWorker::register_kv_caches(std::vector<layout::CacheLayer> layer
       pc.trusted_decode_keys = config_.curve.trusted;
     }
     pc.insecure = config_.insecure;
-    auto w = prefill::Worker::create(pc, engine_, context_, std::move(layers));
-    if (!w) return w.status();
-    const auto& slots = (*w)->slots();
+    RD2H_TRY(w, prefill::Worker::create(pc, engine_, context_, std::move(layers)));
+    const auto& slots = w->slots();
     if (!config_.use_layerwise &&
         (slots.main_slot_count() < slots.layer_count() ||
          (slots.indexer_slot_count() > 0 && slots.indexer_slot_count() < slots.layer_count()))) {
@@ -103,7 +101,7 @@ Status ConnectorWorker::register_kv_caches(std::vector<layout::CacheLayer> layer
           std::to_string(slots.layer_count()) + " layers share " +
           std::to_string(slots.main_slot_count()) + " buffers");
     }
-    prefill_ = std::move(*w);
+    prefill_ = std::move(w);
     return Status::ok();
   }
   decode::WorkerConfig dc;
@@ -124,9 +122,8 @@ Status ConnectorWorker::register_kv_caches(std::vector<layout::CacheLayer> layer
                                ", not a loopback address, without CURVE keys "
                                "(\"insecure\": true listens without them)");
   }
-  auto w = decode::Worker::create(dc, engine_, context_, layers);
-  if (!w) return w.status();
-  decode_ = std::move(*w);
+  RD2H_TRY(w, decode::Worker::create(dc, engine_, context_, layers));
+  decode_ = std::move(w);
   return Status::ok();
 }
 
@@ -138,9 +135,8 @@ Status ConnectorWorker::bind_connector_metadata(const ConnectorMetadata& metadat
 }
 
 Status ConnectorWorker::bind_connector_metadata(std::span<const std::byte> metadata) {
-  auto decoded = decode_metadata(metadata);
-  if (!decoded) return decoded.status();
-  return bind_connector_metadata(*decoded);
+  RD2H_TRY(decoded, decode_metadata(metadata));
+  return bind_connector_metadata(decoded);
 }
 
 void ConnectorWorker::clear_connector_metadata() {
@@ -204,15 +200,14 @@ Expected<FinishedTransfers> ConnectorWorker::get_finished(const decode::AllGathe
   FinishedTransfers out;
   if (config_.role != KvRole::kConsumer) return out;
   RD2H_RETURN_IF_ERROR(need(decode_.get(), "get_finished"));
-  auto done = decode_->get_finished(all_gather);
-  if (!done) return done.status();
-  for (auto* ids : {&done->finished, &done->failed}) {
+  RD2H_TRY(done, decode_->get_finished(all_gather));
+  for (auto* ids : {&done.finished, &done.failed}) {
     for (auto& id : *ids) out.recving.push_back(id);
   }
-  load_errors_.insert(load_errors_.end(), done->invalid_main_blocks.begin(),
-                      done->invalid_main_blocks.end());
-  load_errors_.insert(load_errors_.end(), done->invalid_indexer_blocks.begin(),
-                      done->invalid_indexer_blocks.end());
+  load_errors_.insert(load_errors_.end(), done.invalid_main_blocks.begin(),
+                      done.invalid_main_blocks.end());
+  load_errors_.insert(load_errors_.end(), done.invalid_indexer_blocks.begin(),
+                      done.invalid_indexer_blocks.end());
   return out;
 }
 

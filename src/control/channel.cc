@@ -175,9 +175,8 @@ Status secure_server(Context::Impl& context, zmq::socket_t& socket, const Server
   }
   std::lock_guard lock(context.zap_mu);
   if (!context.zap) {
-    auto zap = ZapHandler::start(context.ctx);
-    if (!zap) return zap.status();
-    context.zap = std::move(*zap);
+    RD2H_TRY(zap, ZapHandler::start(context.ctx));
+    context.zap = std::move(zap);
   }
   domain = context.zap->add_domain(security.trusted_clients);
   socket.set(zmq::sockopt::zap_domain, domain);
@@ -222,10 +221,9 @@ Expected<std::optional<Inbound>> RouterChannel::receive(std::chrono::millisecond
                                                         std::span<const int> wake_fds) {
   Deadline deadline(timeout);
   for (;;) {
-    auto frames = receive_multipart(impl_->socket, remaining(deadline), wake_fds);
-    if (!frames) return frames.status();
-    if (!frames->has_value()) return std::optional<Inbound>{};
-    auto& f = **frames;
+    RD2H_TRY(frames, receive_multipart(impl_->socket, remaining(deadline), wake_fds));
+    if (!frames.has_value()) return std::optional<Inbound>{};
+    auto& f = *frames;
     // Disconnects reported so far are settled first: a closed connection's descriptor may
     // be reused by the connection this message came on.
     note_disconnects();
@@ -375,10 +373,9 @@ Expected<std::optional<std::vector<std::byte>>> DealerChannel::receive(
     std::chrono::milliseconds timeout) {
   Deadline deadline(timeout);
   for (;;) {
-    auto frames = receive_multipart(impl_->socket, remaining(deadline));
-    if (!frames) return frames.status();
-    if (!frames->has_value()) return std::optional<std::vector<std::byte>>{};
-    const zmq::message_t* payload = single_payload(**frames, 0);
+    RD2H_TRY(frames, receive_multipart(impl_->socket, remaining(deadline)));
+    if (!frames.has_value()) return std::optional<std::vector<std::byte>>{};
+    const zmq::message_t* payload = single_payload(*frames, 0);
     if (payload != nullptr) return std::optional<std::vector<std::byte>>(to_bytes(*payload));
     ++dropped_;
   }

@@ -22,8 +22,9 @@ constexpr std::string_view kZ85Alphabet =
 
 Expected<std::string> read_file(const std::string& path, const char* what) {
   std::ifstream in(path);
-  if (!in) return not_found(std::string("cannot read the ") + what + " " + path + ": " +
-                            std::strerror(errno));
+  if (!in)
+    return not_found(std::string("cannot read the ") + what + " " + path + ": " +
+                     std::strerror(errno));
   std::ostringstream s;
   s << in.rdbuf();
   if (s.str().size() > 64 * 1024) {
@@ -81,8 +82,8 @@ Expected<CurveKeyPair> generate_key_pair() {
   char sec[kCurveKeyChars + 1] = {};
   if (zmq_curve_keypair(pub, sec) != 0) {
     return internal_error(std::string("cannot make a CURVE key pair (is libzmq built with "
-                                   "CURVE?): ") +
-                       zmq_strerror(zmq_errno()));
+                                      "CURVE?): ") +
+                          zmq_strerror(zmq_errno()));
   }
   return CurveKeyPair{pub, sec};
 }
@@ -92,9 +93,8 @@ Status write_key_pair(const std::string& stem, const CurveKeyPair& keys) {
       "#   ZeroMQ CURVE certificate written by rd2h keygen\n"
       "#   Give the public one (.key) to the peers that should trust this one.\n\n"
       "metadata\ncurve\n";
-  RD2H_RETURN_IF_ERROR(write_private(stem + ".key",
-                                     header + "    public-key = \"" + keys.public_key + "\"\n",
-                                     0644));
+  RD2H_RETURN_IF_ERROR(write_private(
+      stem + ".key", header + "    public-key = \"" + keys.public_key + "\"\n", 0644));
   return write_private(stem + ".key_secret",
                        "#   SECRET: do not give this file to anyone; keep it mode 0600.\n" +
                            header + "    public-key = \"" + keys.public_key +
@@ -103,9 +103,8 @@ Status write_key_pair(const std::string& stem, const CurveKeyPair& keys) {
 }
 
 Expected<CurveKeyPair> read_secret_key_file(const std::string& path) {
-  auto text = read_file(path, "CURVE secret key file");
-  if (!text) return text.status();
-  std::istringstream lines(*text);
+  RD2H_TRY(text, read_file(path, "CURVE secret key file"));
+  std::istringstream lines(text);
   std::string line;
   while (std::getline(lines, line)) {
     auto secret = setting(line, "secret-key");
@@ -125,10 +124,9 @@ Expected<CurveKeyPair> read_secret_key_file(const std::string& path) {
 }
 
 Expected<std::vector<std::string>> read_public_keys_file(const std::string& path) {
-  auto text = read_file(path, "CURVE trusted keys file");
-  if (!text) return text.status();
+  RD2H_TRY(text, read_file(path, "CURVE trusted keys file"));
   std::vector<std::string> keys;
-  std::istringstream lines(*text);
+  std::istringstream lines(text);
   std::string line;
   for (int number = 1; std::getline(lines, line); ++number) {
     // Z85 has '#' in its alphabet: a comment is a line that starts with '#' and is not a

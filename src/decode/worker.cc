@@ -10,25 +10,21 @@ Expected<std::unique_ptr<Worker>> Worker::create(WorkerConfig config,
                                                  const std::vector<layout::CacheLayer>& layers) {
   ReaderConfig reader = config.reader;
   if (config.p_tp > 0) {
-    auto tp = topology::make_tp_mapping(config.p_tp, reader.d_tp);
-    if (!tp) return tp.status();
+    RD2H_RETURN_IF_ERROR(topology::make_tp_mapping(config.p_tp, reader.d_tp).status());
   }
   auto worker = std::unique_ptr<Worker>(new Worker(std::move(engine)));
   if (config.kv_port != 0) {
-    auto base = topology::base_port(config.kv_port, config.global_dp_rank, reader.d_tp);
-    if (!base) return base.status();
-    auto port = topology::rank_port(*base, reader.d_rank, reader.d_tp);
-    if (!port) return port.status();
-    worker->base_port_ = *base;
-    reader.port = *port;
+    RD2H_TRY(base, topology::base_port(config.kv_port, config.global_dp_rank, reader.d_tp));
+    RD2H_TRY(port, topology::rank_port(base, reader.d_rank, reader.d_tp));
+    worker->base_port_ = base;
+    reader.port = port;
   } else {
     reader.port = 0;
   }
   DecodeLayout layout;
   for (const auto& layer : layers) {
-    auto tensors = layout::to_layer_tensors(layer);
-    if (!tensors) return tensors.status();
-    if (!layout.emplace(layer.name, std::move(*tensors)).second) {
+    RD2H_TRY(tensors, layout::to_layer_tensors(layer));
+    if (!layout.emplace(layer.name, std::move(tensors)).second) {
       return invalid_argument("layer '" + layer.name + "' is given twice");
     }
   }
@@ -41,9 +37,8 @@ Expected<std::unique_ptr<Worker>> Worker::create(WorkerConfig config,
       worker->registered_.push_back(addr);
     }
   }
-  auto started = Reader::start(reader, worker->engine_, std::move(layout), std::move(context));
-  if (!started) return started.status();
-  worker->reader_ = std::move(*started);
+  RD2H_TRY(started, Reader::start(reader, worker->engine_, std::move(layout), std::move(context)));
+  worker->reader_ = std::move(started);
   return worker;
 }
 

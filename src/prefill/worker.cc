@@ -21,11 +21,9 @@ Expected<std::unique_ptr<Worker>> Worker::create(WorkerConfig config,
   auto worker = std::unique_ptr<Worker>(new Worker(config, std::move(engine)));
   std::vector<layout::CacheLayer> sorted;
   for (auto& layer : layers) {
-    auto index = layout::layer_index_from_name(layer.name);
-    if (!index) return index.status();
-    auto tensors = layout::to_layer_tensors(layer);
-    if (!tensors) return tensors.status();
-    worker->layers_.push_back({layer.name, *index, std::move(*tensors)});
+    RD2H_TRY(index, layout::layer_index_from_name(layer.name));
+    RD2H_TRY(tensors, layout::to_layer_tensors(layer));
+    worker->layers_.push_back({layer.name, index, std::move(tensors)});
   }
   std::vector<size_t> order(layers.size());
   for (size_t i = 0; i < order.size(); ++i) order[i] = i;
@@ -67,20 +65,17 @@ Expected<std::unique_ptr<Worker>> Worker::create(WorkerConfig config,
       worker->registered_.push_back(addr);
     }
   }
-  auto metadata = worker->engine_->export_metadata();
-  if (!metadata) return metadata.status();
+  RD2H_TRY(metadata, worker->engine_->export_metadata());
   protocol::MfMeta& meta = worker->mf_meta_;
   meta.p_session = worker->engine_->session_id();
-  for (const auto& layer : sorted)
-    meta.layers.emplace_back(layer.name, to_layer_meta(layer));
+  for (const auto& layer : sorted) meta.layers.emplace_back(layer.name, to_layer_meta(layer));
   meta.protocol_version = protocol::kProtocolVersion;
   meta.cache_layout_version = protocol::kCacheLayoutVersion;
   meta.backend_name = std::string(worker->engine_->backend_name());
-  meta.backend_metadata = std::move(*metadata);
+  meta.backend_metadata = std::move(metadata);
 
-  auto sender = Sender::start(config.sender, std::move(context), meta, worker->engine_);
-  if (!sender) return sender.status();
-  worker->sender_ = std::move(*sender);
+  RD2H_TRY(sender, Sender::start(config.sender, std::move(context), meta, worker->engine_));
+  worker->sender_ = std::move(sender);
   return worker;
 }
 
@@ -158,14 +153,13 @@ Status Worker::bind_step(std::vector<SendRequest> requests) {
     auto port = topology::remote_rank_port(r.d_base_port, *tp, config_.p_rank);
     if (!port) return port.status().with_context("request " + r.ext_id);
     const std::string url = control::endpoint_url(r.d_host, *port);
-    auto server_key = decode_key(r);
-    if (!server_key) return server_key.status();
+    RD2H_TRY(server_key, decode_key(r));
     auto target =
         std::find_if(targets.begin(), targets.end(), [&](const Target& t) { return t.url == url; });
     if (target == targets.end()) {
       Target t;
       t.url = url;
-      t.server_key = *server_key;
+      t.server_key = server_key;
       t.ready.group_member_idx = position->group_member_idx;
       t.ready.tp_ratio = tp->ratio;
       targets.push_back(std::move(t));
@@ -194,10 +188,9 @@ Status Worker::bind_step(std::vector<SendRequest> requests) {
 }
 
 Status Worker::save_kv_layer(std::string_view layer_name, std::shared_ptr<WriteEvent> event) {
-  auto found = find_layer(layer_name);
-  if (!found) return found.status();
-  const Layer& layer = layers_[*found];
-  const bool last = *found + 1 == layers_.size();  // the last cache-bearing layer
+  RD2H_TRY(found, find_layer(layer_name));
+  const Layer& layer = layers_[found];
+  const bool last = found + 1 == layers_.size();  // the last cache-bearing layer
 
   std::vector<const Target*> sending;
   for (const auto& t : targets_) {
@@ -205,7 +198,7 @@ Status Worker::save_kv_layer(std::string_view layer_name, std::shared_ptr<WriteE
   }
   // The reuse gate: what the slots held before must be answered for. Checked for every
   // slot before any is opened, so a failure leaves every gate as it was.
-  const std::vector<SlotGate*> gates = gates_of(*found);
+  const std::vector<SlotGate*> gates = gates_of(found);
   const Deadline deadline(config_.send_timeout);
   for (SlotGate* gate : gates) {
     RD2H_RETURN_IF_ERROR(settle(*gate, deadline)
@@ -217,9 +210,10 @@ Status Worker::save_kv_layer(std::string_view layer_name, std::shared_ptr<WriteE
     tickets.push_back({gate, gate->open(layer.index, sending.size(), step_)});
   }
   for (const Target* t : sending) {
-    sender_->send(t->url, layer.index,
-                  protocol::encode_readiness(layer.index, layer.name, last ? t->body_last : t->body),
-                  tickets, event, t->server_key);
+    sender_->send(
+        t->url, layer.index,
+        protocol::encode_readiness(layer.index, layer.name, last ? t->body_last : t->body), tickets,
+        event, t->server_key);
   }
   ++stats_.layers_saved;
   stats_.readiness_queued += sending.size();
@@ -227,10 +221,9 @@ Status Worker::save_kv_layer(std::string_view layer_name, std::shared_ptr<WriteE
 }
 
 Status Worker::wait_for_layer_send(std::string_view layer_name) {
-  auto found = find_layer(layer_name);
-  if (!found) return found.status();
+  RD2H_TRY(found, find_layer(layer_name));
   const Deadline deadline(config_.send_timeout);
-  for (SlotGate* gate : gates_of(*found)) {
+  for (SlotGate* gate : gates_of(found)) {
     RD2H_RETURN_IF_ERROR(
         settle(*gate, deadline)
             .with_context("waiting for Decode to read " + std::string(layer_name)));

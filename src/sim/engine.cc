@@ -21,22 +21,19 @@ Status Engine::Impl::init() {
   connector::Parallel parallel{config.tp_size, 1, 1, 0};
   connector::KvCacheGroup group{{}, m.block_size};
   for (int l = 0; l < m.layers; ++l) group.layer_names.push_back(layer_name(l));
-  auto s = connector::Scheduler::create(config.connector, parallel, {group});
-  if (!s) return s.status();
-  scheduler = std::move(*s);
+  RD2H_TRY(s, connector::Scheduler::create(config.connector, parallel, {group}));
+  scheduler = std::move(s);
   if (!prefill) {
-    auto p = SharedPool::create(model->main_pool_bytes());
-    if (!p) return p.status();
-    pool = std::move(*p);
+    RD2H_TRY(p, SharedPool::create(model->main_pool_bytes()));
+    pool = std::move(p);
     stats.main_pool_locked = pool->lock();
   }
   if (config.worker_executable.empty()) {
     return invalid_argument(
         "worker_executable: the rd2h binary the TP rank processes run is not set");
   }
-  auto set = RankSet::start(config.worker_executable, config.tp_size, kRankStartTimeout);
-  if (!set) return set.status();
-  ranks = std::move(*set);
+  RD2H_TRY(set, RankSet::start(config.worker_executable, config.tp_size, kRankStartTimeout));
+  ranks = std::move(set);
 
   json init = {{"op", "init"},
                {"tp", config.tp_size},
@@ -58,23 +55,21 @@ Status Engine::Impl::init() {
   std::vector<json> first(ranks->size());
   first[0] = init;
   first[0]["rank"] = 0;
-  auto r0 = ranks->call(first, kRankStartTimeout);
-  if (!r0) return r0.status();
-  if (!(*r0)[0].value("ok", false)) {
-    return internal_error("TP rank 0: " + (*r0)[0].value("error", std::string()));
+  RD2H_TRY(r0, ranks->call(first, kRankStartTimeout));
+  if (!r0[0].value("ok", false)) {
+    return internal_error("TP rank 0: " + r0[0].value("error", std::string()));
   }
   std::vector<json> rest(ranks->size());
   for (size_t k = 1; k < rest.size(); ++k) {
     rest[k] = init;
     rest[k]["rank"] = k;
-    rest[k]["gather"] = (*r0)[0].value("gather", std::string());
+    rest[k]["gather"] = r0[0].value("gather", std::string());
   }
-  auto rn = ranks->call(rest, kRankStartTimeout);
-  if (!rn) return rn.status();
+  RD2H_TRY(rn, ranks->call(rest, kRankStartTimeout));
   for (size_t k = 1; k < rest.size(); ++k) {
-    if (!(*rn)[k].value("ok", false)) {
+    if (!rn[k].value("ok", false)) {
       return internal_error("TP rank " + std::to_string(k) + ": " +
-                            (*rn)[k].value("error", std::string()));
+                            rn[k].value("error", std::string()));
     }
   }
   if (pool) pool->unlink();  // every rank mapped it: nothing is left behind after a crash

@@ -147,8 +147,7 @@ Status Engine::Impl::verify(const std::shared_ptr<EngineRequest>& r) {
   r->state = EngineRequest::State::kVerifying;
   r->verify_pending = static_cast<int>(ranks->size());
   verifying[r->ext_id] = r;
-  auto replies = call_ranks({{"op", "verify"}, {"writes", {blocks_json(*r, 0, blocks)}}});
-  if (!replies) return replies.status();
+  RD2H_TRY(replies, call_ranks({{"op", "verify"}, {"writes", {blocks_json(*r, 0, blocks)}}}));
   return Status::ok();
 }
 
@@ -214,12 +213,11 @@ Status Engine::Impl::step() {
       if (budget == 0) break;
     }
   }
-  auto handed = scheduler->build_connector_meta(scheduled);
-  if (!handed) return handed.status();
-  const std::vector<std::byte> meta = connector::encode(*handed);  // as a host ships it
+  RD2H_TRY(handed, scheduler->build_connector_meta(scheduled));
+  const std::vector<std::byte> meta = connector::encode(handed);  // as a host ships it
   bool waiting = false;
   for (auto& r : active) waiting = waiting || r->state != EngineRequest::State::kRunning;
-  if (scheduled.empty() && !waiting && handed->empty()) {
+  if (scheduled.empty() && !waiting && handed.empty()) {
     if (!prefill) {
       for (auto r : std::vector<std::shared_ptr<EngineRequest>>(active)) {
         decode_token(*r);
@@ -247,12 +245,11 @@ Status Engine::Impl::step() {
     job["corrupt"] = true;
     corrupt_pending = false;
   }
-  auto replies = call_ranks(job);
-  if (!replies) return replies.status();
+  RD2H_TRY(replies, call_ranks(job));
   Status failure;
   int64_t compute_end_us = 0;
-  for (size_t k = 0; k < replies->size(); ++k) {
-    const json& reply = (*replies)[k];
+  for (size_t k = 0; k < replies.size(); ++k) {
+    const json& reply = replies[k];
     if (!reply.value("ok", false) && failure.is_ok()) {
       failure = internal_error("TP rank " + std::to_string(k) + ": " +
                                reply.value("error", std::string()));
@@ -272,15 +269,15 @@ Status Engine::Impl::step() {
     }
     return Status::ok();
   }
-  for (const auto& reply : *replies) {
+  for (const auto& reply : replies) {
     if (auto t = reply.find("transfer"); t != reply.end() && t->is_object()) take_transfer(*t);
   }
   if (!failure.is_ok()) return failure;
   std::set<int64_t> bad;
-  for (const auto& reply : *replies) {
+  for (const auto& reply : replies) {
     for (int64_t b : reply.value("load_errors", std::vector<int64_t>{})) bad.insert(b);
   }
-  const auto recving = (*replies)[0].value("recving", std::vector<std::string>{});
+  const auto recving = replies[0].value("recving", std::vector<std::string>{});
   const std::set<std::string> ready(recving.begin(), recving.end());
   for (auto r : std::vector<std::shared_ptr<EngineRequest>>(active)) {
     if (r->state == EngineRequest::State::kAbandoned) {

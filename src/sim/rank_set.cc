@@ -60,13 +60,12 @@ Expected<std::unique_ptr<RankSet>> RankSet::start(const std::string& executable,
       return timeout_error(std::to_string(set->ranks_.size() - joined) + " of " +
                            std::to_string(size) + " TP rank processes did not start in time");
     }
-    auto in = set->router_->receive(slice(deadline));
-    if (!in) return in.status();
-    if (!in->has_value()) continue;
-    const json hello = unpack((*in)->payload);
+    RD2H_TRY(in, set->router_->receive(slice(deadline)));
+    if (!in.has_value()) continue;
+    const json hello = unpack(in->payload);
     const int k = hello.is_object() ? hello.value("hello", -1) : -1;
     if (k < 0 || k >= size || !set->ranks_[static_cast<size_t>(k)].identity.empty()) continue;
-    set->ranks_[static_cast<size_t>(k)].identity = (*in)->identity;
+    set->ranks_[static_cast<size_t>(k)].identity = in->identity;
     ++joined;
   }
   return set;
@@ -120,17 +119,16 @@ Expected<std::vector<json>> RankSet::call(const std::vector<json>& jobs,
         }
       }
     }
-    auto in = router_->receive(slice(deadline));
-    if (!in) return in.status();
-    if (!in->has_value()) {
+    RD2H_TRY(in, router_->receive(slice(deadline)));
+    if (!in.has_value()) {
       for (size_t k = 0; k < ranks_.size(); ++k) {
         if (auto why = exited(k); why && !answered[k]) return internal_error(*why);
       }
       continue;
     }
     for (size_t k = 0; k < ranks_.size(); ++k) {
-      if (answered[k] || ranks_[k].identity != (*in)->identity) continue;
-      json reply = unpack((*in)->payload);
+      if (answered[k] || ranks_[k].identity != in->identity) continue;
+      json reply = unpack(in->payload);
       if (!reply.is_object()) {
         return internal_error("TP rank " + std::to_string(k) + " answered with a malformed reply");
       }

@@ -140,9 +140,8 @@ Status Rank::init(const json& j) {
   tp_ = j.at("tp").get<int>();
   trace::set_rank(rank_);
   trace::set_enabled(j.value("trace", false));
-  auto connector = connector::ConnectorConfig::from_json(j.at("connector").get<std::string>());
-  if (!connector) return connector.status();
-  prefill_ = connector->role == connector::KvRole::kProducer;
+  RD2H_TRY(connector, connector::ConnectorConfig::from_json(j.at("connector").get<std::string>()));
+  prefill_ = connector.role == connector::KvRole::kProducer;
   ModelLayout m;
   m.layers = j.at("layers").get<int>();
   m.block_size = j.at("block_size").get<uint64_t>();
@@ -158,35 +157,31 @@ Status Rank::init(const json& j) {
   transfer::EngineConfig ec;
   ec.role = prefill_ ? transfer::Role::kPrefill : transfer::Role::kDecode;
   ec.device_id = rank_;
-  ec.transport = connector->transport;
-  ec.read_timeout = connector->read_timeout;
-  ec.listen_host = connector->host;
-  auto engine = transfer::create_ucx_engine(ec);
-  if (!engine) return engine.status();
-  std::shared_ptr<transfer::TransferEngine> shared(std::move(*engine));
+  ec.transport = connector.transport;
+  ec.read_timeout = connector.read_timeout;
+  ec.listen_host = connector.host;
+  RD2H_TRY(engine, transfer::create_ucx_engine(ec));
+  std::shared_ptr<transfer::TransferEngine> shared(std::move(engine));
   if (prefill_) {
-    auto region = shared->allocate_memory(model_->prefill_bytes());
-    if (!region) return region.status();
-    kv_ = static_cast<std::byte*>(region->addr);
+    RD2H_TRY(region, shared->allocate_memory(model_->prefill_bytes()));
+    kv_ = static_cast<std::byte*>(region.addr);
   } else {
-    auto pool = SharedPool::open(j.at("pool").get<std::string>(), model_->main_pool_bytes());
-    if (!pool) return pool.status();
-    pool_ = std::move(*pool);
+    RD2H_TRY(pool, SharedPool::open(j.at("pool").get<std::string>(), model_->main_pool_bytes()));
+    pool_ = std::move(pool);
     indexer_ = Aligned(model_->indexer_bytes());
     const auto timeout = std::chrono::milliseconds(j.value("gather_timeout_ms", 30000));
     // The all-gather listens beside the core's socket, in the engine's private directory.
     const std::string ipc_dir = j.value("ipc_dir", std::string());
-    auto gather = rank_ != 0
-                      ? RankGather::connect(rank_, tp_, j.at("gather").get<std::string>(), timeout)
-                  : ipc_dir.empty() ? RankGather::bind(tp_, j.value("host", "127.0.0.1"), timeout)
-                                    : RankGather::bind_ipc(tp_, ipc_dir + "/gather", timeout);
-    if (!gather) return gather.status();
-    gather_ = std::move(*gather);
+    RD2H_TRY(gather,
+             rank_ != 0
+                 ? RankGather::connect(rank_, tp_, j.at("gather").get<std::string>(), timeout)
+             : ipc_dir.empty() ? RankGather::bind(tp_, j.value("host", "127.0.0.1"), timeout)
+                               : RankGather::bind_ipc(tp_, ipc_dir + "/gather", timeout));
+    gather_ = std::move(gather);
   }
   connector::Parallel parallel{tp_, 1, 1, 0};
-  auto w = connector::ConnectorWorker::create(*connector, parallel, rank_, shared);
-  if (!w) return w.status();
-  worker_ = std::move(*w);
+  RD2H_TRY(w, connector::ConnectorWorker::create(connector, parallel, rank_, shared));
+  worker_ = std::move(w);
   return worker_->register_kv_caches(cache_layers(), /*engine_allocated=*/prefill_);
 }
 

@@ -83,9 +83,8 @@ Expected<int> rank_port(int base, int tp_rank, int tp_size) {
 
 Expected<int> remote_rank_port(int d_base_port, const TpMapping& tp, int p_rank) {
   RD2H_RETURN_IF_ERROR(check_port(d_base_port, "Decode base port"));
-  auto pos = contributor_of(tp, p_rank);
-  if (!pos) return pos.status();
-  return rank_port(d_base_port, pos->d_rank, tp.d_tp);
+  RD2H_TRY(pos, contributor_of(tp, p_rank));
+  return rank_port(d_base_port, pos.d_rank, tp.d_tp);
 }
 
 }  // namespace rd2h::topology

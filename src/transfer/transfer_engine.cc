@@ -84,9 +84,8 @@ Expected<std::shared_ptr<TransferEngine>> bind_process_engine(const EngineConfig
     }
     return g_process_engine;
   }
-  auto engine = create_ucx_engine(config);
-  if (!engine) return engine.status();
-  g_process_engine = std::shared_ptr<TransferEngine>(std::move(*engine));
+  RD2H_TRY(engine, create_ucx_engine(config));
+  g_process_engine = std::shared_ptr<TransferEngine>(std::move(engine));
   return g_process_engine;
 }
 
@@ -109,7 +108,9 @@ Status no_links(const TransferEngine& engine) {
 }
 }  // namespace
 
-Status TransferEngine::expect_link(uint64_t, LinkHandler) { return no_links(*this); }
+Status TransferEngine::expect_link(uint64_t, LinkHandler) {
+  return no_links(*this);
+}
 Status TransferEngine::open_link(std::string_view, uint64_t, LinkHandler) {
   return no_links(*this);
 }

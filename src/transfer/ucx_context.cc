@@ -87,10 +87,9 @@ Expected<UcxContext> create_ucx_context(const EngineConfig& config) {
     if (st != UCS_OK) return ucs_error("setting UCX transports", st);
   }
   if (!config.listen_host.empty() && std::getenv("UCX_NET_DEVICES") == nullptr) {
-    auto device = interface_of(config.listen_host);
-    if (!device) return device.status();
-    st = ucp_config_modify(cfg.get(), "NET_DEVICES", device->c_str());
-    if (st != UCS_OK) return ucs_error("setting UCX's network device to " + *device, st);
+    RD2H_TRY(device, interface_of(config.listen_host));
+    st = ucp_config_modify(cfg.get(), "NET_DEVICES", device.c_str());
+    if (st != UCS_OK) return ucs_error("setting UCX's network device to " + device, st);
   }
   // Reads over TCP are active messages of at most one TX segment each (8 KiB by default);
   // larger segments cut per-message overhead several-fold. Zero-copy sends are off: UCX

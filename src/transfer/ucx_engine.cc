@@ -73,9 +73,8 @@ class UcxEngine final : public TransferEngine {
   }
 
   Status init() {
-    auto context = create_ucx_context(config_);
-    if (!context) return context.status();
-    context_ = std::move(*context);
+    RD2H_TRY(context, create_ucx_context(config_));
+    context_ = std::move(context);
     registrations_ = std::make_unique<Registrations>(context_.get(), config_);
     auto serving = ServingWorker::start(context_.get(), *registrations_);
     if (!serving) return serving.status().with_context("starting the serving worker");
@@ -111,9 +110,8 @@ class UcxEngine final : public TransferEngine {
   }
 
   Expected<std::string> connect(std::span<const std::byte> peer_metadata) override {
-    auto decoded = decode_ucx_metadata(peer_metadata);
-    if (!decoded) return decoded.status();
-    UcxMetadata peer = std::move(*decoded);
+    RD2H_TRY(decoded, decode_ucx_metadata(peer_metadata));
+    UcxMetadata peer = std::move(decoded);
 
     std::lock_guard connect_lock(connect_mu_);
     {

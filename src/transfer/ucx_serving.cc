@@ -33,15 +33,13 @@ Expected<std::unique_ptr<ServingWorker>> ServingWorker::start(ucp_context_h cont
 }
 
 Status ServingWorker::init(ucp_context_h context) {
-  auto worker = create_worker(context);
-  if (!worker) return worker.status();
-  worker_ = std::move(*worker);
+  RD2H_TRY(worker, create_worker(context));
+  worker_ = std::move(worker);
   RD2H_RETURN_IF_ERROR(set_am_handler(worker_.get(), kAmReadRequest, on_read_request, this));
   links_ = std::make_unique<ServedLinks>(worker_.get());
   RD2H_RETURN_IF_ERROR(links_->install());
-  auto address = worker_address(worker_.get());
-  if (!address) return address.status();
-  address_ = std::move(*address);
+  RD2H_TRY(address, worker_address(worker_.get()));
+  address_ = std::move(address);
 
   if (ucs_status_t st = ucp_worker_get_efd(worker_.get(), &event_fd_); st != UCS_OK) {
     return ucs_error("ucp_worker_get_efd", st);

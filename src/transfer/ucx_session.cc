@@ -65,9 +65,8 @@ Status Session::connect_endpoint(ucp_context_h context, const EngineConfig& conf
   worker = std::move(*w);
   RD2H_RETURN_IF_ERROR(set_am_handler(worker.get(), kAmReadReply, on_am_read_reply, this));
   RD2H_RETURN_IF_ERROR(set_am_handler(worker.get(), kAmLinkMessage, on_am_link_message, this));
-  auto address = transfer::worker_address(worker.get());
-  if (!address) return address.status();
-  worker_address = std::move(*address);
+  RD2H_TRY(address, transfer::worker_address(worker.get()));
+  worker_address = std::move(address);
 
   ucp_ep_params_t params{};
   params.field_mask = UCP_EP_PARAM_FIELD_REMOTE_ADDRESS | UCP_EP_PARAM_FIELD_ERR_HANDLING_MODE;
