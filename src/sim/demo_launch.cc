@@ -4,6 +4,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <cctype>
 #include <csignal>
 #include <cstdio>
 #include <filesystem>
@@ -11,7 +12,6 @@
 #include <nlohmann/json.hpp>
 #include <sstream>
 
-#include "control/curve.h"
 #include "rd2h/common/deadline.h"
 #include "sim/demo_parts.h"
 #include "sim/engine.h"
@@ -61,6 +61,22 @@ uint64_t private_kib(pid_t pid) {
   return total;
 }
 
+// A CURVE key pair written at `stem` by `rd2h keygen`, as an operator makes one; its public
+// key.
+Expected<std::string> keygen(const std::string& stem) {
+  RD2H_TRY(p, Subprocess::spawn({self_executable(), "keygen", stem}));
+  RD2H_TRY(out, p.read_all(kStartTimeout));
+  RD2H_TRY(status, p.wait(kStopTimeout));
+  constexpr std::string_view kSays = "public key ";
+  const size_t at = out.rfind(kSays);
+  if (!WIFEXITED(status) || WEXITSTATUS(status) != 0 || at == std::string::npos) {
+    return internal_error("rd2h keygen " + stem + " failed: " + out);
+  }
+  std::string key = out.substr(at + kSays.size());
+  while (!key.empty() && std::isspace(static_cast<unsigned char>(key.back()))) key.pop_back();
+  return key;
+}
+
 }  // namespace
 
 std::string join(const std::vector<std::string>& v, const char* sep) {
@@ -96,10 +112,8 @@ Status RunSecrets::create(int instances) {
   for (const char* role : {"prefill", "decode"}) {
     std::string publics;
     for (int i = 0; i < instances; ++i) {
-      auto keys = control::generate_key_pair();
-      if (!keys) return keys.status().with_context("the run's CURVE keys");
-      RD2H_RETURN_IF_ERROR(control::write_key_pair(stem(role, i), *keys));
-      publics += keys->public_key + "\n";
+      RD2H_TRY(public_key, keygen(stem(role, i)));
+      publics += public_key + "\n";
     }
     RD2H_RETURN_IF_ERROR(write_new(
         trusted_by(role == std::string("prefill") ? "decode" : "prefill"), publics, 0644));

@@ -31,7 +31,9 @@ std::optional<decode::RankTerminal> set_of(const json& j, uint64_t round, const 
 Expected<std::unique_ptr<RankGather>> RankGather::bind(int size, const std::string& host,
                                                        std::chrono::milliseconds timeout) {
   std::unique_ptr<RankGather> g(new RankGather(0, size, timeout));
-  auto router = control::RouterChannel::bind(control::Context::create(), host, 0);
+  const std::string url =
+      host.find(':') != std::string::npos ? "tcp://[" + host + "]:0" : "tcp://" + host + ":0";
+  auto router = IpcRouter::bind(url);
   if (!router) return router.status().with_context("Decode rank 0 all-gather");
   g->router_ = std::move(*router);
   g->url_ = g->router_->url();
@@ -41,7 +43,7 @@ Expected<std::unique_ptr<RankGather>> RankGather::bind(int size, const std::stri
 Expected<std::unique_ptr<RankGather>> RankGather::bind_ipc(int size, const std::string& path,
                                                            std::chrono::milliseconds timeout) {
   std::unique_ptr<RankGather> g(new RankGather(0, size, timeout));
-  auto router = control::RouterChannel::bind_ipc(control::Context::create(), path);
+  auto router = IpcRouter::bind("ipc://" + path);
   if (!router) return router.status().with_context("Decode rank 0 all-gather");
   g->router_ = std::move(*router);
   g->url_ = g->router_->url();
@@ -52,7 +54,7 @@ Expected<std::unique_ptr<RankGather>> RankGather::connect(int rank, int size,
                                                           const std::string& url,
                                                           std::chrono::milliseconds timeout) {
   std::unique_ptr<RankGather> g(new RankGather(rank, size, timeout));
-  auto dealer = control::DealerChannel::connect(control::Context::create(), url);
+  auto dealer = IpcDealer::connect(url);
   if (!dealer) return dealer.status().with_context("Decode rank " + std::to_string(rank));
   g->dealer_ = std::move(*dealer);
   g->url_ = url;

@@ -6,10 +6,11 @@
 
 #include <chrono>
 #include <memory>
+#include <optional>
 #include <string>
 
-#include "control/channel.h"
 #include "rd2h/decode/all_gather.h"
+#include "sim/ipc.h"
 
 namespace rd2h::sim {
 
@@ -39,8 +40,8 @@ class RankGather {
   std::chrono::milliseconds timeout_;
   uint64_t round_ = 0;
   std::string url_;
-  std::unique_ptr<control::RouterChannel> router_;  // rank 0
-  std::unique_ptr<control::DealerChannel> dealer_;  // the others
+  std::optional<IpcRouter> router_;  // rank 0
+  std::optional<IpcDealer> dealer_;  // the others
 };
 
 }  // namespace rd2h::sim

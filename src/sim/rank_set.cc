@@ -35,7 +35,7 @@ Expected<std::unique_ptr<RankSet>> RankSet::start(const std::string& executable,
                           std::string(std::strerror(errno)));
   }
   set->ipc_dir_ = dir;
-  auto router = control::RouterChannel::bind_ipc(control::Context::create(), dir + "/core");
+  auto router = IpcRouter::bind("ipc://" + dir + "/core");
   if (!router) return router.status().with_context("engine core");
   set->router_ = std::move(*router);
   Subprocess::Options options;

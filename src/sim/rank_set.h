@@ -12,7 +12,7 @@
 #include <vector>
 
 #include "common/subprocess.h"
-#include "control/channel.h"
+#include "sim/ipc.h"
 
 namespace rd2h::sim {
 
@@ -51,7 +51,7 @@ class RankSet {
                                     std::chrono::milliseconds wait = std::chrono::milliseconds(0));
 
   std::string ipc_dir_;
-  std::unique_ptr<control::RouterChannel> router_;
+  std::optional<IpcRouter> router_;
   std::vector<RankProcess> ranks_;
   bool stopped_ = false;
   uint64_t seq_ = 0;  // jobs sent; every answer names the job it answers

@@ -358,12 +358,12 @@ json Rank::check(const Blocks& b) const {
 int run_rank_worker(const std::string& core_url, int rank, pid_t core_pid) {
   prctl(PR_SET_PDEATHSIG, SIGKILL);     // a rank never outlives its engine core...
   if (getppid() != core_pid) return 1;  // ...even one that died before the line above
-  auto dealer = control::DealerChannel::connect(control::Context::create(), core_url);
+  auto dealer = IpcDealer::connect(core_url);
   if (!dealer) {
     std::fprintf(stderr, "rd2h worker %d: %s\n", rank, dealer.status().to_string().c_str());
     return 1;
   }
-  auto& core = **dealer;
+  auto& core = *dealer;
   Rank state;
   uint64_t seq = 0;
   auto answer = [&](json reply) {

@@ -1,5 +1,6 @@
 // The simulator's IPC messages (engine core <-> TP rank processes, and the Decode ranks'
-// gather): JSON documents carried as msgpack. Timeline events travel as compact arrays.
+// gather; sim/ipc.h carries them): JSON documents as msgpack. Timeline events travel as compact
+// arrays.
 #pragma once
 
 #include <cstdio>
@@ -10,7 +11,6 @@
 
 #include "common/json_number.h"
 #include "common/trace.h"
-#include "protocol/messages.h"
 
 namespace rd2h::sim {
 
@@ -21,17 +21,45 @@ inline std::vector<std::byte> pack(const nlohmann::json& j) {
   return out;
 }
 
-// A discarded value when `bytes` is not msgpack, or nests deeper than
-// protocol::kMaxNestingDepth (nlohmann's reader recurses once per level: checked first, and
-// the refusal is logged).
+// How deep a simulator message may nest: nlohmann's msgpack reader recurses once per level.
+inline constexpr size_t kMaxMessageDepth = 32;
+
+// Reads msgpack for its nesting alone, and stops (the read fails) once it passes
+// kMaxMessageDepth, so the reader never recurses deeper than that.
+class DepthCheck final : public nlohmann::json_sax<nlohmann::json> {
+ public:
+  bool null() override { return true; }
+  bool boolean(bool) override { return true; }
+  bool number_integer(number_integer_t) override { return true; }
+  bool number_unsigned(number_unsigned_t) override { return true; }
+  bool number_float(number_float_t, const string_t&) override { return true; }
+  bool string(string_t&) override { return true; }
+  bool binary(binary_t&) override { return true; }
+  bool start_object(std::size_t) override { return ++depth_ <= kMaxMessageDepth; }
+  bool key(string_t&) override { return true; }
+  bool end_object() override { return --depth_, true; }
+  bool start_array(std::size_t) override { return ++depth_ <= kMaxMessageDepth; }
+  bool end_array() override { return --depth_, true; }
+  bool parse_error(std::size_t, const std::string&, const nlohmann::detail::exception&) override {
+    return false;
+  }
+
+ private:
+  size_t depth_ = 0;
+};
+
+// A discarded value when `bytes` is not msgpack or nests deeper than kMaxMessageDepth
+// (checked first, and the refusal is logged).
 inline nlohmann::json unpack(const std::vector<std::byte>& bytes) {
-  if (Status st =
-          protocol::check_msgpack_bounds(bytes, protocol::kMaxNestingDepth, "simulator message");
-      !st) {
-    std::fprintf(stderr, "rd2h sim: %s\n", st.message().c_str());
+  const auto* p = reinterpret_cast<const uint8_t*>(bytes.data());
+  DepthCheck depth;
+  if (!nlohmann::json::sax_parse(p, p + bytes.size(), &depth,
+                                 nlohmann::json::input_format_t::msgpack, /*strict=*/true)) {
+    std::fprintf(stderr,
+                 "rd2h sim: a message of %zu bytes is not msgpack nested at most %zu deep\n",
+                 bytes.size(), kMaxMessageDepth);
     return nlohmann::json(nlohmann::json::value_t::discarded);
   }
-  const auto* p = reinterpret_cast<const uint8_t*>(bytes.data());
   return nlohmann::json::from_msgpack(p, p + bytes.size(), /*strict=*/true,
                                       /*allow_exceptions=*/false);
 }

@@ -114,5 +114,23 @@ TEST(SimMessage, DeepNestingIsRefusedNotACrash) {
   EXPECT_EQ(unpack(pack({{"op", "step"}, {"seq", 3}})).value("seq", 0), 3);
 }
 
+TEST(SimMessage, NestingUpToTheLimitIsReadAndOneLevelMoreIsRefused) {
+  auto nested = [](size_t levels) {
+    std::vector<std::byte> m(levels, std::byte{0x91});  // an array of one item, `levels` deep
+    m.push_back(std::byte{0x01});
+    return m;
+  };
+  const nlohmann::json at_limit = unpack(nested(kMaxMessageDepth));
+  ASSERT_FALSE(at_limit.is_discarded());
+  const nlohmann::json* inner = &at_limit;
+  for (size_t i = 0; i < kMaxMessageDepth; ++i) inner = &(*inner)[0];
+  EXPECT_EQ(*inner, 1);
+  EXPECT_TRUE(unpack(nested(kMaxMessageDepth + 1)).is_discarded());
+  // A declared item count far beyond the bytes is refused without reading on.
+  EXPECT_TRUE(unpack({std::byte{0xdd}, std::byte{0x7f}, std::byte{0xff}, std::byte{0xff},
+                      std::byte{0xff}, std::byte{0x01}})
+                  .is_discarded());
+}
+
 }  // namespace
 }  // namespace rd2h::sim
