@@ -18,6 +18,41 @@
 #include "sim/demo.h"
 #include "sim/engine.h"
 
+namespace {
+
+// Every setting of rd2h demo as a flag, from the one list its config file also reads.
+void add_demo_settings(CLI::App* cmd, rd2h::sim::DemoOptions& o) {
+  for (const auto& s : rd2h::sim::demo_settings(o)) {
+    const std::string flag = "--" + s.name;
+    CLI::Option* opt = nullptr;
+    if (auto* b = std::get_if<bool*>(&s.field)) {
+      opt = cmd->add_flag(s.negatable ? flag + ",!--no-" + s.name : flag, **b, s.help);
+    } else if (auto* list = std::get_if<std::vector<uint64_t>*>(&s.field)) {
+      opt = cmd->add_option(flag, **list, s.help)
+                ->delimiter(',')
+                ->expected(static_cast<int>(s.min_items), static_cast<int>(s.max_items))
+                ->check(CLI::Range(s.lo, s.hi));
+    } else if (auto* f = std::get_if<double*>(&s.field)) {
+      opt = cmd->add_option(flag, **f, s.help)->check(CLI::Range(0.0, 1.0));
+    } else if (auto* text = std::get_if<std::string*>(&s.field)) {
+      opt = cmd->add_option(flag, **text, s.help);
+      if (!s.choices.empty()) opt->check(CLI::IsMember(s.choices));
+    } else {
+      std::visit(
+          [&](auto* field) {
+            if constexpr (std::is_integral_v<std::remove_pointer_t<decltype(field)>>) {
+              opt = cmd->add_option(flag, *field, s.help);
+              if (s.hi > 0) opt->check(CLI::Range(s.lo, s.hi));
+            }
+          },
+          s.field);
+    }
+    if (opt != nullptr && s.hidden) opt->group("");
+  }
+}
+
+}  // namespace
+
 int main(int argc, char** argv) {
   // A fault must end the process, not leave it hung in UCX's handler of error signals, which
   // UCX installs when its library loads (before main): unless the environment says
@@ -189,10 +224,6 @@ int main(int argc, char** argv) {
                     "least Prefill compute time per layer");
     cmd->add_option("--test-corrupt-layer", o.test_corrupt_layer)->group("");
   };
-  auto model_options = [&](CLI::App* cmd, auto& o) {
-    layout_options(cmd, o);
-    prefill_options(cmd, o);
-  };
 
   rd2h::tools::EngineCommandOptions eo;
   auto engine_options = [&eo, &layout_options](CLI::App* cmd) {
@@ -229,40 +260,7 @@ int main(int argc, char** argv) {
       "A whole PD-disaggregated run on this machine: proxy, Prefill (TP 4) and Decode (TP 2) "
       "engines, a verified workload, a summary and an optional timeline trace");
   demo->add_option("--config", demo_config, "JSON file of settings (keys: the flag names)");
-  demo->add_option("--prefill-tp", dm.prefill_tp, "Prefill TP size")->check(CLI::Range(1, 64));
-  demo->add_option("--decode-tp", dm.decode_tp, "Decode TP size")->check(CLI::Range(1, 64));
-  demo->add_option("--dp", dm.dp, "Prefill and Decode instances")->check(CLI::Range(1, 16));
-  demo->add_option("--host", dm.host, "address of the proxy (and of the engines by default)");
-  demo->add_option("--prefill-host", dm.prefill_host, "address Prefill binds");
-  demo->add_option("--decode-host", dm.decode_host, "address Decode binds and advertises");
-  demo->add_option("--prefill-wrapper", dm.prefill_wrapper,
-                   "command put before Prefill's (e.g. \"ip netns exec ns1\")");
-  demo->add_option("--decode-wrapper", dm.decode_wrapper, "command put before Decode's");
-  demo->add_option("--proxy-port", dm.proxy_port, "client API port (0: any)")
-      ->check(CLI::Range(0, 65535));
-  demo->add_option("--metaserver-port", dm.metaserver_port, "(0: any)")
-      ->check(CLI::Range(0, 65535));
-  demo->add_option("--kv-port", dm.kv_port, "Decode's first kv port (0: a random free range)")
-      ->check(CLI::Range(0, 65535));
-  demo->add_option("--transport", dm.transport, "shm | tcp | auto")
-      ->check(CLI::IsMember({"shm", "tcp", "auto"}));
-  model_options(demo, dm);
-  demo->add_option("--requests", dm.requests, "requests in the workload");
-  demo->add_option("--min-tokens", dm.min_tokens, "shortest prompt");
-  demo->add_option("--max-tokens", dm.max_tokens, "longest prompt");
-  demo->add_option("--concurrency", dm.concurrency, "requests in flight");
-  demo->add_option("--prompt-list-share", dm.prompt_list_share,
-                   "share of requests with a list of prompts")
-      ->check(CLI::Range(0.0, 1.0));
-  demo->add_option("--prompt-list-size", dm.prompt_list_size, "prompts in such a list");
-  demo->add_option("--output-tokens", dm.output_tokens, "tokens Decode generates per prompt");
-  demo->add_option("--seed", dm.seed, "workload seed");
-  demo->add_option("--timeout", dm.timeout_s, "seconds a request may take");
-  demo->add_option("--trace", dm.trace_file, "write a Chrome trace-event timeline here");
-  demo->add_flag("--timeline,!--no-timeline", dm.timeline,
-                 "the engines record their timeline (the transfer figures, --trace); off for "
-                 "long runs");
-  demo->add_flag("--quiet", dm.quiet, "print only failures");
+  add_demo_settings(demo, dm);
 
   std::string core_url;
   int worker_rank = 0;

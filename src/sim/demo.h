@@ -9,6 +9,8 @@
 #include <cstdint>
 #include <functional>
 #include <string>
+#include <utility>
+#include <variant>
 #include <vector>
 
 #include "rd2h/common/status.h"
@@ -58,6 +60,29 @@ struct DemoOptions {
   bool quiet = false;
   int test_corrupt_layer = -1;  // test only: see sim::EngineConfig
 };
+
+// One setting of rd2h demo as the command line (--name) and a config file (the key name,
+// with - or _) both take it: the field its value goes to and the values it may take. The
+// one list of the demo's settings, so the two cannot disagree.
+struct DemoSetting {
+  using Field = std::variant<int*, uint32_t*, uint64_t*, double*, bool*, std::string*,
+                             std::vector<uint64_t>*>;
+  DemoSetting(std::string name, std::string help, Field field)
+      : name(std::move(name)), help(std::move(help)), field(field) {}
+
+  std::string name;
+  std::string help;
+  Field field;
+  uint64_t lo = 0, hi = 0;              // a whole number, or each item of a list; a double: 0 to 1
+  size_t min_items = 0, max_items = 0;  // a list
+  std::vector<std::string> choices;     // a string: one of these, when there are any
+  bool negatable = false;               // a switch: --no-<name> turns it off
+  bool in_config = true;                // false: the command line only
+  bool hidden = false;                  // test only: left out of --help
+};
+
+// The settings of `o`, each pointing into it, in --help order.
+std::vector<DemoSetting> demo_settings(DemoOptions& o);
 
 // Reads a JSON config (keys are the long flag names, with - or _) into `options`, skipping
 // keys for which `given_on_command_line` is true. Unknown keys are refused, naming them, and

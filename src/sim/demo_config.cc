@@ -66,13 +66,142 @@ Status whole(const json& v, const std::string& key, uint64_t lo, uint64_t hi, T&
   return Status::ok();
 }
 
-Status string_value(const json& v, const std::string& key, std::string& out) {
-  if (!v.is_string()) return invalid_argument("'" + key + "' must be a string, not " + v.dump());
-  out = v.get<std::string>();
-  return Status::ok();
+// What the config's value `v` of setting `s` (named `key` as the file has it) means for its
+// field; the field is written only if the value is good.
+Status take(const DemoSetting& s, const json& v, const std::string& key) {
+  struct Take {
+    const DemoSetting& s;
+    const json& v;
+    const std::string& key;
+    Status operator()(int* f) const { return whole(v, key, s.lo, s.hi, *f); }
+    Status operator()(uint32_t* f) const { return whole(v, key, s.lo, s.hi, *f); }
+    Status operator()(uint64_t* f) const { return whole(v, key, s.lo, s.hi, *f); }
+    Status operator()(double* f) const {
+      if (!v.is_number() || !(v.get<double>() >= 0.0 && v.get<double>() <= 1.0)) {
+        return invalid_argument("'" + key + "' must be a number from 0 to 1, not " + v.dump());
+      }
+      *f = v.get<double>();
+      return Status::ok();
+    }
+    Status operator()(bool* f) const {
+      if (!v.is_boolean()) return invalid_argument("'" + key + "' must be true or false");
+      *f = v.get<bool>();
+      return Status::ok();
+    }
+    Status operator()(std::string* f) const {
+      const bool listed = s.choices.empty() ||
+                          (v.is_string() && std::find(s.choices.begin(), s.choices.end(),
+                                                      v.get<std::string>()) != s.choices.end());
+      if (!v.is_string() || !listed) {
+        std::string one_of;
+        for (size_t i = 0; i < s.choices.size(); ++i) {
+          one_of += (i == 0                      ? ""
+                     : i + 1 == s.choices.size() ? " or "
+                                                 : ", ") +
+                    ("\"" + s.choices[i] + "\"");
+        }
+        return invalid_argument("'" + key + "' must be " +
+                                (s.choices.empty() ? "a string" : one_of) + ", not " + v.dump());
+      }
+      *f = v.get<std::string>();
+      return Status::ok();
+    }
+    Status operator()(std::vector<uint64_t>* f) const {
+      if (!v.is_array() || v.size() < s.min_items || v.size() > s.max_items) {
+        return invalid_argument("'" + key + "' must be a list of " + std::to_string(s.min_items) +
+                                " to " + std::to_string(s.max_items) + " whole numbers (" + s.help +
+                                "), not " + v.dump());
+      }
+      std::vector<uint64_t> items(v.size());
+      for (size_t i = 0; i < v.size(); ++i) {
+        RD2H_RETURN_IF_ERROR(
+            whole(v[i], key + "[" + std::to_string(i) + "]", s.lo, s.hi, items[i]));
+      }
+      *f = std::move(items);
+      return Status::ok();
+    }
+  };
+  return std::visit(Take{s, v, key}, s.field);
 }
 
 }  // namespace
+
+std::vector<DemoSetting> demo_settings(DemoOptions& o) {
+  constexpr uint64_t kU32 = UINT32_MAX;
+  auto number = [](std::string name, std::string help, auto* field, uint64_t lo, uint64_t hi) {
+    DemoSetting s{std::move(name), std::move(help), field};
+    s.lo = lo;
+    s.hi = hi;
+    return s;
+  };
+  auto text = [](std::string name, std::string help, std::string* field,
+                 std::vector<std::string> choices = {}) {
+    DemoSetting s{std::move(name), std::move(help), field};
+    s.choices = std::move(choices);
+    return s;
+  };
+  auto command_line_only = [](DemoSetting s) {
+    s.in_config = false;
+    return s;
+  };
+  DemoSetting bytes_per_token{"bytes-per-token", "K, V, indexer[, scale]", &o.bytes_per_token};
+  bytes_per_token.lo = 1;
+  bytes_per_token.hi = 1u << 24;
+  bytes_per_token.min_items = 2;
+  bytes_per_token.max_items = 4;
+  DemoSetting corrupt{"test-corrupt-layer", "", &o.test_corrupt_layer};
+  corrupt.in_config = false;
+  corrupt.hidden = true;
+  DemoSetting timeline{"timeline",
+                       "the engines record their timeline (the transfer figures, --trace); off "
+                       "for long runs",
+                       &o.timeline};
+  timeline.negatable = true;
+  return {
+      // Deployment
+      number("prefill-tp", "Prefill TP size", &o.prefill_tp, 1, 64),
+      number("decode-tp", "Decode TP size", &o.decode_tp, 1, 64),
+      number("dp", "Prefill and Decode instances", &o.dp, 1, 16),
+      text("host", "address of the proxy (and of the engines by default)", &o.host),
+      text("prefill-host", "address Prefill binds", &o.prefill_host),
+      text("decode-host", "address Decode binds and advertises", &o.decode_host),
+      command_line_only(text("prefill-wrapper",
+                             "command put before Prefill's (e.g. \"ip netns exec ns1\")",
+                             &o.prefill_wrapper)),
+      command_line_only(text("decode-wrapper", "command put before Decode's", &o.decode_wrapper)),
+      number("proxy-port", "client API port (0: any)", &o.proxy_port, 0, 65535),
+      number("metaserver-port", "rendezvous port (0: any)", &o.metaserver_port, 0, 65535),
+      number("kv-port", "Decode's first kv port (0: a random free range)", &o.kv_port, 0, 65535),
+      text("transport", "shm | tcp | auto", &o.transport, {"shm", "tcp", "auto"}),
+      // Model
+      number("layers", "attention layers", &o.layers, 1, 1024),
+      number("block-size", "tokens per block", &o.block_size, 1, 1u << 20),
+      number("num-blocks", "blocks per rank", &o.num_blocks, 1, 1u << 24),
+      bytes_per_token,
+      number("slots", "Prefill's physical layer buffers (0: one per layer)", &o.slots, 0, 1024),
+      number("token-budget", "Prefill tokens per step (chunking)", &o.token_budget, 1, kU32),
+      number("compute-ns-per-token", "Prefill compute time per token per layer",
+             &o.compute_ns_per_token, 0, 1'000'000'000),
+      number("compute-min-layer-us", "least Prefill compute time per layer",
+             &o.compute_min_layer_us, 0, 60'000'000),
+      corrupt,
+      // Workload
+      number("requests", "requests in the workload", &o.requests, 1, 100'000'000),
+      number("min-tokens", "shortest prompt", &o.min_tokens, 1, 1u << 30),
+      number("max-tokens", "longest prompt", &o.max_tokens, 1, 1u << 30),
+      number("concurrency", "requests in flight", &o.concurrency, 1, 65536),
+      DemoSetting{"prompt-list-share", "share of requests with a list of prompts",
+                  &o.prompt_list_share},
+      number("prompt-list-size", "prompts in such a list", &o.prompt_list_size, 1, 65536),
+      number("output-tokens", "tokens Decode generates per prompt", &o.output_tokens, 0, 1u << 20),
+      number("seed", "workload seed", &o.seed, 0, UINT64_MAX),
+      number("timeout", "seconds a request may take", &o.timeout_s, 1, 7 * 86400),
+      // Output
+      text("trace", "write a Chrome trace-event timeline here", &o.trace_file),
+      timeline,
+      command_line_only(DemoSetting{"quiet", "print only failures", &o.quiet}),
+  };
+}
 
 Status apply_demo_config_text(const std::string& text, const std::string& source, DemoOptions& o,
                               const std::function<bool(const std::string&)>& given) {
@@ -80,93 +209,17 @@ Status apply_demo_config_text(const std::string& text, const std::string& source
   if (j.is_discarded() || !j.is_object()) {
     return invalid_argument("demo config " + source + " is not a JSON object");
   }
-  constexpr uint64_t kU32 = UINT32_MAX;
-  using Setter = std::function<Status(const json&, const std::string&)>;
-  auto number = [](auto& field, uint64_t lo, uint64_t hi) -> Setter {
-    return [&field, lo, hi](const json& v, const std::string& key) {
-      return whole(v, key, lo, hi, field);
-    };
-  };
-  auto str = [](std::string& field) -> Setter {
-    return [&field](const json& v, const std::string& key) { return string_value(v, key, field); };
-  };
-  const std::map<std::string, Setter> setters = {
-      {"prefill-tp", number(o.prefill_tp, 1, 64)},
-      {"decode-tp", number(o.decode_tp, 1, 64)},
-      {"dp", number(o.dp, 1, 16)},
-      {"host", str(o.host)},
-      {"prefill-host", str(o.prefill_host)},
-      {"decode-host", str(o.decode_host)},
-      {"proxy-port", number(o.proxy_port, 0, 65535)},
-      {"metaserver-port", number(o.metaserver_port, 0, 65535)},
-      {"kv-port", number(o.kv_port, 0, 65535)},
-      {"transport",
-       [&](const json& v, const std::string& key) {
-         if (!v.is_string() || (v != "shm" && v != "tcp" && v != "auto")) {
-           return invalid_argument("'" + key + "' must be \"shm\", \"tcp\" or \"auto\", not " +
-                                   v.dump());
-         }
-         o.transport = v.get<std::string>();
-         return Status::ok();
-       }},
-      {"layers", number(o.layers, 1, 1024)},
-      {"block-size", number(o.block_size, 1, 1u << 20)},
-      {"bytes-per-token",
-       [&](const json& v, const std::string& key) {
-         if (!v.is_array() || v.size() < 2 || v.size() > 4) {
-           return invalid_argument("'" + key +
-                                   "' must be a list of 2 to 4 whole numbers (K, V, indexer[, "
-                                   "scale]), not " +
-                                   v.dump());
-         }
-         std::vector<uint64_t> sizes(v.size());
-         for (size_t i = 0; i < v.size(); ++i) {
-           if (Status st = whole(v[i], key + "[" + std::to_string(i) + "]", 1, 1u << 24, sizes[i]);
-               !st) {
-             return st;
-           }
-         }
-         o.bytes_per_token = std::move(sizes);
-         return Status::ok();
-       }},
-      {"num-blocks", number(o.num_blocks, 1, 1u << 24)},
-      {"slots", number(o.slots, 0, 1024)},
-      {"token-budget", number(o.token_budget, 1, kU32)},
-      {"compute-ns-per-token", number(o.compute_ns_per_token, 0, 1'000'000'000)},
-      {"compute-min-layer-us", number(o.compute_min_layer_us, 0, 60'000'000)},
-      {"requests", number(o.requests, 1, 100'000'000)},
-      {"min-tokens", number(o.min_tokens, 1, 1u << 30)},
-      {"max-tokens", number(o.max_tokens, 1, 1u << 30)},
-      {"concurrency", number(o.concurrency, 1, 65536)},
-      {"prompt-list-share",
-       [&](const json& v, const std::string& key) {
-         if (!v.is_number() || !(v.get<double>() >= 0.0 && v.get<double>() <= 1.0)) {
-           return invalid_argument("'" + key + "' must be a number from 0 to 1, not " + v.dump());
-         }
-         o.prompt_list_share = v.get<double>();
-         return Status::ok();
-       }},
-      {"prompt-list-size", number(o.prompt_list_size, 1, 65536)},
-      {"output-tokens", number(o.output_tokens, 0, 1u << 20)},
-      {"seed", number(o.seed, 0, UINT64_MAX)},
-      {"timeout", number(o.timeout_s, 1, 7 * 86400)},
-      {"trace", str(o.trace_file)},
-      {"timeline",
-       [&](const json& v, const std::string& key) {
-         if (!v.is_boolean()) return invalid_argument("'" + key + "' must be true or false");
-         o.timeline = v.get<bool>();
-         return Status::ok();
-       }},
-  };
+  const std::vector<DemoSetting> settings = demo_settings(o);
   for (const auto& [raw, value] : j.items()) {
     std::string key = raw;
     std::replace(key.begin(), key.end(), '_', '-');
-    auto it = setters.find(key);
-    if (it == setters.end()) {
+    auto it = std::find_if(settings.begin(), settings.end(),
+                           [&](const DemoSetting& s) { return s.in_config && s.name == key; });
+    if (it == settings.end()) {
       return invalid_argument("demo config " + source + ": '" + raw + "' is not a demo setting");
     }
     if (given(key)) continue;  // the command line wins
-    if (Status st = it->second(value, raw); !st) {
+    if (Status st = take(*it, value, raw); !st) {
       return invalid_argument("demo config " + source + ": " + st.message());
     }
   }

@@ -11,6 +11,7 @@
 #include <filesystem>
 #include <fstream>
 #include <nlohmann/json.hpp>
+#include <set>
 #include <sstream>
 
 #include "common/subprocess.h"
@@ -373,6 +374,28 @@ TEST(DemoConfigText, NegativeFractionalHugeOrStringNumbersAreRefusedNamingTheKey
   EXPECT_EQ(o.proxy_port, 65535);
   EXPECT_EQ(o.slots, 0);
   EXPECT_EQ(o.prompt_list_share, 1.0);
+}
+
+TEST(DemoSettings, EveryConfigKeyTakesItsDefaultNamesAreUniqueAndFlagsOnlyAreRefused) {
+  DemoOptions o;
+  const auto settings = demo_settings(o);
+  std::set<std::string> names;
+  for (const auto& s : settings) {
+    EXPECT_TRUE(names.insert(s.name).second) << s.name << " is listed twice";
+    if (!s.in_config) {
+      const Status st = apply_demo_config_text("{\"" + s.name + "\": 1}", "t.json", o,
+                                               [](const std::string&) { return false; });
+      EXPECT_NE(st.message().find("'" + s.name + "' is not a demo setting"), std::string::npos)
+          << st.to_string();
+      continue;
+    }
+    const nlohmann::json value =
+        std::visit([](auto* field) { return nlohmann::json(*field); }, s.field);
+    const Status st = apply_demo_config_text(nlohmann::json{{s.name, value}}.dump(), "t.json", o,
+                                             [](const std::string&) { return false; });
+    EXPECT_TRUE(st) << s.name << " = " << value.dump() << ": " << st.to_string();
+  }
+  EXPECT_TRUE(names.count("timeline") && names.count("bytes-per-token") && names.count("quiet"));
 }
 
 TEST(DemoConfigText, TheShippedExampleIsAccepted) {
