@@ -7,8 +7,8 @@
 #include <string>
 
 #include "bench_engine.h"
-#include "common/subprocess.h"
 #include "bench_layers.h"
+#include "common/subprocess.h"
 #include "control/curve.h"
 #include "engine_command.h"
 #include "pd_read.h"
@@ -51,25 +51,40 @@ void add_demo_settings(CLI::App* cmd, rd2h::sim::DemoOptions& o) {
   }
 }
 
-}  // namespace
-
-int main(int argc, char** argv) {
-  // A fault must end the process, not leave it hung in UCX's handler of error signals, which
-  // UCX installs when its library loads (before main): unless the environment says
-  // otherwise, start again with them off. The processes this one starts inherit it.
-  if (std::getenv("UCX_ERROR_SIGNALS") == nullptr) {
-    ::setenv("UCX_ERROR_SIGNALS", "", 1);
-    ::execv("/proc/self/exe", argv);  // returns only if it failed: go on with them on
-  }
-  // Started by `rd2h demo`: do not outlive it.
-  if (!rd2h::die_with_parent_if_asked()) return 1;
-  CLI::App app{"rd2h: layerwise KV-cache transfer for prefill/decode disaggregated serving"};
-  app.set_version_flag("--version", std::string("rd2h ") + rd2h::version());
-  app.require_subcommand(1);
-  app.option_defaults()->always_capture_default();  // --help shows every default
-
+// What the command line sets, and the subcommands it may choose.
+struct Commands {
   rd2h::tools::PdReadOptions pd;
-  auto* pd_read = app.add_subcommand(
+  CLI::App* pd_read = nullptr;
+  rd2h::tools::BenchEngineOptions be;
+  CLI::App* bench_engine = nullptr;
+  rd2h::tools::BenchLayersOptions bl;
+  CLI::App* bench_layers = nullptr;
+  rd2h::sim::BenchDemoOptions bd;
+  std::string bench_demo_config;
+  CLI::App* bench_demo = nullptr;
+  rd2h::metaserver::ProxyConfig px;
+  int64_t proxy_drain_s = 30;
+  std::string proxy_token_file;
+  CLI::App* proxy = nullptr;
+  std::string keygen_stem;
+  CLI::App* keygen = nullptr;
+  rd2h::tools::EngineCommandOptions eo;
+  CLI::App* prefill_cmd = nullptr;
+  CLI::App* decode_cmd = nullptr;
+  rd2h::sim::DemoOptions dm;
+  std::string demo_config;
+  CLI::App* demo = nullptr;
+  std::string core_url;
+  int worker_rank = 0;
+  int core_pid = 0;
+  CLI::App* worker_cmd = nullptr;
+  std::string log_level;
+};
+
+// rd2h pd-read
+void add_pd_read(CLI::App& app, Commands& c) {
+  auto& pd = c.pd;
+  auto* pd_read = c.pd_read = app.add_subcommand(
       "pd-read",
       "Validate two-endpoint registration and reads: a source registers a KV-like pool, a "
       "destination pulls random blocks and verifies every byte");
@@ -102,17 +117,21 @@ int main(int argc, char** argv) {
       ->add_option("--serve-timeout", pd.serve_timeout_s,
                    "seconds a source waits for its reader to finish")
       ->check(CLI::Range(1u, 86400u));
-  pd_read->add_option("--busy-threads", pd.busy_threads,
-                      "source: threads spinning while it serves (a Prefill computing)")
+  pd_read
+      ->add_option("--busy-threads", pd.busy_threads,
+                   "source: threads spinning while it serves (a Prefill computing)")
       ->check(CLI::Range(0u, 1024u));
   pd_read->add_flag("--share,!--no-share", pd.share,
                     "source, --memory register: move the pool into shared memory that "
                     "co-located readers map (default)");
+}
 
+// rd2h bench engine | layers | demo
+void add_bench(CLI::App& app, Commands& c) {
   auto* bench = app.add_subcommand("bench", "Benchmarks");
   bench->require_subcommand(1);
-  rd2h::tools::BenchEngineOptions be;
-  auto* bench_engine = bench->add_subcommand(
+  auto& be = c.be;
+  auto* bench_engine = c.bench_engine = bench->add_subcommand(
       "engine", "Batched-read GB/s over shm and tcp next to memcpy and ucx_perftest");
   bench_engine->add_option("--transports", be.transports, "transports to measure")->delimiter(',');
   bench_engine->add_option("--block-bytes", be.block_bytes, "block sizes")->delimiter(',');
@@ -131,8 +150,8 @@ int main(int argc, char** argv) {
                          "--memory register: the source moves its pool into shared memory "
                          "(default)");
 
-  rd2h::tools::BenchLayersOptions bl;
-  auto* bench_layers = bench->add_subcommand(
+  auto& bl = c.bl;
+  auto* bench_layers = c.bench_layers = bench->add_subcommand(
       "layers", "Per-layer control overhead and GB/s of the connector over shm, 1 vs N requests");
   bench_layers->add_option("--layers", bl.layers, "layers measured per configuration")
       ->check(CLI::Range(1u, 1000000u));
@@ -146,18 +165,20 @@ int main(int argc, char** argv) {
   bench_layers->add_option("--timeout-ms", bl.timeout_ms, "bound on every wait")
       ->check(CLI::Range(1u, 3600000u));
 
-  rd2h::sim::BenchDemoOptions bd;
-  std::string bench_demo_config;
-  auto* bench_demo = bench->add_subcommand(
+  auto& bd = c.bd;
+  auto* bench_demo = c.bench_demo = bench->add_subcommand(
       "demo", "The demo's workload over several Prefill:Decode TP pairs, in one table");
-  bench_demo->add_option("--config", bench_demo_config, "demo settings (JSON, as rd2h demo)");
+  bench_demo->add_option("--config", c.bench_demo_config, "demo settings (JSON, as rd2h demo)");
   bench_demo->add_option("--topologies", bd.topologies, "Prefill:Decode TP pairs")->delimiter(',');
   bench_demo->add_option("--requests", bd.demo.requests, "requests per run");
   bench_demo->add_option("--compute-ns-per-token", bd.demo.compute_ns_per_token,
                          "Prefill compute per token per layer");
+}
 
-  rd2h::metaserver::ProxyConfig px;
-  auto* proxy = app.add_subcommand(
+// rd2h proxy
+void add_proxy(CLI::App& app, Commands& c) {
+  auto& px = c.px;
+  auto* proxy = c.proxy = app.add_subcommand(
       "proxy", "OpenAI-style front over Prefill and Decode instances, with the metaserver");
   proxy->add_option("--host", px.host, "address to bind (no wildcard by default)");
   proxy->add_option("--port", px.port, "client API port (0: any)")->check(CLI::Range(0, 65535));
@@ -179,33 +200,39 @@ int main(int argc, char** argv) {
   proxy->add_option("--api-key", px.api_key,
                     "key clients must send as Authorization: Bearer <key> on /v1/* "
                     "(default: $RD2H_API_KEY, if set; else none)");
-  int64_t proxy_drain_s = 30;
-  proxy->add_option("--drain-timeout", proxy_drain_s,
-                    "seconds requests in flight may take to finish after SIGTERM before they "
-                    "are aborted")
+  proxy
+      ->add_option("--drain-timeout", c.proxy_drain_s,
+                   "seconds requests in flight may take to finish after SIGTERM before they "
+                   "are aborted")
       ->check(CLI::Range(int64_t{0}, int64_t{86400}));
-  proxy->add_option("--prefill-attempts", px.prefill_attempts,
-                    "attempts of a Prefill dispatch that gets no answer or a 5xx, with "
-                    "exponential backoff, before the client gets a 502")
+  proxy
+      ->add_option("--prefill-attempts", px.prefill_attempts,
+                   "attempts of a Prefill dispatch that gets no answer or a 5xx, with "
+                   "exponential backoff, before the client gets a 502")
       ->check(CLI::Range(1, 100));
-  proxy->add_option("--max-reissues", px.max_reissues,
-                    "times a stream Decode ends with stop reason recomputed is continued from "
-                    "a new Prefill and Decode (prompt plus text so far), 0: never")
+  proxy
+      ->add_option("--max-reissues", px.max_reissues,
+                   "times a stream Decode ends with stop reason recomputed is continued from "
+                   "a new Prefill and Decode (prompt plus text so far), 0: never")
       ->check(CLI::Range(0, 100));
-  std::string proxy_token_file;
-  proxy->add_option("--token-file", proxy_token_file,
+  proxy->add_option("--token-file", c.proxy_token_file,
                     "file holding the bearer token of the metaserver and the engines "
                     "(default: $RD2H_TOKEN, if set)");
+}
 
-  std::string keygen_stem;
-  auto* keygen = app.add_subcommand(
+// rd2h keygen
+void add_keygen(CLI::App& app, Commands& c) {
+  auto* keygen = c.keygen = app.add_subcommand(
       "keygen",
       "Write a CURVE key pair for the control channels: STEM.key (the public certificate, "
       "for the peers' curve_trusted_keys_file) and STEM.key_secret (mode 0600, this engine's "
       "curve_secret_key_file)");
-  keygen->add_option("stem", keygen_stem, "path of the two files without their suffix")
+  keygen->add_option("stem", c.keygen_stem, "path of the two files without their suffix")
       ->required();
+}
 
+// rd2h prefill | decode: the simulated engines
+void add_engines(CLI::App& app, Commands& c) {
   // The model and compute flags the engines and the demo share (same field names): the
   // KV layout both sides hold, and how Prefill computes.
   auto layout_options = [](CLI::App* cmd, auto& o) {
@@ -225,7 +252,7 @@ int main(int argc, char** argv) {
     cmd->add_option("--test-corrupt-layer", o.test_corrupt_layer)->group("");
   };
 
-  rd2h::tools::EngineCommandOptions eo;
+  auto& eo = c.eo;
   auto engine_options = [&eo, &layout_options](CLI::App* cmd) {
     cmd->add_option("--kv-transfer-config", eo.kv_transfer_config,
                     "vLLM-style kv_transfer_config JSON");
@@ -244,55 +271,65 @@ int main(int argc, char** argv) {
     cmd->add_option("--max-prompt-tokens", eo.max_prompt_tokens, "tokens in one prompt")
         ->check(CLI::Range(1u, 1u << 30));
   };
-  auto* prefill_cmd = app.add_subcommand("prefill", "A simulated Prefill engine (HTTP server)");
+  auto* prefill_cmd = c.prefill_cmd =
+      app.add_subcommand("prefill", "A simulated Prefill engine (HTTP server)");
   engine_options(prefill_cmd);
   prefill_options(prefill_cmd, eo);
-  auto* decode_cmd = app.add_subcommand("decode", "A simulated Decode engine (HTTP server)");
+  auto* decode_cmd = c.decode_cmd =
+      app.add_subcommand("decode", "A simulated Decode engine (HTTP server)");
   engine_options(decode_cmd);
   decode_cmd->add_option("--cached-tokens", eo.decode_cached_tokens,
                          "tokens of each prompt held in a pretend local prefix cache");
   decode_cmd->add_option("--test-recompute-after", eo.test_recompute_after)->group("");
+}
 
-  rd2h::sim::DemoOptions dm;
-  std::string demo_config;
-  auto* demo = app.add_subcommand(
+// rd2h demo
+void add_demo(CLI::App& app, Commands& c) {
+  auto* demo = c.demo = app.add_subcommand(
       "demo",
       "A whole PD-disaggregated run on this machine: proxy, Prefill (TP 4) and Decode (TP 2) "
       "engines, a verified workload, a summary and an optional timeline trace");
-  demo->add_option("--config", demo_config, "JSON file of settings (keys: the flag names)");
-  add_demo_settings(demo, dm);
+  demo->add_option("--config", c.demo_config, "JSON file of settings (keys: the flag names)");
+  add_demo_settings(demo, c.dm);
+}
 
-  std::string core_url;
-  int worker_rank = 0;
-  auto* worker_cmd = app.add_subcommand("worker", "One TP rank process of a prefill/decode engine");
+// rd2h worker: one TP rank of a simulated engine
+void add_worker(CLI::App& app, Commands& c) {
+  auto* worker_cmd = c.worker_cmd =
+      app.add_subcommand("worker", "One TP rank process of a prefill/decode engine");
   worker_cmd->group("");  // started by the engine, not by hand
-  worker_cmd->add_option("--core", core_url, "the engine core's rank channel")->required();
-  worker_cmd->add_option("--rank", worker_rank, "TP rank")->required();
-  int core_pid = 0;
-  worker_cmd->add_option("--core-pid", core_pid, "the engine core's process id")->required();
+  worker_cmd->add_option("--core", c.core_url, "the engine core's rank channel")->required();
+  worker_cmd->add_option("--rank", c.worker_rank, "TP rank")->required();
+  worker_cmd->add_option("--core-pid", c.core_pid, "the engine core's process id")->required();
+}
 
-  // The log level of each server (and the processes it starts).
-  std::string log_level;
-  for (CLI::App* cmd : {proxy, prefill_cmd, decode_cmd, demo}) {
-    cmd->add_option("--log-level", log_level,
-                    cmd == demo ? "trace|debug|info|warn|error|critical|off, of the processes the "
-                                  "demo starts (default: $RD2H_LOG_LEVEL, else warn)"
-                                : "trace|debug|info|warn|error|critical|off (default: "
-                                  "$RD2H_LOG_LEVEL, else info)");
+// --log-level, on each server (and the processes it starts).
+void add_log_level(Commands& c) {
+  for (CLI::App* cmd : {c.proxy, c.prefill_cmd, c.decode_cmd, c.demo}) {
+    cmd->add_option("--log-level", c.log_level,
+                    cmd == c.demo
+                        ? "trace|debug|info|warn|error|critical|off, of the processes the "
+                          "demo starts (default: $RD2H_LOG_LEVEL, else warn)"
+                        : "trace|debug|info|warn|error|critical|off (default: "
+                          "$RD2H_LOG_LEVEL, else info)");
   }
+}
 
-  CLI11_PARSE(app, argc, argv);
-  if (log_level.empty() && demo->parsed() && std::getenv("RD2H_LOG_LEVEL") == nullptr) {
-    log_level = "warn";  // the demo's own output is its report: its servers say only what is wrong
+// Runs the subcommand the command line chose; the process's exit code.
+int run(Commands& c) {
+  // The demo's own output is its report: its servers say only what is wrong.
+  if (c.log_level.empty() && c.demo->parsed() && std::getenv("RD2H_LOG_LEVEL") == nullptr) {
+    c.log_level = "warn";
   }
-  if (!log_level.empty()) {
-    if (auto st = rd2h::set_log_level(log_level); !st) {
+  if (!c.log_level.empty()) {
+    if (auto st = rd2h::set_log_level(c.log_level); !st) {
       std::fprintf(stderr, "rd2h: --log-level: %s\n", st.message().c_str());
       return 2;
     }
-    ::setenv("RD2H_LOG_LEVEL", log_level.c_str(), 1);  // for the processes it starts
+    ::setenv("RD2H_LOG_LEVEL", c.log_level.c_str(), 1);  // for the processes it starts
   }
-  if (worker_cmd->parsed()) return rd2h::sim::run_rank_worker(core_url, worker_rank, core_pid);
+  if (c.worker_cmd->parsed())
+    return rd2h::sim::run_rank_worker(c.core_url, c.worker_rank, c.core_pid);
   // A demo config file fills in what the command line did not set.
   auto load_demo_config = [](CLI::App* cmd, const std::string& path,
                              rd2h::sim::DemoOptions& options) {
@@ -304,30 +341,63 @@ int main(int argc, char** argv) {
     if (!st) std::fprintf(stderr, "rd2h: %s\n", st.message().c_str());
     return st.is_ok();
   };
-  if (bench_demo->parsed()) {
-    if (!load_demo_config(bench_demo, bench_demo_config, bd.demo)) return 2;
-    return rd2h::sim::run_bench_demo(bd);
+  if (c.bench_demo->parsed()) {
+    if (!load_demo_config(c.bench_demo, c.bench_demo_config, c.bd.demo)) return 2;
+    return rd2h::sim::run_bench_demo(c.bd);
   }
-  if (demo->parsed()) {
-    if (!load_demo_config(demo, demo_config, dm)) return 2;
-    return rd2h::sim::run_demo(dm);
+  if (c.demo->parsed()) {
+    if (!load_demo_config(c.demo, c.demo_config, c.dm)) return 2;
+    return rd2h::sim::run_demo(c.dm);
   }
-  if (prefill_cmd->parsed()) return rd2h::tools::run_engine(eo, rd2h::connector::KvRole::kProducer);
-  if (decode_cmd->parsed()) return rd2h::tools::run_engine(eo, rd2h::connector::KvRole::kConsumer);
-  if (proxy->parsed()) return rd2h::tools::run_proxy(px, proxy_token_file, std::chrono::seconds(proxy_drain_s));
-  if (keygen->parsed()) {
+  if (c.prefill_cmd->parsed())
+    return rd2h::tools::run_engine(c.eo, rd2h::connector::KvRole::kProducer);
+  if (c.decode_cmd->parsed())
+    return rd2h::tools::run_engine(c.eo, rd2h::connector::KvRole::kConsumer);
+  if (c.proxy->parsed())
+    return rd2h::tools::run_proxy(c.px, c.proxy_token_file, std::chrono::seconds(c.proxy_drain_s));
+  if (c.keygen->parsed()) {
     auto keys = rd2h::control::generate_key_pair();
-    rd2h::Status st = keys ? rd2h::control::write_key_pair(keygen_stem, *keys) : keys.status();
+    rd2h::Status st = keys ? rd2h::control::write_key_pair(c.keygen_stem, *keys) : keys.status();
     if (!st) {
       std::fprintf(stderr, "rd2h keygen: %s\n", st.message().c_str());
       return 1;
     }
     std::printf("rd2h keygen: wrote %s.key and %s.key_secret; public key %s\n",
-                keygen_stem.c_str(), keygen_stem.c_str(), keys->public_key.c_str());
+                c.keygen_stem.c_str(), c.keygen_stem.c_str(), keys->public_key.c_str());
     return 0;
   }
-  if (bench_layers->parsed()) return rd2h::tools::run_bench_layers(bl);
-  if (pd_read->parsed()) return rd2h::tools::run_pd_read(pd);
-  if (bench_engine->parsed()) return rd2h::tools::run_bench_engine(be);
+  if (c.bench_layers->parsed()) return rd2h::tools::run_bench_layers(c.bl);
+  if (c.pd_read->parsed()) return rd2h::tools::run_pd_read(c.pd);
+  if (c.bench_engine->parsed()) return rd2h::tools::run_bench_engine(c.be);
   return 2;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  // A fault must end the process, not leave it hung in UCX's handler of error signals, which
+  // UCX installs when its library loads (before main): unless the environment says
+  // otherwise, start again with them off. The processes this one starts inherit it.
+  if (std::getenv("UCX_ERROR_SIGNALS") == nullptr) {
+    ::setenv("UCX_ERROR_SIGNALS", "", 1);
+    ::execv("/proc/self/exe", argv);  // returns only if it failed: go on with them on
+  }
+  // Started by `rd2h demo`: do not outlive it.
+  if (!rd2h::die_with_parent_if_asked()) return 1;
+  CLI::App app{"rd2h: layerwise KV-cache transfer for prefill/decode disaggregated serving"};
+  app.set_version_flag("--version", std::string("rd2h ") + rd2h::version());
+  app.require_subcommand(1);
+  app.option_defaults()->always_capture_default();  // --help shows every default
+
+  Commands c;
+  add_pd_read(app, c);
+  add_bench(app, c);
+  add_proxy(app, c);
+  add_keygen(app, c);
+  add_engines(app, c);
+  add_demo(app, c);
+  add_worker(app, c);
+  add_log_level(c);
+  CLI11_PARSE(app, argc, argv);
+  return run(c);
 }
