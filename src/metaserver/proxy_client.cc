@@ -232,6 +232,194 @@ std::string Proxy::Impl::continue_event(Continuation& c, const std::string& even
   return "data: " + j.dump() + "\n\n";
 }
 
+bool Proxy::Impl::client_left(const std::shared_ptr<Parent>& of) {
+  if (!client_gone()) return false;
+  {
+    std::lock_guard lock(mu);
+    ++stats.client_cancelled;
+  }
+  cancelled.with().inc();
+  of->fail(499, api_error_json(499, "the client went away"));
+  return true;
+}
+
+bool Proxy::Impl::wait_on_leg(DecodeLeg& leg, const std::shared_ptr<Parent>& parent,
+                              const std::function<bool()>& ready) {
+  std::unique_lock lock(leg.mu);
+  while (!leg.cv.wait_for(lock, kLook, ready)) {
+    lock.unlock();
+    const bool gone = client_left(parent);
+    lock.lock();
+    if (gone) return false;
+  }
+  return true;
+}
+
+void Proxy::Impl::answer_whole(httplib::Response& res, const std::shared_ptr<Round>& round) {
+  auto parent = round->parent;
+  auto leg = round->leg;
+  wait_on_leg(*leg, parent, [&] { return leg->done; });
+  bool done = false;
+  {
+    std::lock_guard lock(leg->mu);
+    done = leg->done;
+  }
+  if (auto [status, failure] = parent->failed(); !failure.empty()) {
+    res.status = status;
+    res.set_content(failure, "application/json");
+  } else {
+    std::lock_guard held(leg->mu);
+    if (!done || !leg->error.empty() || leg->status == 0) {
+      set_api_error(res, 502, done ? leg->error : "the client went away");
+    } else {
+      std::string answer;
+      answer.reserve(leg->held);
+      for (auto& c : leg->chunks) answer += c;
+      res.status = leg->status;
+      res.set_content(answer, leg->content_type.empty() ? "application/json" : leg->content_type);
+    }
+  }
+  round->leg.reset();
+  leg.reset();  // joins the leg before the request is finished
+  finish(parent);
+}
+
+// A stream relayed to its client, round after round: the response's content provider.
+struct Proxy::Impl::StreamRelay {
+  Impl* impl;
+  std::shared_ptr<Round> round;
+  std::shared_ptr<Continuation> cont;
+  bool follow;  // event by event, for a stream that may go on in another round
+  std::string path;
+  size_t prompts;
+  Clock::time_point started;
+  std::shared_ptr<bool> first_event = std::make_shared<bool>(true);
+
+  enum class Next { kDone, kAgain, kEnded };
+
+  bool operator()(size_t, httplib::DataSink& sink) const {
+    for (;;) {
+      if (!relay_leg(sink)) return false;
+      if (failed_leg(sink)) return true;
+      const Next next = next_round(sink);
+      if (next == Next::kEnded) return true;
+      if (next == Next::kDone) break;
+    }
+    sink.done();
+    return true;
+  }
+
+  bool write(httplib::DataSink& sink, const std::string& out) const {
+    if (out.empty()) return true;
+    if (std::exchange(*first_event, false)) {
+      impl->ttft.with().observe(std::chrono::duration<double>(Clock::now() - started).count());
+    }
+    if (sink.write(out.data(), out.size())) return true;
+    impl->client_left(round->parent);
+    round->parent->fail(499, api_error_json(499, "the client went away"));
+    return false;
+  }
+
+  // Raw, or event by event for a stream that may go on in another round.
+  bool forward(httplib::DataSink& sink, std::string chunk) const {
+    if (!follow) return write(sink, chunk);
+    cont->pending += chunk;
+    if (cont->pending.size() > kMaxHeldAnswerBytes) {
+      return write(sink,
+                   "data: " +
+                       api_error_json(502, "Decode sent an event of more than " +
+                                               std::to_string(kMaxHeldAnswerBytes) + " bytes") +
+                       "\n\n");
+    }
+    size_t end;
+    while ((end = cont->pending.find("\n\n")) != std::string::npos) {
+      std::string event = cont->pending.substr(0, end);
+      cont->pending.erase(0, end + 2);
+      if (!write(sink, impl->continue_event(*cont, event))) return false;
+    }
+    return true;
+  }
+
+  // Forwards the current leg's chunks until it is done; false once the client is gone.
+  bool relay_leg(httplib::DataSink& sink) const {
+    auto& leg = round->leg;
+    std::unique_lock lock(leg->mu);
+    for (;;) {
+      while (!leg->chunks.empty()) {
+        std::string chunk = std::move(leg->chunks.front());
+        leg->chunks.pop_front();
+        leg->held -= chunk.size();
+        lock.unlock();
+        leg->cv.notify_all();
+        if (!forward(sink, std::move(chunk))) return false;
+        lock.lock();
+      }
+      if (leg->done) return true;
+      if (!leg->cv.wait_for(lock, kLook, [&] { return leg->done || !leg->chunks.empty(); })) {
+        lock.unlock();
+        if (impl->client_left(round->parent)) return false;
+        lock.lock();
+      }
+    }
+  }
+
+  // Whether the round that ended failed; if so the client got the failure and the stream
+  // ended.
+  bool failed_leg(httplib::DataSink& sink) const {
+    std::string error;
+    int status = 0;
+    {
+      std::lock_guard lock(round->leg->mu);
+      error = round->leg->error;
+      status = round->leg->status;
+    }
+    auto [failed_status, failure] = round->parent->failed();
+    if (failure.empty() && error.empty() && status != 200) {
+      // A later round's Decode refused: its answer (an error object, not events) is what
+      // the client gets.
+      const auto answer = ordered_json::parse(cont->pending, nullptr, false);
+      failure = answer.is_object() && answer.contains("error")
+                    ? cont->pending
+                    : api_error_json(502, "Decode answered HTTP " + std::to_string(status));
+    }
+    if (failure.empty() && error.empty()) return false;
+    const std::string event = "data: " + (failure.empty() ? api_error_json(502, error) : failure) +
+                              "\n\n" + (cont->rounds > 0 ? "data: [DONE]\n\n" : "");
+    sink.write(event.data(), event.size());
+    sink.done();
+    return true;
+  }
+
+  // After a round that ended well: done, or (Decode lost the request's KV) the answer goes
+  // on from a new Prefill and Decode.
+  Next next_round(httplib::DataSink& sink) const {
+    if (!cont->recomputed) return Next::kDone;
+    {
+      std::lock_guard stats_lock(impl->mu);
+      ++impl->stats.reissued;
+    }
+    impl->reissued.with().inc();
+    log::info("proxy: request {}: Decode ended it recomputed after {} tokens; round {}",
+              round->parent->id, cont->tokens, cont->rounds + 2);
+    auto next = impl->begin_round(path, impl->next_round_body(*cont), prompts);
+    round->leg.reset();  // joins the leg before its round is finished
+    impl->finish(round->parent);
+    if (auto* refused = std::get_if<std::pair<int, std::string>>(&next)) {
+      const std::string event = "data: " + refused->second + "\n\ndata: [DONE]\n\n";
+      sink.write(event.data(), event.size());
+      sink.done();
+      // The finish callback finishes the round the client saw last: already done.
+      round->parent = std::make_shared<Parent>();
+      return Next::kEnded;
+    }
+    *round = std::get<Round>(std::move(next));
+    ++cont->rounds;
+    cont->recomputed = false;
+    cont->pending.clear();
+    return Next::kAgain;
+  }
+};
+
 void Proxy::Impl::handle_client(const httplib::Request& req, httplib::Response& res, bool chat) {
   const auto started = Clock::now();
   const std::string client_id = req.get_header_value("X-Request-Id");
@@ -273,179 +461,25 @@ void Proxy::Impl::handle_client(const httplib::Request& req, httplib::Response& 
     std::lock_guard lock(mu);
     ++stats.requests;
   }
-  auto parent = round->parent;
-  auto leg = round->leg;
   // The client's id is echoed; the transfer is named by the proxy's own, which no client can
   // predict or reuse.
-  res.set_header("X-Request-Id", client_id.empty() ? parent->id : client_id);
-  // A client that hangs up gives its request up: both legs are closed, so the engines free
-  // its blocks at once.
-  auto client_left = [this](const std::shared_ptr<Parent>& of) {
-    if (!client_gone()) return false;
-    {
-      std::lock_guard lock(mu);
-      ++stats.client_cancelled;
-    }
-    cancelled.with().inc();
-    of->fail(499, api_error_json(499, "the client went away"));
-    return true;
-  };
-  // Decode's status, or the end of its answer.
-  {
-    std::unique_lock lock(leg->mu);
-    while (!leg->cv.wait_for(lock, kLook, [&] { return leg->status != 0 || leg->done; })) {
-      lock.unlock();
-      const bool gone = client_left(parent);
-      lock.lock();
-      if (gone) break;
-    }
-  }
-  auto answer_failure = [&]() -> bool {
-    auto [status, failure] = parent->failed();
-    if (failure.empty()) return false;
-    res.status = status;
-    res.set_content(failure, "application/json");
-    return true;
-  };
+  res.set_header("X-Request-Id", client_id.empty() ? round->parent->id : client_id);
+  // Decode's status, or the end of its answer. A client that hangs up meanwhile gives its
+  // request up: both legs are closed, so the engines free its blocks at once.
+  auto& leg = *round->leg;
+  wait_on_leg(leg, round->parent, [&] { return leg.status != 0 || leg.done; });
   bool streaming = false;
   {
-    std::lock_guard lock(leg->mu);
-    streaming = stream && leg->status == 200;
+    std::lock_guard lock(leg.mu);
+    streaming = stream && leg.status == 200;
   }
-  if (!streaming) {
-    std::unique_lock lock(leg->mu);
-    while (!leg->cv.wait_for(lock, kLook, [&] { return leg->done; })) {
-      lock.unlock();
-      const bool gone = client_left(parent);
-      lock.lock();
-      if (gone) break;
-    }
-    const bool done = leg->done;
-    lock.unlock();
-    if (!answer_failure()) {
-      std::lock_guard held(leg->mu);
-      if (!done || !leg->error.empty() || leg->status == 0) {
-        set_api_error(res, 502, done ? leg->error : "the client went away");
-      } else {
-        std::string answer;
-        answer.reserve(leg->held);
-        for (auto& c : leg->chunks) answer += c;
-        res.status = leg->status;
-        res.set_content(answer, leg->content_type.empty() ? "application/json" : leg->content_type);
-      }
-    }
-    round->leg.reset();
-    leg.reset();  // joins the leg before the request is finished
-    finish(parent);
-    return;
-  }
-  leg.reset();
-  parent.reset();
-  auto first_event = std::make_shared<bool>(true);
-  res.set_chunked_content_provider(
-      "text/event-stream",
-      [this, round, cont, follow, path, prompts = *prompts, client_left, started, first_event](
-          size_t, httplib::DataSink& sink) {
-        auto write = [&](const std::string& out) {
-          if (out.empty()) return true;
-          if (std::exchange(*first_event, false)) {
-            ttft.with().observe(std::chrono::duration<double>(Clock::now() - started).count());
-          }
-          if (sink.write(out.data(), out.size())) return true;
-          client_left(round->parent);
-          round->parent->fail(499, api_error_json(499, "the client went away"));
-          return false;
-        };
-        // Raw, or event by event for a stream that may go on in another round.
-        auto forward = [&](std::string chunk) {
-          if (!follow) return write(chunk);
-          cont->pending += chunk;
-          if (cont->pending.size() > kMaxHeldAnswerBytes) {
-            return write("data: " +
-                         api_error_json(502, "Decode sent an event of more than " +
-                                                 std::to_string(kMaxHeldAnswerBytes) + " bytes") +
-                         "\n\n");
-          }
-          size_t end;
-          while ((end = cont->pending.find("\n\n")) != std::string::npos) {
-            std::string event = cont->pending.substr(0, end);
-            cont->pending.erase(0, end + 2);
-            if (!write(continue_event(*cont, event))) return false;
-          }
-          return true;
-        };
-        for (;;) {
-          auto& leg = round->leg;
-          std::unique_lock lock(leg->mu);
-          for (;;) {
-            while (!leg->chunks.empty()) {
-              std::string chunk = std::move(leg->chunks.front());
-              leg->chunks.pop_front();
-              leg->held -= chunk.size();
-              lock.unlock();
-              leg->cv.notify_all();
-              if (!forward(std::move(chunk))) return false;
-              lock.lock();
-            }
-            if (leg->done) break;
-            if (!leg->cv.wait_for(lock, kLook, [&] { return leg->done || !leg->chunks.empty(); })) {
-              lock.unlock();
-              if (client_left(round->parent)) return false;
-              lock.lock();
-            }
-          }
-          std::string error = leg->error;
-          const int status = leg->status;
-          lock.unlock();
-          auto [failed_status, failure] = round->parent->failed();
-          if (failure.empty() && error.empty() && status != 200) {
-            // A later round's Decode refused: its answer (an error object, not events) is
-            // what the client gets.
-            const auto answer = ordered_json::parse(cont->pending, nullptr, false);
-            failure = answer.is_object() && answer.contains("error")
-                          ? cont->pending
-                          : api_error_json(502, "Decode answered HTTP " + std::to_string(status));
-          }
-          if (!failure.empty() || !error.empty()) {
-            const std::string event =
-                "data: " + (failure.empty() ? api_error_json(502, error) : failure) + "\n\n" +
-                (cont->rounds > 0 ? "data: [DONE]\n\n" : "");
-            sink.write(event.data(), event.size());
-            sink.done();
-            return true;
-          }
-          if (!cont->recomputed) break;
-          // Decode lost the request's KV: the answer goes on from a new Prefill and Decode.
-          {
-            std::lock_guard stats_lock(mu);
-            ++stats.reissued;
-          }
-          reissued.with().inc();
-          log::info("proxy: request {}: Decode ended it recomputed after {} tokens; round {}",
-                    round->parent->id, cont->tokens, cont->rounds + 2);
-          auto next = begin_round(path, next_round_body(*cont), prompts);
-          leg.reset();  // joins the leg before its round is finished
-          finish(round->parent);
-          if (auto* refused = std::get_if<std::pair<int, std::string>>(&next)) {
-            const std::string event = "data: " + refused->second + "\n\ndata: [DONE]\n\n";
-            sink.write(event.data(), event.size());
-            sink.done();
-            // The finish callback finishes the round the client saw last: already done.
-            round->parent = std::make_shared<Parent>();
-            return true;
-          }
-          *round = std::get<Round>(std::move(next));
-          ++cont->rounds;
-          cont->recomputed = false;
-          cont->pending.clear();
-        }
-        sink.done();
-        return true;
-      },
-      [this, round](bool) {
-        round->leg.reset();
-        if (round->parent) finish(round->parent);
-      });
+  if (!streaming) return answer_whole(res, round);
+  res.set_chunked_content_provider("text/event-stream",
+                                   StreamRelay{this, round, cont, follow, path, *prompts, started},
+                                   [this, round](bool) {
+                                     round->leg.reset();
+                                     if (round->parent) finish(round->parent);
+                                   });
 }
 
 void Proxy::Impl::finish(const std::shared_ptr<Parent>& parent) {

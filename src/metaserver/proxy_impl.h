@@ -10,6 +10,7 @@
 #include <condition_variable>
 #include <cstdio>
 #include <deque>
+#include <functional>
 #include <list>
 #include <map>
 #include <mutex>
@@ -204,6 +205,15 @@ struct Proxy::Impl {
   }
 
   void handle_client(const httplib::Request& req, httplib::Response& res, bool chat);
+  // Whether the client went away (it hung up); if so `of` fails with 499. On the client's
+  // connection thread only.
+  bool client_left(const std::shared_ptr<Parent>& of);
+  // Waits until `ready` holds (under the leg's mu) or the client goes away; false if it did.
+  bool wait_on_leg(DecodeLeg& leg, const std::shared_ptr<Parent>& parent,
+                   const std::function<bool()>& ready);
+  // Decode's whole answer, or the failure the client gets instead; then the request is done.
+  void answer_whole(httplib::Response& res, const std::shared_ptr<Round>& round);
+  struct StreamRelay;
   // Registers a round (its children, its Decode instance) and starts its Decode leg; an
   // HTTP status and error body if the proxy cannot take it.
   std::variant<Round, std::pair<int, std::string>> begin_round(const std::string& path,
