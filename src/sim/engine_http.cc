@@ -215,60 +215,34 @@ bool plain_request_id(const std::string& id) {
   });
 }
 
-void Engine::Impl::serve(const httplib::Request& req, httplib::Response& res, bool chat) {
-  auto fail = [&](int status, const std::string& why, const std::string& param = {},
-                  const std::string& code = {}) {
-    metaserver::set_api_error(res, status, why, param, code);
-  };
-  std::string parent = req.get_header_value("X-Request-Id");
-  if (!parent.empty()) {
-    res.set_header("X-Request-Id", parent);
-    if (!plain_request_id(parent)) {
-      return fail(400, "X-Request-Id must be 1 to 128 letters, digits and the characters - _ . :",
-                  "X-Request-Id");
+namespace {
+
+// One token per byte of a text prompt, or the prompt's token ids.
+std::vector<int64_t> tokens_of(const json& prompt) {
+  std::vector<int64_t> t;
+  if (prompt.is_string()) {
+    for (unsigned char c : prompt.get<std::string>()) t.push_back(c);
+  } else if (prompt.is_array()) {
+    for (const auto& x : prompt) {
+      if (x.is_number_integer()) t.push_back(x.get<int64_t>());
     }
   }
-  auto body = json::parse(req.body, nullptr, false);
-  if (body.is_discarded() || !body.is_object()) return fail(400, "the body is not a JSON object");
-  const metaserver::PromptLimits limits{config.max_prompts, config.max_prompt_tokens};
-  metaserver::BodyFault fault;
-  if (auto checked = metaserver::check_openai_body(body, chat, limits, &fault); !checked) {
-    return fail(400, checked.status().message(), fault.param, fault.code);
-  }
-  if (auto m = body.find("model");
-      m != body.end() && m->is_string() && *m != config.served_model_name) {
-    return fail(404,
-                "the model '" + m->get<std::string>() + "' does not exist; this engine serves '" +
-                    config.served_model_name + "'",
-                "model", "model_not_found");
-  }
-  std::optional<connector::KvTransferParams> params;
-  if (body.contains("kv_transfer_params") && !body["kv_transfer_params"].is_null()) {
-    auto p = connector::KvTransferParams::from_json(body["kv_transfer_params"].dump());
-    if (!p) return fail(400, p.status().message(), "kv_transfer_params");
-    params = std::move(*p);
-  }
-  if (parent.empty()) parent = random_hex(32);
-  auto tokens_of = [](const json& prompt) {
-    std::vector<int64_t> t;
-    if (prompt.is_string()) {
-      for (unsigned char c : prompt.get<std::string>()) t.push_back(c);
-    } else if (prompt.is_array()) {
-      for (const auto& x : prompt) {
-        if (x.is_number_integer()) t.push_back(x.get<int64_t>());
-      }
-    }
-    return t;
-  };
-  // Field types were checked above; null stands for the field's absence.
-  auto field = [&](const char* name, json fallback) {
-    auto it = body.find(name);
-    return it == body.end() || it->is_null() ? fallback : *it;
-  };
+  return t;
+}
+
+// A checked body's field; null stands for the field's absence.
+json field(const json& body, const char* name, json fallback) {
+  auto it = body.find(name);
+  return it == body.end() || it->is_null() ? fallback : *it;
+}
+
+// The prompts of a checked body, each with the id both sides of its transfer share.
+std::vector<std::pair<std::string, std::vector<int64_t>>> prompts_of(const json& body, bool chat,
+                                                                     const std::string& parent) {
   std::vector<std::pair<std::string, std::vector<int64_t>>> children;
   if (chat) {
     std::string text;  // every message's text, one token per byte
-    for (const auto& m : field("messages", json::array())) {
+    for (const auto& m : field(body, "messages", json::array())) {
       auto c = m.find("content");
       if (c == m.end() || c->is_null()) continue;
       if (c->is_string()) {
@@ -278,68 +252,101 @@ void Engine::Impl::serve(const httplib::Request& req, httplib::Response& res, bo
       for (const auto& part : *c) text += part.value("text", std::string());
     }
     children.push_back({"chatcmpl-" + parent, tokens_of(json(text))});
-  } else {
-    const json prompt = field("prompt", json(""));
-    if (prompt.is_array() && !prompt.empty() && !prompt[0].is_number()) {
-      for (size_t i = 0; i < prompt.size(); ++i) {
-        children.push_back({"cmpl-" + parent + "-" + std::to_string(i), tokens_of(prompt[i])});
-      }
-    } else {
-      children.push_back({"cmpl-" + parent + "-0", tokens_of(prompt)});
-    }
+    return children;
   }
+  const json prompt = field(body, "prompt", json(""));
+  if (prompt.is_array() && !prompt.empty() && !prompt[0].is_number()) {
+    for (size_t i = 0; i < prompt.size(); ++i) {
+      children.push_back({"cmpl-" + parent + "-" + std::to_string(i), tokens_of(prompt[i])});
+    }
+  } else {
+    children.push_back({"cmpl-" + parent + "-0", tokens_of(prompt)});
+  }
+  return children;
+}
+
+}  // namespace
+
+// What a client asked for, checked against this engine.
+struct Engine::Impl::Asked {
+  std::vector<std::pair<std::string, std::vector<int64_t>>> prompts;
+  std::optional<connector::KvTransferParams> params;
+  uint64_t max_tokens = 16;
+  bool stream = false;
+  bool include_usage = false;
+};
+
+std::variant<Engine::Impl::Asked, HttpFault> Engine::Impl::read_request(const json& body, bool chat,
+                                                                        const std::string& parent) {
+  const metaserver::PromptLimits limits{config.max_prompts, config.max_prompt_tokens};
+  metaserver::BodyFault fault;
+  if (auto checked = metaserver::check_openai_body(body, chat, limits, &fault); !checked) {
+    return HttpFault{400, checked.status().message(), fault.param, fault.code};
+  }
+  if (auto m = body.find("model");
+      m != body.end() && m->is_string() && *m != config.served_model_name) {
+    return HttpFault{404,
+                     "the model '" + m->get<std::string>() +
+                         "' does not exist; this engine serves '" + config.served_model_name + "'",
+                     "model", "model_not_found"};
+  }
+  Asked asked;
+  if (body.contains("kv_transfer_params") && !body["kv_transfer_params"].is_null()) {
+    auto p = connector::KvTransferParams::from_json(body["kv_transfer_params"].dump());
+    if (!p) return HttpFault{400, p.status().message(), "kv_transfer_params", ""};
+    asked.params = std::move(*p);
+  }
+  asked.prompts = prompts_of(body, chat, parent);
   const char* prompt_param = chat ? "messages" : "prompt";
-  for (size_t i = 0; i < children.size(); ++i) {
-    const auto& [id, tokens] = children[i];
+  for (const auto& [id, tokens] : asked.prompts) {
     // A text prompt is one token per byte here.
     if (tokens.size() > config.max_prompt_tokens) {
-      return fail(400,
-                  "request " + id + " has " + std::to_string(tokens.size()) +
-                      " prompt tokens; the limit is " + std::to_string(config.max_prompt_tokens),
-                  prompt_param, "context_length_exceeded");
+      return HttpFault{400,
+                       "request " + id + " has " + std::to_string(tokens.size()) +
+                           " prompt tokens; the limit is " +
+                           std::to_string(config.max_prompt_tokens),
+                       prompt_param, "context_length_exceeded"};
     }
-    if (tokens.empty()) return fail(400, "request " + id + " has an empty prompt", prompt_param);
+    if (tokens.empty())
+      return HttpFault{400, "request " + id + " has an empty prompt", prompt_param, ""};
   }
-  const uint64_t max_tokens = metaserver::requested_max_tokens(body, 16);
-  if (auto why = never_fits(children, max_tokens)) {
-    return fail(400, *why, prompt_param, "context_length_exceeded");
+  asked.max_tokens = metaserver::requested_max_tokens(body, 16);
+  if (auto why = never_fits(asked.prompts, asked.max_tokens)) {
+    return HttpFault{400, *why, prompt_param, "context_length_exceeded"};
   }
-  auto call = std::make_shared<Call>();
-  call->chat = chat;
-  call->id = chat ? "chatcmpl-" + parent : "cmpl-" + parent;
-  call->object = chat ? "chat.completion" : "text_completion";
-  call->model = config.served_model_name;
-  call->created = static_cast<int64_t>(std::time(nullptr));
-  call->token_text = prefill ? 'x' : 'y';
-  if (!prefill) call->recompute_after = config.test_recompute_after;
-  call->max_tokens = max_tokens;
-  call->progress = std::make_shared<Progress>(children.size());
-  call->deadline = std::chrono::steady_clock::now() + config.request_timeout;
+  asked.stream = field(body, "stream", false).get<bool>();
+  const json options = field(body, "stream_options", json::object());
+  asked.include_usage = options.value("include_usage", json(false)).is_boolean() &&
+                        options.value("include_usage", false);
+  return asked;
+}
+
+std::optional<HttpFault> Engine::Impl::enqueue(Call& call, Asked& asked) {
   std::vector<std::shared_ptr<EngineRequest>> requests;
   {
     std::lock_guard lock(mu);
-    if (stopping) return fail(503, "the engine is stopping");
-    for (auto& [id, tokens] : children) {
+    if (stopping) return HttpFault{503, "the engine is stopping", "", ""};
+    for (auto& [id, tokens] : asked.prompts) {
       // Both sides of the transfer know a request by this id: two at once would mix.
       if (in_flight.count(id) != 0) {
-        return fail(409, "request " + id + " is already in flight", "X-Request-Id");
+        return HttpFault{409, "request " + id + " is already in flight", "X-Request-Id", ""};
       }
     }
-    for (auto& [id, tokens] : children) in_flight.insert(id);
-    for (auto& [id, tokens] : children) {
+    for (auto& [id, tokens] : asked.prompts) in_flight.insert(id);
+    for (auto& [id, tokens] : asked.prompts) {
       auto r = std::make_shared<EngineRequest>();
       r->ext_id = id;
       r->request.request_id = id + "-" + random_hex(8);
       r->request.num_prompt_tokens = tokens.size();
       r->request.prompt_token_ids = std::move(tokens);
-      r->request.params = params;
-      r->max_tokens = max_tokens;
+      r->request.params = asked.params;
+      r->max_tokens = asked.max_tokens;
       r->admit_with_previous = !prefill && !requests.empty();
-      r->progress = call->progress;
+      r->progress = call.progress;
       r->index = requests.size();
-      call->children.push_back(id);
-      call->prompt_tokens.push_back(r->request.num_prompt_tokens);
-      call->results.push_back(r->done.get_future().share());
+      call.children.push_back(id);
+      call.prompt_tokens.push_back(r->request.num_prompt_tokens);
+      call.results.push_back(r->done.get_future().share());
       requests.push_back(r);
       incoming.push_back(std::move(r));
       ++stats.requests;
@@ -348,7 +355,7 @@ void Engine::Impl::serve(const httplib::Request& req, httplib::Response& res, bo
   cv.notify_all();
   // A client that closes its connection gives its request up (as vLLM aborts it): the core
   // frees what it holds instead of waiting out the request's deadlines.
-  call->give_up = [this, requests] {
+  call.give_up = [this, requests] {
     for (auto& r : requests) r->cancelled.store(true);
     {
       std::lock_guard lock(mu);
@@ -356,52 +363,85 @@ void Engine::Impl::serve(const httplib::Request& req, httplib::Response& res, bo
     }
     cv.notify_all();
   };
-  call->client_went_away = [give_up = call->give_up] {
+  call.client_went_away = [give_up = call.give_up] {
     if (!metaserver::client_gone()) return false;
     give_up();
     return true;
   };
-  if (!field("stream", false).get<bool>()) {
+  return std::nullopt;
+}
+
+// A stream's status leaves with its first event: it waits for the first token (or the end
+// of every prompt), so a request that fails before it gets an HTTP error.
+std::optional<HttpFault> Engine::Impl::await_first_token(Call& call) {
+  auto& p = *call.progress;
+  std::unique_lock lock(p.mu);
+  auto started = [&] {
+    return std::any_of(p.tokens.begin(), p.tokens.end(), [](uint64_t t) { return t > 0; }) ||
+           std::all_of(p.ended.begin(), p.ended.end(), [](bool e) { return e; });
+  };
+  while (!p.cv.wait_for(lock, kLook, started) && std::chrono::steady_clock::now() < call.deadline) {
+    lock.unlock();
+    const bool gone = call.client_went_away();
+    lock.lock();
+    if (gone) return HttpFault{499, "the client went away", "", ""};
+  }
+  const bool any_token =
+      std::any_of(p.tokens.begin(), p.tokens.end(), [](uint64_t t) { return t > 0; });
+  lock.unlock();
+  if (any_token) return std::nullopt;
+  auto outcome = call.wait();  // ended: an error, or Prefill's one token
+  if (auto* failed = std::get_if<std::pair<int, std::string>>(&outcome)) {
+    return HttpFault{failed->first, failed->second, "", ""};
+  }
+  return std::nullopt;
+}
+
+void Engine::Impl::serve(const httplib::Request& req, httplib::Response& res, bool chat) {
+  auto fail = [&](const HttpFault& f) {
+    metaserver::set_api_error(res, f.status, f.message, f.param, f.code);
+  };
+  std::string parent = req.get_header_value("X-Request-Id");
+  if (!parent.empty()) {
+    res.set_header("X-Request-Id", parent);
+    if (!plain_request_id(parent)) {
+      return fail({400, "X-Request-Id must be 1 to 128 letters, digits and the characters - _ . :",
+                   "X-Request-Id", ""});
+    }
+  }
+  const auto body = json::parse(req.body, nullptr, false);
+  if (body.is_discarded() || !body.is_object()) {
+    return fail({400, "the body is not a JSON object", "", ""});
+  }
+  if (parent.empty()) parent = random_hex(32);
+  auto read = read_request(body, chat, parent);
+  if (auto* f = std::get_if<HttpFault>(&read)) return fail(*f);
+  auto& asked = std::get<Asked>(read);
+  auto call = std::make_shared<Call>();
+  call->chat = chat;
+  call->id = chat ? "chatcmpl-" + parent : "cmpl-" + parent;
+  call->object = chat ? "chat.completion" : "text_completion";
+  call->model = config.served_model_name;
+  call->created = static_cast<int64_t>(std::time(nullptr));
+  call->token_text = prefill ? 'x' : 'y';
+  if (!prefill) call->recompute_after = config.test_recompute_after;
+  call->max_tokens = asked.max_tokens;
+  call->progress = std::make_shared<Progress>(asked.prompts.size());
+  call->deadline = std::chrono::steady_clock::now() + config.request_timeout;
+  if (auto f = enqueue(*call, asked)) return fail(*f);
+  if (!asked.stream) {
     auto outcome = call->wait();
     if (auto* failed = std::get_if<std::pair<int, std::string>>(&outcome)) {
-      return fail(failed->first, failed->second);
+      return fail({failed->first, failed->second, "", ""});
     }
     return res.set_content(call->whole(std::get<std::vector<Result>>(outcome)).dump(),
                            "application/json");
   }
-  // The answer's status leaves with its first event: it waits for the first token (or the
-  // end of every prompt), so a request that fails before it gets an HTTP error.
-  {
-    auto& p = *call->progress;
-    std::unique_lock lock(p.mu);
-    auto started = [&] {
-      return std::any_of(p.tokens.begin(), p.tokens.end(), [](uint64_t t) { return t > 0; }) ||
-             std::all_of(p.ended.begin(), p.ended.end(), [](bool e) { return e; });
-    };
-    while (!p.cv.wait_for(lock, kLook, started) &&
-           std::chrono::steady_clock::now() < call->deadline) {
-      lock.unlock();
-      const bool gone = call->client_went_away();
-      lock.lock();
-      if (gone) return fail(499, "the client went away");
-    }
-    const bool any_token =
-        std::any_of(p.tokens.begin(), p.tokens.end(), [](uint64_t t) { return t > 0; });
-    lock.unlock();
-    if (!any_token) {
-      auto outcome = call->wait();  // ended: an error, or Prefill's one token
-      if (auto* failed = std::get_if<std::pair<int, std::string>>(&outcome)) {
-        return fail(failed->first, failed->second);
-      }
-    }
-  }
-  const json options = field("stream_options", json::object());
-  const bool include_usage = options.value("include_usage", json(false)).is_boolean() &&
-                             options.value("include_usage", false);
-  res.set_chunked_content_provider("text/event-stream",
-                                   [call, include_usage](size_t, httplib::DataSink& sink) {
-                                     return call->stream(sink, include_usage);
-                                   });
+  if (auto f = await_first_token(*call)) return fail(*f);
+  res.set_chunked_content_provider("text/event-stream", [call, include_usage = asked.include_usage](
+                                                            size_t, httplib::DataSink& sink) {
+    return call->stream(sink, include_usage);
+  });
 }
 
 void Engine::Impl::report(httplib::Response& res) {

@@ -45,6 +45,14 @@ inline constexpr std::chrono::seconds kRankStartTimeout{60};
 // How often a request's handler looks whether its client is still there.
 inline constexpr std::chrono::milliseconds kLook{100};
 
+// Why a client request gets an HTTP error instead of an answer.
+struct HttpFault {
+  int status = 400;
+  std::string message;
+  std::string param;
+  std::string code;
+};
+
 struct Result {
   bool ok = false;
   std::string text;
@@ -186,7 +194,14 @@ struct Engine::Impl {
 
   Status init();
   struct Call;
+  struct Asked;
   void serve(const httplib::Request& req, httplib::Response& res, bool chat);
+  // The prompts, budget and transfer parameters of a client's body, or why it is refused.
+  std::variant<Asked, HttpFault> read_request(const json& body, bool chat,
+                                              const std::string& parent);
+  // Hands the call's prompts to the core, unless the engine stops or one is in flight.
+  std::optional<HttpFault> enqueue(Call& call, Asked& asked);
+  std::optional<HttpFault> await_first_token(Call& call);
   void report(httplib::Response& res);
   void run_core();
   void admit(const std::shared_ptr<EngineRequest>& r);
