@@ -189,36 +189,94 @@ void Engine::Impl::decode_token(EngineRequest& r) {
   r.produced_token();
 }
 
-Status Engine::Impl::step() {
-  std::vector<connector::ScheduledRequest> scheduled;
-  struct Write {
-    std::shared_ptr<EngineRequest> r;
-    size_t first, last;
-  };
-  std::vector<Write> writes;
-  uint64_t step_tokens = 0;
+// Prefill: the next chunk of each active request within the step's token budget.
+void Engine::Impl::schedule_chunks(std::vector<connector::ScheduledRequest>& scheduled,
+                                   std::vector<Write>& writes, uint64_t& step_tokens) {
   const uint64_t bs = config.model.block_size;
-  if (prefill) {
-    uint64_t budget = config.token_budget;
-    for (auto& r : active) {
-      const uint64_t prompt = r->request.num_prompt_tokens;
-      const uint64_t chunk = std::min(budget, prompt - r->computed);
-      if (chunk == 0) continue;
-      const uint64_t before = r->computed;
-      r->computed += chunk;
-      budget -= chunk;
-      step_tokens += chunk;
-      scheduled.push_back({r->request.request_id, {}, r->computed});
-      writes.push_back({r, before / bs, (r->computed + bs - 1) / bs});
-      if (budget == 0) break;
+  uint64_t budget = config.token_budget;
+  for (auto& r : active) {
+    const uint64_t prompt = r->request.num_prompt_tokens;
+    const uint64_t chunk = std::min(budget, prompt - r->computed);
+    if (chunk == 0) continue;
+    const uint64_t before = r->computed;
+    r->computed += chunk;
+    budget -= chunk;
+    step_tokens += chunk;
+    scheduled.push_back({r->request.request_id, {}, r->computed});
+    writes.push_back({r, before / bs, (r->computed + bs - 1) / bs});
+    if (budget == 0) break;
+  }
+}
+
+// Decode: the next token of a running request; at its budget it ends.
+void Engine::Impl::generate_token(const std::shared_ptr<EngineRequest>& r) {
+  if (r->state != EngineRequest::State::kRunning || r->blocks.empty()) return;
+  decode_token(*r);
+  if (r->generated >= r->max_tokens) {
+    complete(r, {true, std::string(r->max_tokens, 'y'), "", r->verified_blocks});
+  }
+}
+
+// Prefill: each request whose last chunk was written ends with its one token.
+void Engine::Impl::end_prefill_step(const std::vector<Write>& writes, const Status& failure,
+                                    int64_t compute_end_us) {
+  for (const auto& wr : writes) {
+    if (!failure.is_ok()) {
+      complete(wr.r, {false, "", failure.message()});
+    } else if (wr.r->computed == wr.r->request.num_prompt_tokens) {
+      if (trace::enabled()) {
+        trace::record({"prefill done", "core", compute_end_us, -1, -1, -1, 0, wr.r->ext_id});
+      }
+      complete(wr.r, {true, "x", "", 0});  // the one token Prefill is asked for
     }
   }
+}
+
+// Decode: requests whose KV arrived are checked (or fail where it did not load), and
+// running ones get their next token.
+void Engine::Impl::end_decode_step(const std::vector<json>& replies) {
+  std::set<int64_t> bad;
+  for (const auto& reply : replies) {
+    for (int64_t b : reply.value("load_errors", std::vector<int64_t>{})) bad.insert(b);
+  }
+  const auto recving = replies[0].value("recving", std::vector<std::string>{});
+  const std::set<std::string> ready(recving.begin(), recving.end());
+  for (auto r : std::vector<std::shared_ptr<EngineRequest>>(active)) {
+    const bool arrived = ready.count(r->request.request_id) != 0;
+    if (r->state == EngineRequest::State::kAbandoned) {
+      if (arrived) complete(r, {false, "", "the client went away while its KV loaded"});
+    } else if (r->state == EngineRequest::State::kWaitingRemote) {
+      if (arrived) arrive(r, bad);
+    } else {
+      generate_token(r);
+    }
+  }
+}
+
+// Decode: a request whose KV arrived is checked, or fails where it did not load.
+void Engine::Impl::arrive(const std::shared_ptr<EngineRequest>& r, const std::set<int64_t>& bad) {
+  trace::instant("kv ready", "core", -1, r->ext_id);
+  const size_t blocks = prompt_blocks(*r);
+  bool failed_load = false;
+  for (size_t i = 0; i < blocks; ++i) failed_load = failed_load || bad.count(r->blocks[i]);
+  if (failed_load) {
+    complete(r, {false, "", "the KV of the request failed to load"});
+  } else if (Status st = verify(r); !st) {
+    complete(r, {false, "", st.message()});
+  }
+}
+
+Status Engine::Impl::step() {
+  std::vector<connector::ScheduledRequest> scheduled;
+  std::vector<Write> writes;
+  uint64_t step_tokens = 0;
+  if (prefill) schedule_chunks(scheduled, writes, step_tokens);
   RD2H_TRY(handed, scheduler->build_connector_meta(scheduled));
   const std::vector<std::byte> meta = connector::encode(handed);  // as a host ships it
   bool waiting = false;
   for (auto& r : active) waiting = waiting || r->state != EngineRequest::State::kRunning;
   if (scheduled.empty() && !waiting && handed.empty()) {
-    if (!prefill) {
+    if (!prefill) {  // every active request runs: none waits for KV
       for (auto r : std::vector<std::shared_ptr<EngineRequest>>(active)) {
         decode_token(*r);
         if (r->generated >= r->max_tokens) {
@@ -257,54 +315,14 @@ Status Engine::Impl::step() {
     compute_end_us = std::max(compute_end_us, reply.value("compute_end_us", int64_t{0}));
   }
   if (prefill) {
-    for (const auto& wr : writes) {
-      if (!failure.is_ok()) {
-        complete(wr.r, {false, "", failure.message()});
-      } else if (wr.r->computed == wr.r->request.num_prompt_tokens) {
-        if (trace::enabled()) {
-          trace::record({"prefill done", "core", compute_end_us, -1, -1, -1, 0, wr.r->ext_id});
-        }
-        complete(wr.r, {true, "x", "", 0});  // the one token Prefill is asked for
-      }
-    }
+    end_prefill_step(writes, failure, compute_end_us);
     return Status::ok();
   }
   for (const auto& reply : replies) {
     if (auto t = reply.find("transfer"); t != reply.end() && t->is_object()) take_transfer(*t);
   }
   if (!failure.is_ok()) return failure;
-  std::set<int64_t> bad;
-  for (const auto& reply : replies) {
-    for (int64_t b : reply.value("load_errors", std::vector<int64_t>{})) bad.insert(b);
-  }
-  const auto recving = replies[0].value("recving", std::vector<std::string>{});
-  const std::set<std::string> ready(recving.begin(), recving.end());
-  for (auto r : std::vector<std::shared_ptr<EngineRequest>>(active)) {
-    if (r->state == EngineRequest::State::kAbandoned) {
-      if (ready.count(r->request.request_id) != 0) {
-        complete(r, {false, "", "the client went away while its KV loaded"});
-      }
-      continue;
-    }
-    if (r->state == EngineRequest::State::kWaitingRemote) {
-      if (ready.count(r->request.request_id) == 0) continue;
-      trace::instant("kv ready", "core", -1, r->ext_id);
-      const size_t blocks = prompt_blocks(*r);
-      bool failed_load = false;
-      for (size_t i = 0; i < blocks; ++i) failed_load = failed_load || bad.count(r->blocks[i]);
-      if (failed_load) {
-        complete(r, {false, "", "the KV of the request failed to load"});
-        continue;
-      }
-      if (Status st = verify(r); !st) complete(r, {false, "", st.message()});
-      continue;
-    }
-    if (r->state != EngineRequest::State::kRunning || r->blocks.empty()) continue;
-    decode_token(*r);
-    if (r->generated >= r->max_tokens) {
-      complete(r, {true, std::string(r->max_tokens, 'y'), "", r->verified_blocks});
-    }
-  }
+  end_decode_step(replies);
   return Status::ok();
 }
 

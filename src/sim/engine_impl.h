@@ -206,6 +206,18 @@ struct Engine::Impl {
   void run_core();
   void admit(const std::shared_ptr<EngineRequest>& r);
   Status step();
+  // A request's blocks [first, last) a Prefill step writes.
+  struct Write {
+    std::shared_ptr<EngineRequest> r;
+    size_t first, last;
+  };
+  void schedule_chunks(std::vector<connector::ScheduledRequest>& scheduled,
+                       std::vector<Write>& writes, uint64_t& step_tokens);
+  void generate_token(const std::shared_ptr<EngineRequest>& r);
+  void arrive(const std::shared_ptr<EngineRequest>& r, const std::set<int64_t>& bad);
+  void end_prefill_step(const std::vector<Write>& writes, const Status& failure,
+                        int64_t compute_end_us);
+  void end_decode_step(const std::vector<json>& replies);
   void complete(const std::shared_ptr<EngineRequest>& r, Result result);
   // Blocks [first, last) of `r` as a rank job names them.
   json blocks_json(const EngineRequest& r, size_t first, size_t last) const;
