@@ -96,106 +96,101 @@ void Proxy::Impl::handle_rendezvous(const httplib::Request& req, httplib::Respon
   res.set_content(R"({"status":"ok"})", "application/json");
 }
 
-void Proxy::Impl::dispatch_prefill(std::shared_ptr<Parent> parent) {
-  ordered_json body = parent->body;
+std::string Proxy::Impl::prefill_payload(Parent& parent) const {
+  ordered_json body = parent.body;
   body["stream"] = false;
   body.erase("stream_options");
   body["max_tokens"] = 1;
   body["min_tokens"] = 1;
   if (body.contains("max_completion_tokens")) body["max_completion_tokens"] = 1;
+  std::lock_guard lock(parent.mu);
+  ordered_json params = parent.params[parent.children[0]];
+  if (parent.children.size() > 1) {
+    ordered_json batch = ordered_json::object();
+    for (const auto& c : parent.children) batch[c] = parent.params[c];
+    params["batch_kv_transfer_params"] = batch;
+  }
+  body["kv_transfer_params"] = params;
+  return body.dump();
+}
+
+Proxy::Impl::PrefillAttempt Proxy::Impl::attempt_prefill(const std::shared_ptr<Parent>& parent,
+                                                         const std::string& payload) {
+  size_t which;
+  std::shared_ptr<httplib::Client> client;
+  bool stopped;
+  {
+    std::lock_guard lock(mu);
+    ++stats.prefill_dispatches;
+    which = least_loaded(prefill_load, prefill_cursor);
+    dispatches.with({config.prefill[which]}).inc();
+    upstream_in_flight.with({"prefill", config.prefill[which]}).add(1);
+    client = std::make_shared<httplib::Client>(config.prefill[which]);
+    set_timeouts(*client, config.upstream_timeout);
+    dispatch_clients.push_back(client);  // the destructor stops it while in flight
+    stopped = stopping;
+  }
   {
     std::lock_guard lock(parent->mu);
-    ordered_json params = parent->params[parent->children[0]];
-    if (parent->children.size() > 1) {
-      ordered_json batch = ordered_json::object();
-      for (const auto& c : parent->children) batch[c] = parent->params[c];
-      params["batch_kv_transfer_params"] = batch;
-    }
-    body["kv_transfer_params"] = params;
+    parent->prefill = client;  // a failure of the request closes it too
+    stopped = stopped || !parent->failure.empty();
   }
-  const std::string payload = body.dump();
-  const int attempts = std::max(1, config.prefill_attempts);
-  std::string why;
-  int status = 502;
-  std::string refusal;  // Prefill's own error object, when the client's body is at fault
-  bool given_up = false;
-  for (int attempt = 1;; ++attempt) {
-    size_t which;
-    std::shared_ptr<httplib::Client> client;
-    bool stopped;
-    {
-      std::lock_guard lock(mu);
-      ++stats.prefill_dispatches;
-      which = least_loaded(prefill_load, prefill_cursor);
-      dispatches.with({config.prefill[which]}).inc();
-      upstream_in_flight.with({"prefill", config.prefill[which]}).add(1);
-      client = std::make_shared<httplib::Client>(config.prefill[which]);
-      set_timeouts(*client, config.upstream_timeout);
-      dispatch_clients.push_back(client);  // the destructor stops it while in flight
-      stopped = stopping;
-    }
-    {
-      std::lock_guard lock(parent->mu);
-      parent->prefill = client;  // a failure of the request closes it too
-      stopped = stopped || !parent->failure.empty();
-    }
-    // Client::stop() only cuts a request in flight: one not started must not start.
-    EngineAnswer r;
-    r.error = "did not answer: the request was given up";
-    if (!stopped) {
-      httplib::Headers headers = auth;
-      headers.emplace("X-Request-Id", parent->id);
-      r = ask_engine(*client, "POST", parent->path, headers, payload);
-    }
-    why.clear();
-    refusal.clear();
-    status = 502;
-    bool retry = false;
-    given_up = stopped || !parent->failed().second.empty();  // given up meanwhile
-    if (given_up) {
-      why = "the request was given up before Prefill";
-    } else if (!r) {
-      why = "Prefill " + config.prefill[which] + " " + r.error;
-      retry = !r.too_long;  // no answer: another try; an answer too long: none
-    } else if (r.status != 200) {
-      why = "Prefill " + config.prefill[which] + " answered HTTP " + std::to_string(r.status) +
+  // Client::stop() only cuts a request in flight: one not started must not start.
+  EngineAnswer r;
+  r.error = "did not answer: the request was given up";
+  if (!stopped) {
+    httplib::Headers headers = auth;
+    headers.emplace("X-Request-Id", parent->id);
+    r = ask_engine(*client, "POST", parent->path, headers, payload);
+  }
+  PrefillAttempt a;
+  a.given_up = stopped || !parent->failed().second.empty();  // given up meanwhile
+  if (a.given_up) {
+    a.why = "the request was given up before Prefill";
+  } else if (!r) {
+    a.why = "Prefill " + config.prefill[which] + " " + r.error;
+    a.retry = !r.too_long;  // no answer: another try; an answer too long: none
+  } else if (r.status != 200) {
+    a.why = "Prefill " + config.prefill[which] + " answered HTTP " + std::to_string(r.status) +
             ": " + r.body.substr(0, 200);
-      // A 4xx about the body (not the proxy's own token) is the client's to see as it is.
-      const auto e = ordered_json::parse(r.body, nullptr, false);
-      if (r.status >= 400 && r.status < 500 && r.status != 401 && r.status != 403 &&
-          e.is_object() && e.contains("error") && e["error"].is_object()) {
-        status = r.status;
-        refusal = r.body;
-      }
-      retry = r.status >= 500;
+    // A 4xx about the body (not the proxy's own token) is the client's to see as it is.
+    const auto e = ordered_json::parse(r.body, nullptr, false);
+    if (r.status >= 400 && r.status < 500 && r.status != 401 && r.status != 403 && e.is_object() &&
+        e.contains("error") && e["error"].is_object()) {
+      a.status = r.status;
+      a.refusal = r.body;
     }
-    {
-      std::lock_guard lock(mu);
-      --prefill_load[which];
-      upstream_in_flight.with({"prefill", config.prefill[which]}).add(-1);
-      for (auto it = dispatch_clients.begin(); it != dispatch_clients.end(); ++it) {
-        if (*it == client) {
-          dispatch_clients.erase(it);
-          break;
-        }
-      }
-      if (!why.empty() && !given_up) {
-        ++stats.prefill_failures;
-        dispatch_failures.with({config.prefill[which]}).inc();
-      }
-    }
-    if (!retry || attempt >= attempts) break;
+    a.retry = r.status >= 500;
+  }
+  std::lock_guard lock(mu);
+  --prefill_load[which];
+  upstream_in_flight.with({"prefill", config.prefill[which]}).add(-1);
+  std::erase(dispatch_clients, client);
+  if (!a.why.empty() && !a.given_up) {
+    ++stats.prefill_failures;
+    dispatch_failures.with({config.prefill[which]}).inc();
+  }
+  return a;
+}
+
+void Proxy::Impl::dispatch_prefill(std::shared_ptr<Parent> parent) {
+  const std::string payload = prefill_payload(*parent);
+  const int attempts = std::max(1, config.prefill_attempts);
+  PrefillAttempt a;
+  for (int attempt = 1;; ++attempt) {
+    a = attempt_prefill(parent, payload);
+    if (!a.retry || attempt >= attempts) break;
     // Exponential backoff before the next attempt, cut short if the proxy stops.
     const auto backoff = std::min<std::chrono::milliseconds>(
         config.prefill_retry_backoff * (1 << std::min(attempt - 1, 10)), std::chrono::seconds(5));
-    log::info("proxy: request {}: {}; attempt {} of {} in {} ms", parent->id, why, attempt + 1,
+    log::info("proxy: request {}: {}; attempt {} of {} in {} ms", parent->id, a.why, attempt + 1,
               attempts, static_cast<long long>(backoff.count()));
     std::unique_lock lock(mu);
     if (idle_cv.wait_for(lock, backoff, [&] { return stopping; })) break;
   }
-  if (!why.empty() && !given_up) {
-    log::warn("proxy: request {}: {}", parent->id, why);
-    parent->fail(status, refusal.empty() ? api_error_json(502, why) : refusal);
+  if (!a.why.empty() && !a.given_up) {
+    log::warn("proxy: request {}: {}", parent->id, a.why);
+    parent->fail(a.status, a.refusal.empty() ? api_error_json(502, a.why) : a.refusal);
   }
 }
 

@@ -232,6 +232,19 @@ struct Proxy::Impl {
   void handle_models(httplib::Response& res);
   void handle_reset_prefix_cache(httplib::Response& res);
   void dispatch_prefill(std::shared_ptr<Parent> parent);
+  // What Prefill is sent for a client request: its body for one token, with every child's
+  // kv_transfer_params.
+  std::string prefill_payload(Parent& parent) const;
+  // How one Prefill dispatch went: why it failed (empty: it did not), whether another
+  // attempt may go, and Prefill's own refusal of the client's body.
+  struct PrefillAttempt {
+    std::string why;
+    int status = 502;
+    std::string refusal;
+    bool retry = false;
+    bool given_up = false;
+  };
+  PrefillAttempt attempt_prefill(const std::shared_ptr<Parent>& parent, const std::string& payload);
   void finish(const std::shared_ptr<Parent>& parent);
 };
 
