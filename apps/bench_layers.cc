@@ -285,74 +285,84 @@ std::vector<double> wakeup_round_trips(uint32_t count) {
 
 }  // namespace
 
-int run_bench_layers(const BenchLayersOptions& o) {
+namespace {
+
+// Why the options cannot make a run, if they cannot.
+std::optional<std::string> options_fault(const BenchLayersOptions& o) {
   if (o.layers == 0 || o.blocks == 0 || o.main_bytes.empty() || o.requests.empty()) {
-    std::fprintf(stderr,
-                 "rd2h bench layers: layers, blocks, main bytes and requests must be set\n");
-    return 2;
+    return "layers, blocks, main bytes and requests must be set";
   }
   for (uint32_t r : o.requests) {
     if (r == 0 || o.blocks % r != 0) {
-      std::fprintf(stderr, "rd2h bench layers: %u requests do not split %u blocks evenly\n", r,
-                   o.blocks);
-      return 2;
+      return std::to_string(r) + " requests do not split " + std::to_string(o.blocks) +
+             " blocks evenly";
     }
   }
+  return std::nullopt;
+}
+
+// One configuration per request count and control path (ZeroMQ, then the link).
+Expected<std::vector<std::unique_ptr<Setup>>> make_setups(const BenchLayersOptions& o) {
   std::vector<std::unique_ptr<Setup>> setups;
   for (uint32_t requests : o.requests) {
     for (const bool link : {false, true}) {
       auto s = make_setup(o, requests, link);
-      if (!s) {
-        std::fprintf(stderr, "rd2h bench layers: %u requests: %s\n", requests,
-                     s.status().to_string().c_str());
-        return 1;
-      }
+      if (!s) return s.status().with_context(std::to_string(requests) + " requests");
       setups.push_back(std::move(*s));
     }
   }
-  // Configurations alternate in rounds, so a noisy spell of the machine hits them alike.
-  constexpr uint32_t kRounds = 5;
+  return setups;
+}
+
+// The warm-up layers; a connection moves to the link at its first readiness sent with none
+// outstanding, once Prefill heard the link open: warmed up until then too (within bounds).
+Status warm_up(std::vector<std::unique_ptr<Setup>>& setups, const BenchLayersOptions& o) {
   for (auto& s : setups) {
-    if (Status st = run_layers(*s, o.warmup, false); !st) {
-      std::fprintf(stderr, "rd2h bench layers: %s\n", st.to_string().c_str());
-      return 1;
-    }
-    // A connection moves to the link at its first readiness sent with none outstanding,
-    // once Prefill heard the link open: warmed up until then too (within bounds).
+    RD2H_RETURN_IF_ERROR(run_layers(*s, o.warmup, false));
     for (int extra = 0;
          extra < 1000 && s->link && s->prefill->stats().sender.readiness_on_link == 0; ++extra) {
-      if (Status st = run_layers(*s, 1, false); !st) {
-        std::fprintf(stderr, "rd2h bench layers: %s\n", st.to_string().c_str());
-        return 1;
-      }
+      RD2H_RETURN_IF_ERROR(run_layers(*s, 1, false));
     }
     if (s->link && s->prefill->stats().sender.readiness_on_link == 0) {
-      std::fprintf(stderr, "rd2h bench layers: no readiness went on the link in %u layers\n",
-                   o.warmup + 1000);
-      return 1;
+      return internal_error("no readiness went on the link in " + std::to_string(o.warmup + 1000) +
+                            " layers");
     }
   }
-  ZmqEcho floor;
+  return Status::ok();
+}
+
+// The same floor on UCX active messages, over shared memory or over TCP.
+struct UcxFloor {
+  const char* tls;
+  std::unique_ptr<UcxAmEcho> echo;
+  std::vector<double> samples;
+  std::string error;
+};
+
+// The floors, measured in the same rounds as the layers.
+struct Floors {
+  ZmqEcho zmq_echo;
   std::vector<double> zmq, zmq_around_read;
-  // The same floor on UCX active messages, over shared memory and over TCP.
-  struct UcxFloor {
-    const char* tls;
-    std::unique_ptr<UcxAmEcho> echo;
-    std::vector<double> samples;
-    std::string error;
-  };
   std::vector<UcxFloor> ucx;
+  std::vector<double> wake;  // two threads waking each other, measured last
+};
+
+// Configurations alternate in rounds, so a noisy spell of the machine hits them alike.
+constexpr uint32_t kRounds = 5;
+
+Status measure_rounds(std::vector<std::unique_ptr<Setup>>& setups, const BenchLayersOptions& o,
+                      Floors& f) {
   for (const char* tls : {"shm", "tcp"}) {
     auto echo = UcxAmEcho::start(tls);
-    ucx.push_back({tls,
-                   echo ? std::move(*echo) : nullptr,
-                   {},
-                   echo ? std::string() : echo.status().to_string()});
+    f.ucx.push_back({tls,
+                     echo ? std::move(*echo) : nullptr,
+                     {},
+                     echo ? std::string() : echo.status().to_string()});
   }
   for (uint32_t round = 0; round < kRounds; ++round) {
     const uint32_t count = o.layers / kRounds + (round < o.layers % kRounds ? 1 : 0);
-    floor.measure(count, std::chrono::microseconds(0), zmq);
-    for (auto& u : ucx) {
+    f.zmq_echo.measure(count, std::chrono::microseconds(0), f.zmq);
+    for (auto& u : f.ucx) {
       if (!u.echo) continue;
       if (Status st = u.echo->measure(count, u.samples); !st) {
         u.error = st.to_string();
@@ -360,29 +370,26 @@ int run_bench_layers(const BenchLayersOptions& o) {
       }
     }
     for (auto& s : setups) {
-      if (Status st = run_layers(*s, count, true); !st) {
-        std::fprintf(stderr, "rd2h bench layers: %u requests: %s\n", s->requests,
-                     st.to_string().c_str());
-        return 1;
-      }
+      RD2H_RETURN_IF_ERROR(
+          run_layers(*s, count, true).with_context(std::to_string(s->requests) + " requests"));
     }
     // Around the first configuration's read, as measured so far.
     std::vector<double> reads;
     for (const auto& x : setups.front()->samples) reads.push_back(x.read_us);
-    floor.measure(count,
-                  std::chrono::microseconds(static_cast<int64_t>(metrics::quantile(reads, 0.5))),
-                  zmq_around_read);
+    f.zmq_echo.measure(
+        count, std::chrono::microseconds(static_cast<int64_t>(metrics::quantile(reads, 0.5))),
+        f.zmq_around_read);
   }
-  std::vector<std::vector<std::vector<double>>> stages;
-  for (auto& s : setups) {
-    auto kept = std::move(s->samples);
-    stages.push_back(stage_times(*s, std::max<uint32_t>(50, o.layers / 5)));
-    s->samples = std::move(kept);
-  }
+  return Status::ok();
+}
 
-  const auto wake = wakeup_round_trips(o.layers);
-  const double zmq_p50 = metrics::quantile(zmq, 0.5);
+std::vector<double> overheads(const Setup& s) {
+  std::vector<double> overhead;
+  for (const auto& x : s.samples) overhead.push_back(std::max(0.0, x.round_trip_us - x.read_us));
+  return overhead;
+}
 
+void print_layers(const std::vector<std::unique_ptr<Setup>>& setups, const BenchLayersOptions& o) {
   std::printf("rd2h bench layers: shm, one Prefill and one Decode worker in one process\n");
   std::printf(
       "%u layers measured per configuration (in %u alternating rounds, after %u warm-up);"
@@ -392,10 +399,10 @@ int run_bench_layers(const BenchLayersOptions& o) {
               "overhead p50", "overhead p99", "round trip p50", "read p50", "GB/s", "vs first");
   double first_gbps = 0;
   for (const auto& s : setups) {
-    std::vector<double> overhead, round_trip, read;
+    const std::vector<double> overhead = overheads(*s);
+    std::vector<double> round_trip, read;
     double total_us = 0;
     for (const auto& x : s->samples) {
-      overhead.push_back(std::max(0.0, x.round_trip_us - x.read_us));
       round_trip.push_back(x.round_trip_us);
       read.push_back(x.read_us);
       total_us += x.round_trip_us;
@@ -409,18 +416,23 @@ int run_bench_layers(const BenchLayersOptions& o) {
                 metrics::quantile(overhead, 0.99), metrics::quantile(round_trip, 0.5),
                 metrics::quantile(read, 0.5), gbps, gbps / first_gbps);
   }
+}
+
+void print_floors(const std::vector<std::unique_ptr<Setup>>& setups, const Floors& f) {
+  const double zmq_p50 = metrics::quantile(f.zmq, 0.5);
+  const double zmq_p99 = metrics::quantile(f.zmq, 0.99);
   std::printf("\nfloor on this machine, measured in the same rounds:\n");
   std::printf(
       "  bare ZeroMQ DEALER/ROUTER round trip (two contexts, tcp loopback): p50 %.1f us, "
       "p99 %.1f us\n",
-      zmq_p50, metrics::quantile(zmq, 0.99));
-  const double around_p50 = metrics::quantile(zmq_around_read, 0.5);
+      zmq_p50, zmq_p99);
+  const double around_p50 = metrics::quantile(f.zmq_around_read, 0.5);
   std::printf(
       "  the same round trip around the read (the echo busy for the read's p50 first, which\n"
       "  is then subtracted):                                              p50 %.1f us, "
       "p99 %.1f us\n",
-      around_p50, metrics::quantile(zmq_around_read, 0.99));
-  for (const auto& u : ucx) {
+      around_p50, metrics::quantile(f.zmq_around_read, 0.99));
+  for (const auto& u : f.ucx) {
     if (!u.error.empty()) {
       std::printf("  bare UCX active-message round trip (%s): not measured: %s\n", u.tls,
                   u.error.c_str());
@@ -436,11 +448,9 @@ int run_bench_layers(const BenchLayersOptions& o) {
   std::printf(
       "  two-thread wake-up round trip (condition variable):              p50 %.1f us, "
       "p99 %.1f us\n",
-      metrics::quantile(wake, 0.5), metrics::quantile(wake, 0.99));
+      metrics::quantile(f.wake, 0.5), metrics::quantile(f.wake, 0.99));
   for (const auto& s : setups) {
-    std::vector<double> overhead;
-    for (const auto& x : s->samples) overhead.push_back(std::max(0.0, x.round_trip_us - x.read_us));
-    const double zmq_p99 = metrics::quantile(zmq, 0.99);
+    const std::vector<double> overhead = overheads(*s);
     std::printf(
         "  %u requests, %s: overhead p50 = %.2fx, p99 = %.2fx the bare ZeroMQ round trip's; "
         "p50 = %.2fx the one around the read\n",
@@ -452,9 +462,13 @@ int run_bench_layers(const BenchLayersOptions& o) {
   std::printf(
       "\noverhead = round trip (save_kv_layer until every answer is in) - the reader's engine "
       "read time\n");
+}
+
+void print_stages(const std::vector<std::unique_ptr<Setup>>& setups,
+                  const std::vector<std::vector<std::vector<double>>>& stages, uint32_t layers) {
   std::printf(
       "\nwhere a layer's round trip goes, p50 in us (another %u layers each, timeline on):\n",
-      std::max<uint32_t>(50, o.layers / 5));
+      layers);
   std::printf("%-78s", "");
   for (const auto& s : setups) std::printf(" %5u %6s", s->requests, s->link ? "link" : "zeromq");
   std::printf("\n");
@@ -463,6 +477,34 @@ int run_bench_layers(const BenchLayersOptions& o) {
     for (const auto& st : stages) std::printf(" %12.1f", metrics::quantile(st[k], 0.5));
     std::printf("\n");
   }
+}
+
+}  // namespace
+
+int run_bench_layers(const BenchLayersOptions& o) {
+  if (auto fault = options_fault(o)) {
+    std::fprintf(stderr, "rd2h bench layers: %s\n", fault->c_str());
+    return 2;
+  }
+  auto setups = make_setups(o);
+  Floors floors;
+  Status st = setups ? warm_up(*setups, o) : setups.status();
+  if (st) st = measure_rounds(*setups, o, floors);
+  if (!st) {
+    std::fprintf(stderr, "rd2h bench layers: %s\n", st.to_string().c_str());
+    return 1;
+  }
+  const uint32_t traced = std::max<uint32_t>(50, o.layers / 5);
+  std::vector<std::vector<std::vector<double>>> stages;
+  for (auto& s : *setups) {
+    auto kept = std::move(s->samples);
+    stages.push_back(stage_times(*s, traced));
+    s->samples = std::move(kept);
+  }
+  floors.wake = wakeup_round_trips(o.layers);
+  print_layers(*setups, o);
+  print_floors(*setups, floors);
+  print_stages(*setups, stages, traced);
   return 0;
 }
 
