@@ -165,6 +165,80 @@ int run_source(const PdReadOptions& o) {
   return !verdict->empty() && (*verdict)[0] == std::byte{1} ? 0 : 1;
 }
 
+// What the destination's batches came to.
+struct ReadTally {
+  std::vector<double> latency_us;
+  uint64_t bytes = 0;
+  uint64_t mismatches = 0;
+  double seconds = 0;
+};
+
+// Reads batch `b`: `o.batch_blocks` random blocks of one layer into other random blocks of
+// `dest`, every tensor of each, then checks every byte against the source's pattern.
+Status read_one_batch(const PdReadOptions& o, SourceConnection& conn, const Pool& dest, uint32_t b,
+                      std::mt19937_64& rng, std::vector<uint32_t>& all, ReadTally& tally) {
+  const KvPoolLayout& layout = conn.handshake.layout;
+  const size_t tensors = layout.tensor_bytes.size();
+  const uint32_t layer = b % layout.layers;
+  std::shuffle(all.begin(), all.end(), rng);
+  std::vector<uint32_t> src(all.begin(), all.begin() + o.batch_blocks);
+  std::shuffle(all.begin(), all.end(), rng);
+  std::vector<uint32_t> dst(all.begin(), all.begin() + o.batch_blocks);
+
+  std::vector<uintptr_t> local, remote;
+  std::vector<size_t> len;
+  for (uint32_t i = 0; i < o.batch_blocks; ++i) {
+    for (uint32_t t = 0; t < tensors; ++t) {
+      local.push_back(reinterpret_cast<uintptr_t>(dest.base) + layout.offset(layer, t, dst[i]));
+      remote.push_back(conn.handshake.base + layout.offset(layer, t, src[i]));
+      len.push_back(layout.tensor_bytes[t]);
+      std::memset(reinterpret_cast<void*>(local.back()), 0, len.back());
+    }
+  }
+  auto t0 = std::chrono::steady_clock::now();
+  Status st = conn.engine->batch_read_sync(conn.session, local, remote, len);
+  auto t1 = std::chrono::steady_clock::now();
+  if (!st) {
+    return st.with_context("batch " + std::to_string(b) + " (layer " + std::to_string(layer) + ")");
+  }
+  const double s = std::chrono::duration<double>(t1 - t0).count();
+  tally.seconds += s;
+  tally.latency_us.push_back(s * 1e6);
+  for (size_t k = 0; k < local.size(); ++k) {
+    const uint32_t t = static_cast<uint32_t>(k % tensors), i = static_cast<uint32_t>(k / tensors);
+    tally.bytes += len[k];
+    auto bad = find_pattern_mismatch(reinterpret_cast<const void*>(local[k]), len[k],
+                                     block_pattern_key(conn.handshake.seed, layer, t, src[i]));
+    if (bad && tally.mismatches++ < 10) {
+      std::printf(
+          "MISMATCH batch %u layer %u tensor %u: source block %u -> dest block %u, "
+          "first bad byte %zu\n",
+          b, layer, t, src[i], dst[i], *bad);
+    }
+  }
+  return Status::ok();
+}
+
+void report_reads(const ReadTally& tally, const Status& error) {
+  if (!tally.latency_us.empty()) {
+    std::printf(
+        "latency per batch: p50 %.1f us, p99 %.1f us; throughput %.2f GB/s "
+        "(%.1f MiB in %zu batches)\n",
+        metrics::quantile(tally.latency_us, 0.5), metrics::quantile(tally.latency_us, 0.99),
+        static_cast<double>(tally.bytes) / tally.seconds / 1e9,
+        static_cast<double>(tally.bytes) / (1 << 20), tally.latency_us.size());
+  }
+  if (!error.is_ok()) {
+    std::printf("verification: FAILED: %s\n", error.to_string().c_str());
+  } else if (tally.mismatches > 0) {
+    std::printf("verification: FAILED: %llu mismatched blocks\n",
+                static_cast<unsigned long long>(tally.mismatches));
+  } else {
+    std::printf("verification: OK (every byte of %zu batches matched)\n", tally.latency_us.size());
+  }
+  std::fflush(stdout);
+}
+
 int run_dest(const PdReadOptions& o) {
   auto transport = transfer::parse_transport(o.transport);
   if (!transport) return fail(transport.status(), "dest");
@@ -184,93 +258,33 @@ int run_dest(const PdReadOptions& o) {
                                  ", got " + std::to_string(o.batch_blocks)),
                 "dest");
   }
-  auto& engine = *conn->engine;
-  auto info = engine.session_info(conn->session);
-
   // The destination pool mirrors the source layout, like Decode's own cache.
   Pool dest;
-  if (Status st = make_pool(engine, layout.total_bytes(), false, dest); !st) {
+  if (Status st = make_pool(*conn->engine, layout.total_bytes(), false, dest); !st) {
     release_source(*conn, false);
     return fail(st, "dest");
   }
   std::memset(dest.base, 0, layout.total_bytes());
 
   const uint32_t batches = o.batches == 0 ? layout.layers : o.batches;
-  const size_t tensors = layout.tensor_bytes.size();
-  std::mt19937_64 rng(o.seed * 7919 + 17);
-  std::vector<uint32_t> all(layout.blocks);
-  std::iota(all.begin(), all.end(), 0);
-
-  std::vector<double> latency_us;
-  uint64_t bytes_total = 0, mismatches = 0;
-  double seconds_total = 0;
-  Status error;
+  auto info = conn->engine->session_info(conn->session);
   std::printf(
       "pd-read: %u batches of %u random blocks x %zu tensors from %u layers x %u blocks "
       "(%.1f MiB pool), transport %s (%s)\n",
-      batches, o.batch_blocks, tensors, layout.layers, layout.blocks,
+      batches, o.batch_blocks, layout.tensor_bytes.size(), layout.layers, layout.blocks,
       static_cast<double>(layout.total_bytes()) / (1 << 20), o.transport.c_str(),
       info ? info->transport.c_str() : "?");
+  std::mt19937_64 rng(o.seed * 7919 + 17);
+  std::vector<uint32_t> all(layout.blocks);
+  std::iota(all.begin(), all.end(), 0);
+  ReadTally tally;
+  Status error;
   for (uint32_t b = 0; b < batches && error.is_ok(); ++b) {
-    const uint32_t layer = b % layout.layers;
-    std::shuffle(all.begin(), all.end(), rng);
-    std::vector<uint32_t> src(all.begin(), all.begin() + o.batch_blocks);
-    std::shuffle(all.begin(), all.end(), rng);
-    std::vector<uint32_t> dst(all.begin(), all.begin() + o.batch_blocks);
-
-    std::vector<uintptr_t> local, remote;
-    std::vector<size_t> len;
-    for (uint32_t i = 0; i < o.batch_blocks; ++i) {
-      for (uint32_t t = 0; t < tensors; ++t) {
-        local.push_back(reinterpret_cast<uintptr_t>(dest.base) + layout.offset(layer, t, dst[i]));
-        remote.push_back(conn->handshake.base + layout.offset(layer, t, src[i]));
-        len.push_back(layout.tensor_bytes[t]);
-        std::memset(reinterpret_cast<void*>(local.back()), 0, len.back());
-      }
-    }
-    auto t0 = std::chrono::steady_clock::now();
-    Status st = engine.batch_read_sync(conn->session, local, remote, len);
-    auto t1 = std::chrono::steady_clock::now();
-    if (!st) {
-      error =
-          st.with_context("batch " + std::to_string(b) + " (layer " + std::to_string(layer) + ")");
-      break;
-    }
-    double s = std::chrono::duration<double>(t1 - t0).count();
-    seconds_total += s;
-    latency_us.push_back(s * 1e6);
-    for (size_t k = 0; k < local.size(); ++k) {
-      const uint32_t t = static_cast<uint32_t>(k % tensors), i = static_cast<uint32_t>(k / tensors);
-      bytes_total += len[k];
-      auto bad = find_pattern_mismatch(reinterpret_cast<const void*>(local[k]), len[k],
-                                       block_pattern_key(conn->handshake.seed, layer, t, src[i]));
-      if (bad && mismatches++ < 10) {
-        std::printf(
-            "MISMATCH batch %u layer %u tensor %u: source block %u -> dest block %u, "
-            "first bad byte %zu\n",
-            b, layer, t, src[i], dst[i], *bad);
-      }
-    }
+    error = read_one_batch(o, *conn, dest, b, rng, all, tally);
   }
-  const bool ok = error.is_ok() && mismatches == 0;
+  const bool ok = error.is_ok() && tally.mismatches == 0;
   release_source(*conn, ok);
-  if (!latency_us.empty()) {
-    std::printf(
-        "latency per batch: p50 %.1f us, p99 %.1f us; throughput %.2f GB/s "
-        "(%.1f MiB in %zu batches)\n",
-        metrics::quantile(latency_us, 0.5), metrics::quantile(latency_us, 0.99),
-        static_cast<double>(bytes_total) / seconds_total / 1e9,
-        static_cast<double>(bytes_total) / (1 << 20), latency_us.size());
-  }
-  if (!error.is_ok()) {
-    std::printf("verification: FAILED: %s\n", error.to_string().c_str());
-  } else if (mismatches > 0) {
-    std::printf("verification: FAILED: %llu mismatched blocks\n",
-                static_cast<unsigned long long>(mismatches));
-  } else {
-    std::printf("verification: OK (every byte of %zu batches matched)\n", latency_us.size());
-  }
-  std::fflush(stdout);
+  report_reads(tally, error);
   return ok ? 0 : 1;
 }
 
