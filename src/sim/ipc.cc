@@ -31,12 +31,16 @@ Expected<bool> wait_readable(zmq::socket_t& s, std::chrono::milliseconds timeout
 // The frames of one message; more than `max_frames` are read off and refused.
 Expected<std::vector<zmq::message_t>> receive_frames(zmq::socket_t& s, size_t max_frames) {
   std::vector<zmq::message_t> frames;
-  bool more = true;
-  while (more) {
-    zmq::message_t m;
-    if (!s.recv(m, zmq::recv_flags::dontwait)) break;
-    more = m.more();
-    if (frames.size() < max_frames) frames.push_back(std::move(m));
+  try {
+    bool more = true;
+    while (more) {
+      zmq::message_t m;
+      if (!s.recv(m, zmq::recv_flags::dontwait)) break;
+      more = m.more();
+      if (frames.size() < max_frames) frames.push_back(std::move(m));
+    }
+  } catch (const zmq::error_t& e) {
+    return internal_error(std::string("receiving on the simulator's IPC: ") + e.what());
   }
   return frames;
 }

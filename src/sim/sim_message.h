@@ -24,44 +24,51 @@ inline std::vector<std::byte> pack(const nlohmann::json& j) {
 // How deep a simulator message may nest: nlohmann's msgpack reader recurses once per level.
 inline constexpr size_t kMaxMessageDepth = 32;
 
-// Reads msgpack for its nesting alone, and stops (the read fails) once it passes
-// kMaxMessageDepth, so the reader never recurses deeper than that.
-class DepthCheck final : public nlohmann::json_sax<nlohmann::json> {
+// Builds the document as nlohmann's own from_msgpack does (its DOM builder), but refuses
+// (the read stops) a container past kMaxMessageDepth, so the reader, which recurses once per
+// level, never goes deeper than that. One pass: the bytes are read once.
+class BoundedDom {
  public:
-  bool null() override { return true; }
-  bool boolean(bool) override { return true; }
-  bool number_integer(number_integer_t) override { return true; }
-  bool number_unsigned(number_unsigned_t) override { return true; }
-  bool number_float(number_float_t, const string_t&) override { return true; }
-  bool string(string_t&) override { return true; }
-  bool binary(binary_t&) override { return true; }
-  bool start_object(std::size_t) override { return ++depth_ <= kMaxMessageDepth; }
-  bool key(string_t&) override { return true; }
-  bool end_object() override { return --depth_, true; }
-  bool start_array(std::size_t) override { return ++depth_ <= kMaxMessageDepth; }
-  bool end_array() override { return --depth_, true; }
-  bool parse_error(std::size_t, const std::string&, const nlohmann::detail::exception&) override {
-    return false;
+  using json = nlohmann::json;
+  explicit BoundedDom(json& out) : dom_(out, /*allow_exceptions=*/false) {}
+  bool null() { return dom_.null(); }
+  bool boolean(bool v) { return dom_.boolean(v); }
+  bool number_integer(json::number_integer_t v) { return dom_.number_integer(v); }
+  bool number_unsigned(json::number_unsigned_t v) { return dom_.number_unsigned(v); }
+  bool number_float(json::number_float_t v, const json::string_t& s) {
+    return dom_.number_float(v, s);
+  }
+  bool string(json::string_t& v) { return dom_.string(v); }
+  bool binary(json::binary_t& v) { return dom_.binary(v); }
+  bool start_object(std::size_t n) { return ++depth_ <= kMaxMessageDepth && dom_.start_object(n); }
+  bool key(json::string_t& v) { return dom_.key(v); }
+  bool end_object() { return --depth_, dom_.end_object(); }
+  bool start_array(std::size_t n) { return ++depth_ <= kMaxMessageDepth && dom_.start_array(n); }
+  bool end_array() { return --depth_, dom_.end_array(); }
+  template <typename Exception>
+  bool parse_error(std::size_t at, const std::string& token, const Exception& e) {
+    return dom_.parse_error(at, token, e);
   }
 
  private:
+  nlohmann::detail::json_sax_dom_parser<json> dom_;
   size_t depth_ = 0;
 };
 
-// A discarded value when `bytes` is not msgpack or nests deeper than kMaxMessageDepth
-// (checked first, and the refusal is logged).
+// A discarded value when `bytes` is not msgpack or nests deeper than kMaxMessageDepth (the
+// refusal is logged).
 inline nlohmann::json unpack(const std::vector<std::byte>& bytes) {
   const auto* p = reinterpret_cast<const uint8_t*>(bytes.data());
-  DepthCheck depth;
-  if (!nlohmann::json::sax_parse(p, p + bytes.size(), &depth,
-                                 nlohmann::json::input_format_t::msgpack, /*strict=*/true)) {
+  nlohmann::json out;
+  BoundedDom dom(out);
+  if (!nlohmann::json::sax_parse(p, p + bytes.size(), &dom, nlohmann::json::input_format_t::msgpack,
+                                 /*strict=*/true)) {
     std::fprintf(stderr,
                  "rd2h sim: a message of %zu bytes is not msgpack nested at most %zu deep\n",
                  bytes.size(), kMaxMessageDepth);
     return nlohmann::json(nlohmann::json::value_t::discarded);
   }
-  return nlohmann::json::from_msgpack(p, p + bytes.size(), /*strict=*/true,
-                                      /*allow_exceptions=*/false);
+  return out;
 }
 
 inline nlohmann::json to_json(const std::vector<trace::Event>& events) {
