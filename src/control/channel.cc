@@ -289,7 +289,11 @@ bool DealerChannel::connection_lost() {
         uint16_t id = 0;
         std::memcpy(&id, event.data(), sizeof(id));
         lost = lost || id == ZMQ_EVENT_DISCONNECTED;
-        if (id == ZMQ_EVENT_HANDSHAKE_FAILED_AUTH) {
+        if (id == ZMQ_EVENT_CONNECT_RETRIED && !lost && refusal_.empty()) {
+          // A connect that failed (refused: nothing listens there). A Decode listens before
+          // it takes requests, so whoever is there later is not the one addressed now.
+          refusal_ = "nothing listens at " + url_ + " (Decode restarted or died, or is not running)";
+        } else if (id == ZMQ_EVENT_HANDSHAKE_FAILED_AUTH) {
           refusal_ = "Decode at " + url_ + " refused this Prefill's CURVE key";
         } else if ((id == ZMQ_EVENT_HANDSHAKE_FAILED_PROTOCOL ||
                     id == ZMQ_EVENT_HANDSHAKE_FAILED_NO_DETAIL) &&
@@ -340,7 +344,8 @@ Expected<std::unique_ptr<DealerChannel>> DealerChannel::connect(
     static std::atomic<uint64_t> monitors{0};
     const std::string monitor = "inproc://rd2h-dealer-monitor-" + std::to_string(monitors++);
     if (zmq_socket_monitor(impl->socket.handle(), monitor.c_str(),
-                           ZMQ_EVENT_DISCONNECTED | ZMQ_EVENT_HANDSHAKE_FAILED_AUTH |
+                           ZMQ_EVENT_DISCONNECTED | ZMQ_EVENT_CONNECT_RETRIED |
+                               ZMQ_EVENT_HANDSHAKE_FAILED_AUTH |
                                ZMQ_EVENT_HANDSHAKE_FAILED_PROTOCOL |
                                ZMQ_EVENT_HANDSHAKE_FAILED_NO_DETAIL) != 0) {
       return unreachable("cannot monitor the control DEALER to " + url + ": " +

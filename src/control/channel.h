@@ -112,7 +112,8 @@ class DealerChannel {
   // Whether the connection to the peer closed since the last call. ZeroMQ reconnects on
   // its own, but the peer then sees a new connection: whatever was said on the old one
   // (MF_META) must be said again, and answers owed on it will not come.
-  // A failed CURVE handshake counts as lost, and refusal() then says why.
+  // A failed CURVE handshake counts as lost, and so does a connect that failed (nothing
+  // listens at the URL); refusal() then says why.
   bool connection_lost();
   const std::string& refusal() const { return refusal_; }
 

@@ -386,6 +386,10 @@ void Sender::receive(const std::string& url, Endpoint& ep) {
     }
     if (!answer(url, ep, bytes)) return;
   }
+  // A connection whose first connect failed reaches, at best, a Decode that came up later
+  // on the same port and does not know what was said to its predecessor: its ACK must not
+  // release the readiness that waited for it.
+  if (!ep.acked && drop_if_lost(url, ep)) return;
   for (;;) {
     auto payload = ep.dealer->try_receive();
     if (!payload || !payload->has_value()) return;

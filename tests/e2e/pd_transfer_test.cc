@@ -223,9 +223,9 @@ TEST(PdTransfer, AKilledDecodeRankMakesPrefillWaitsFailInsteadOfHanging) {
   EXPECT_TRUE(results[0].is_ok()) << results[0].to_string();
   ASSERT_FALSE(results[1].is_ok()) << "Prefill rank 1 waited on a dead Decode rank and passed";
   // Depending on when the sender notices: the connection closed, the readiness got no
-  // answer, or a new connection's MF_META got no ACK.
+  // answer, a new connection found nothing listening, or its MF_META got no ACK.
   const std::string& why = results[1].message();
-  EXPECT_TRUE(why.find("closed (Decode restarted or died)") != std::string::npos ||
+  EXPECT_TRUE(why.find("Decode restarted or died") != std::string::npos ||
               why.find("no answer") != std::string::npos || why.find("no ACK") != std::string::npos)
       << why;
 }

@@ -384,6 +384,37 @@ TEST_F(SenderTest, ADecodeRestartedBetweenLayersIsToldMfMetaAgainBeforeTheNextLa
   EXPECT_EQ(s->stats().mf_meta_sent, 2u);
 }
 
+TEST_F(SenderTest, AReadinessForADecodeThatIsDownFailsAtOnceAndNeverReachesItsSuccessor) {
+  start_reader();
+  const std::string url = reader_->url();
+  const int port = std::stoi(url.substr(url.rfind(':') + 1));
+  SenderConfig config;
+  config.ack_timeout = 60s;  // far beyond wait()'s 10 s: only the refused connect can fail it
+  auto s = sender(config);
+  SlotGate gate;
+  ASSERT_TRUE(reader_->add_request("r", "i", {3, 4}, {3, 4}).is_ok());
+  ASSERT_TRUE(send_and_wait(*s, ready(0, {{"r", {1}, {1}, 0, 0}}), gate).is_ok());
+
+  url_override_ = url;
+  reader_.reset();  // Decode dies; the sender drops the connection
+  ASSERT_TRUE(eventually([&] { return s->stats().connections_lost == 1; }));
+  // A readiness for the dead Decode's request goes on a new connection nobody accepts.
+  Status st = send_and_wait(*s, ready(1, {{"gone", {2}, {2}, 1, 1}}), gate);
+  EXPECT_EQ(st.code(), StatusCode::kTransport) << st.to_string();
+  EXPECT_NE(st.message().find("nothing listens at " + url), std::string::npos) << st.message();
+
+  // The Decode that comes back on the port never hears of it: it holds no readiness for a
+  // request it does not know (which would stall the connection), and serves its own.
+  start_reader(port);
+  ASSERT_TRUE(reader_->add_request("r", "i", {3, 4}, {3, 4}).is_ok());
+  st = send_and_wait(*s, ready(2, {{"r", {2}, {2}, 1, 1}}), gate);
+  ASSERT_TRUE(st.is_ok()) << st.to_string();
+  const decode::ReaderStats stats = reader_->stats();
+  EXPECT_EQ(stats.readiness_held, 0u) << "the dead Decode's readiness reached its successor";
+  EXPECT_EQ(stats.layers_done, 1u);
+  EXPECT_TRUE(decode_.holds(2, 0, 4, 2));
+}
+
 TEST_F(SenderTest, ReadinessAndAnswersMoveToTheLinkDecodeOpensAndTheBytesArrive) {
   start_reader();
   auto s = linked_sender();
