@@ -17,7 +17,7 @@
 #include <sstream>
 #include <thread>
 
-#include "common/pattern.h"
+#include "util/pattern.h"
 #include "pd_read.h"
 #include "rd2h/common/deadline.h"
 

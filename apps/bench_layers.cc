@@ -10,8 +10,8 @@
 #include <optional>
 #include <thread>
 
-#include "common/metrics.h"
-#include "common/trace.h"
+#include "util/metrics.h"
+#include "rd2h/common/trace.h"
 #include "decode/worker.h"
 #include "prefill/worker.h"
 #include "ucx_am_echo.h"

@@ -2,8 +2,8 @@
 
 #include <cstdio>
 
-#include "common/subprocess.h"
-#include "metaserver/token.h"
+#include "util/subprocess.h"
+#include "util/token.h"
 #include "sim/engine.h"
 #include "stop_signal.h"
 

@@ -3,7 +3,7 @@
 #include <cstring>
 
 #include "common/bytes.h"
-#include "common/pattern.h"
+#include "util/pattern.h"
 
 namespace rd2h::tools {
 

@@ -8,7 +8,7 @@
 
 #include "bench_engine.h"
 #include "bench_layers.h"
-#include "common/subprocess.h"
+#include "util/subprocess.h"
 #include "control/curve.h"
 #include "engine_command.h"
 #include "pd_read.h"

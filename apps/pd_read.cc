@@ -11,8 +11,8 @@
 #include <random>
 #include <thread>
 
-#include "common/metrics.h"
-#include "common/pattern.h"
+#include "util/metrics.h"
+#include "util/pattern.h"
 #include "rd2h/common/deadline.h"
 
 namespace rd2h::tools {

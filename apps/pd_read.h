@@ -10,7 +10,7 @@
 #include <string>
 #include <vector>
 
-#include "common/subprocess.h"
+#include "util/subprocess.h"
 #include "kv_pool.h"
 #include "rd2h/transfer/transfer_engine.h"
 #include "tool_socket.h"

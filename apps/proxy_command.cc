@@ -3,7 +3,7 @@
 #include <cstdio>
 #include <cstdlib>
 
-#include "metaserver/token.h"
+#include "util/token.h"
 #include "stop_signal.h"
 
 namespace rd2h::tools {

@@ -7,7 +7,7 @@
 #include <string>
 #include <vector>
 
-#include "common/unique_fd.h"
+#include "util/unique_fd.h"
 #include "rd2h/common/deadline.h"
 #include "rd2h/common/status.h"
 

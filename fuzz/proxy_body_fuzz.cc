@@ -10,7 +10,7 @@
 #include <nlohmann/json.hpp>
 
 #include "fuzz_support.h"
-#include "metaserver/openai_body.h"
+#include "util/openai_body.h"
 #include "rd2h/connector/metadata.h"
 
 namespace {

@@ -1,4 +1,4 @@
-#include "common/trace.h"
+#include "rd2h/common/trace.h"
 
 #include <atomic>
 #include <chrono>

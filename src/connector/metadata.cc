@@ -5,7 +5,7 @@
 #include <type_traits>
 #include <utility>
 
-#include "common/json_number.h"
+#include "util/json_number.h"
 #include "protocol/messages.h"
 
 namespace rd2h::connector {

@@ -5,7 +5,7 @@
 
 #include "layout/cache.h"
 #include "metaserver/client.h"
-#include "metaserver/token.h"
+#include "util/token.h"
 #include "topology/topology.h"
 
 namespace rd2h::connector {

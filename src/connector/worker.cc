@@ -1,6 +1,6 @@
 #include "rd2h/connector/worker.h"
 
-#include "common/log.h"
+#include "util/log.h"
 #include "control/channel.h"
 #include "decode/worker.h"
 #include "layout/cache.h"

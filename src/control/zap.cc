@@ -1,7 +1,7 @@
 #include "control/zap.h"
 
 
-#include "common/log.h"
+#include "util/log.h"
 
 namespace rd2h::control {
 

@@ -5,8 +5,8 @@
 
 #include <algorithm>
 
-#include "common/log.h"
-#include "common/trace.h"
+#include "util/log.h"
+#include "rd2h/common/trace.h"
 #include "decode/layer_meta.h"
 #include "layout/cache.h"
 

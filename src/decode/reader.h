@@ -22,7 +22,7 @@
 #include <thread>
 #include <vector>
 
-#include "common/metrics.h"
+#include "util/metrics.h"
 #include "control/channel.h"
 #include "decode/completion_tracker.h"
 #include "layout/layout.h"

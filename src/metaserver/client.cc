@@ -3,8 +3,8 @@
 #include <httplib.h>
 
 
-#include "common/log.h"
-#include "metaserver/token.h"
+#include "util/log.h"
+#include "util/token.h"
 
 namespace rd2h::metaserver {
 

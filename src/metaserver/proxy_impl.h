@@ -20,10 +20,10 @@
 #include <thread>
 #include <variant>
 
-#include "common/log.h"
+#include "util/log.h"
 #include "metaserver/client.h"
-#include "metaserver/http_server.h"
-#include "metaserver/openai_body.h"
+#include "util/http_server.h"
+#include "util/openai_body.h"
 #include "rd2h/metaserver/proxy.h"
 #include "rd2h/version.h"
 

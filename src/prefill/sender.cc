@@ -5,7 +5,7 @@
 #include <sys/eventfd.h>
 #include <unistd.h>
 
-#include "common/trace.h"
+#include "rd2h/common/trace.h"
 
 namespace rd2h::prefill {
 

@@ -15,7 +15,7 @@
 #include <thread>
 #include <vector>
 
-#include "common/subprocess.h"
+#include "util/subprocess.h"
 #include "rd2h/common/status.h"
 #include "sim/demo.h"
 #include "sim/demo_report.h"

@@ -4,7 +4,7 @@
 #include <optional>
 #include <random>
 
-#include "common/trace.h"
+#include "rd2h/common/trace.h"
 #include "sim/demo_parts.h"
 
 namespace rd2h::sim::demo {

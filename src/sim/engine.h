@@ -18,7 +18,7 @@
 #include <string_view>
 #include <vector>
 
-#include "common/trace.h"
+#include "rd2h/common/trace.h"
 #include "rd2h/common/status.h"
 #include "rd2h/connector/config.h"
 

@@ -23,10 +23,10 @@
 #include <utility>
 #include <variant>
 
-#include "common/metrics.h"
-#include "common/trace.h"
-#include "metaserver/http_server.h"
-#include "metaserver/openai_body.h"
+#include "util/metrics.h"
+#include "rd2h/common/trace.h"
+#include "util/http_server.h"
+#include "util/openai_body.h"
 #include "rd2h/connector/metadata.h"
 #include "rd2h/connector/scheduler.h"
 #include "rd2h/version.h"

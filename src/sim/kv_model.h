@@ -10,7 +10,7 @@
 #include <string>
 #include <vector>
 
-#include "common/pattern.h"
+#include "util/pattern.h"
 #include "sim/engine.h"
 
 namespace rd2h::sim {

@@ -8,7 +8,7 @@
 #include <cstring>
 #include <filesystem>
 
-#include "common/trace.h"
+#include "rd2h/common/trace.h"
 #include "rd2h/common/deadline.h"
 #include "sim/sim_message.h"
 

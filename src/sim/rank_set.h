@@ -11,7 +11,7 @@
 #include <utility>
 #include <vector>
 
-#include "common/subprocess.h"
+#include "util/subprocess.h"
 #include "sim/ipc.h"
 
 namespace rd2h::sim {

@@ -7,7 +7,7 @@
 #include <cstdio>
 #include <ctime>
 
-#include "common/subprocess.h"
+#include "util/subprocess.h"
 
 namespace rd2h::sim {
 

@@ -6,7 +6,7 @@
 #include <cstdint>
 #include <string>
 
-#include "common/unique_fd.h"
+#include "util/unique_fd.h"
 #include "rd2h/common/status.h"
 
 namespace rd2h::transfer {

@@ -15,7 +15,7 @@
 #include <unordered_map>
 #include <vector>
 
-#include "common/unique_fd.h"
+#include "util/unique_fd.h"
 #include "rd2h/common/status.h"
 #include "rd2h/transfer/transfer_engine.h"
 #include "transfer/ucx_serving.h"

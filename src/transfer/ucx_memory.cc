@@ -5,7 +5,7 @@
 #include <utility>
 
 #include "common/format.h"
-#include "common/log.h"
+#include "util/log.h"
 
 namespace rd2h::transfer {
 

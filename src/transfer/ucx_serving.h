@@ -11,7 +11,7 @@
 #include <thread>
 #include <vector>
 
-#include "common/unique_fd.h"
+#include "util/unique_fd.h"
 #include "rd2h/common/status.h"
 #include "transfer/ucx_handles.h"
 #include "transfer/ucx_link.h"

@@ -10,7 +10,7 @@
 #include <string>
 #include <vector>
 
-#include "common/pattern.h"
+#include "util/pattern.h"
 #include "layout/layout.h"
 #include "protocol/messages.h"
 #include "rd2h/transfer/transfer_engine.h"

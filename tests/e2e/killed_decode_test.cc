@@ -10,7 +10,7 @@
 #include <nlohmann/json.hpp>
 #include <random>
 
-#include "common/subprocess.h"
+#include "util/subprocess.h"
 #include "rd2h/metaserver/proxy.h"
 #include "sim/engine.h"
 

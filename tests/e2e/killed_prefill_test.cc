@@ -9,7 +9,7 @@
 #include <future>
 #include <nlohmann/json.hpp>
 
-#include "common/subprocess.h"
+#include "util/subprocess.h"
 #include "rd2h/metaserver/proxy.h"
 #include "sim/engine.h"
 #include "support/http_server.h"

@@ -19,7 +19,7 @@
 #include <thread>
 #include <vector>
 
-#include "common/pattern.h"
+#include "util/pattern.h"
 #include "decode/local_all_gather.h"
 #include "decode/worker.h"
 #include "layout/cache.h"

@@ -14,7 +14,7 @@
 #include <set>
 #include <sstream>
 
-#include "common/subprocess.h"
+#include "util/subprocess.h"
 #include "sim/demo_report.h"
 #include "support/http_server.h"
 #include "support/rd2h_run.h"

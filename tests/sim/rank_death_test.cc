@@ -14,7 +14,7 @@
 #include <regex>
 #include <sstream>
 
-#include "common/subprocess.h"
+#include "util/subprocess.h"
 #include "sim/engine.h"
 
 namespace rd2h::sim {

@@ -3,7 +3,7 @@
 #include <httplib.h>
 #include <sys/wait.h>
 
-#include "common/subprocess.h"
+#include "util/subprocess.h"
 #include "support/rd2h_run.h"
 
 namespace rd2h {

@@ -7,7 +7,7 @@
 #include <string>
 #include <vector>
 
-#include "common/subprocess.h"
+#include "util/subprocess.h"
 #include "transfer/hex.h"
 
 namespace rd2h::testing {

@@ -5,7 +5,7 @@
 #include <cstring>
 #include <vector>
 
-#include "common/pattern.h"
+#include "util/pattern.h"
 
 namespace rd2h::transfer {
 namespace {

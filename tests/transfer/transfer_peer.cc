@@ -17,7 +17,7 @@
 #include <string>
 #include <vector>
 
-#include "common/pattern.h"
+#include "util/pattern.h"
 #include "rd2h/transfer/transfer_engine.h"
 #include "transfer/hex.h"
 

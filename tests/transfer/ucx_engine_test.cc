@@ -12,7 +12,7 @@
 #include <random>
 #include <thread>
 
-#include "common/pattern.h"
+#include "util/pattern.h"
 #include "rd2h/common/deadline.h"
 #include "rd2h/transfer/transfer_engine.h"
 #include "transfer/fault_injecting_engine.h"

@@ -2,7 +2,7 @@
 // backlog, one owner per port, idle and slow-loris connections, the connection bound, body
 // limits whatever the framing, bearer tokens; and the proxy (client API and metaserver)
 // behind them.
-#include "metaserver/http_server.h"
+#include "util/http_server.h"
 
 #include <arpa/inet.h>
 #include <gtest/gtest.h>

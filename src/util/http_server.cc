@@ -1,4 +1,4 @@
-#include "metaserver/http_server.h"
+#include "util/http_server.h"
 
 #include <fcntl.h>
 #include <netdb.h>
@@ -19,7 +19,7 @@
 #include <nlohmann/json.hpp>
 #include <vector>
 
-#include "common/log.h"
+#include "util/log.h"
 
 namespace rd2h::metaserver {
 

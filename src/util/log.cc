@@ -1,4 +1,4 @@
-#include "common/log.h"
+#include "util/log.h"
 
 #include <spdlog/sinks/stdout_sinks.h>
 

@@ -1,4 +1,4 @@
-#include "common/pattern.h"
+#include "util/pattern.h"
 
 #include <cstring>
 

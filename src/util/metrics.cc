@@ -1,4 +1,4 @@
-#include "common/metrics.h"
+#include "util/metrics.h"
 
 #include <fmt/format.h>
 

@@ -1,5 +1,5 @@
 // The Prometheus text format as GET /metrics writes it.
-#include "common/metrics.h"
+#include "util/metrics.h"
 
 #include <gtest/gtest.h>
 

@@ -27,8 +27,8 @@
 #include <string>
 #include <thread>
 
-#include "common/metrics.h"
-#include "metaserver/token.h"
+#include "util/metrics.h"
+#include "util/token.h"
 #include "rd2h/common/status.h"
 
 namespace rd2h::metaserver {
