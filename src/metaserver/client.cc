@@ -2,6 +2,8 @@
 
 #include <httplib.h>
 
+#include <algorithm>
+
 
 #include "util/log.h"
 #include "util/token.h"
@@ -23,10 +25,11 @@ Expected<Url> parse_url(const std::string& url) {
   return u;
 }
 
-Client::Client(ClientConfig config) : config_(config) {
+Client::Client(ClientConfig config)
+    : config_(config), pool_(std::max<size_t>(1, config.threads)) {
   if (config_.threads == 0) config_.threads = 1;
   if (config_.attempts < 1) config_.attempts = 1;
-  for (size_t i = 0; i < config_.threads; ++i) threads_.emplace_back([this] { run(); });
+  for (size_t i = 0; i < config_.threads; ++i) pool_.run([this] { run(); });
 }
 
 Client::~Client() {
@@ -36,7 +39,7 @@ Client::~Client() {
     queue_.clear();
   }
   cv_.notify_all();
-  for (auto& t : threads_) t.join();
+  pool_.stop();
 }
 
 Status Client::post(const std::string& key, const std::string& url, std::string json) {

@@ -19,6 +19,7 @@
 #include <vector>
 
 #include "rd2h/common/status.h"
+#include "util/thread_pool.h"
 
 namespace rd2h::metaserver {
 
@@ -77,7 +78,7 @@ class Client {
   std::set<std::string> keys_;                   // queued or in flight
   ClientStats stats_;
   bool stopping_ = false;
-  std::vector<std::thread> threads_;
+  ThreadPool pool_;  // config_.threads posting loops
 };
 
 }  // namespace rd2h::metaserver

@@ -20,6 +20,7 @@ Expected<std::unique_ptr<Proxy>> Proxy::start(ProxyConfig config) {
   impl->config = config;
   impl->decode_load.assign(config.decode.size(), 0);
   impl->prefill_load.assign(config.prefill.size(), 0);
+  impl->dispatchers = std::make_unique<ThreadPool>(config.max_concurrent);
   if (!config.token.empty()) impl->auth.emplace("Authorization", bearer(config.token));
   Impl* p = impl.get();
   HttpServerConfig api;
@@ -118,12 +119,7 @@ Proxy::~Proxy() {
   }
   p.api->stop(std::chrono::seconds(5));  // the 503s of what was aborted go out first
   p.rendezvous->stop();
-  std::list<Impl::Dispatcher> dispatchers;
-  {
-    std::lock_guard lock(p.mu);
-    dispatchers.swap(p.dispatchers);
-  }
-  for (auto& d : dispatchers) d.thread.join();
+  p.dispatchers->stop();
 }
 
 int Proxy::port() const {

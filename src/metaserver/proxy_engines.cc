@@ -77,21 +77,7 @@ void Proxy::Impl::handle_rendezvous(const httplib::Request& req, httplib::Respon
   if (complete) {
     std::lock_guard lock(mu);
     if (stopping) return set_api_error(res, 502, "the proxy is stopping");
-    // Reap the dispatchers that ended, so a long-lived proxy does not collect threads.
-    for (auto it = dispatchers.begin(); it != dispatchers.end();) {
-      if (it->done->load()) {
-        it->thread.join();
-        it = dispatchers.erase(it);
-      } else {
-        ++it;
-      }
-    }
-    auto done = std::make_shared<std::atomic<bool>>(false);
-    dispatchers.push_back({std::thread([this, parent, done] {
-                             dispatch_prefill(parent);
-                             done->store(true);
-                           }),
-                           done});
+    dispatchers->run([this, parent] { dispatch_prefill(parent); });
   }
   res.set_content(R"({"status":"ok"})", "application/json");
 }

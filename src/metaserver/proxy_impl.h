@@ -23,6 +23,7 @@
 #include "util/log.h"
 #include "metaserver/client.h"
 #include "util/http_server.h"
+#include "util/thread_pool.h"
 #include "util/openai_body.h"
 #include "rd2h/metaserver/proxy.h"
 #include "rd2h/version.h"
@@ -180,11 +181,8 @@ struct Proxy::Impl {
   ProxyStats stats;
   bool stopping = false;
   bool draining = false;
-  struct Dispatcher {
-    std::thread thread;
-    std::shared_ptr<std::atomic<bool>> done;
-  };
-  std::list<Dispatcher> dispatchers;
+  // Prefill dispatches: at most one per client request in flight.
+  std::unique_ptr<ThreadPool> dispatchers;
   std::vector<std::shared_ptr<httplib::Client>> dispatch_clients;
 
   // The instance with the fewest requests in flight; ties go round, so an idle fleet is

@@ -14,6 +14,7 @@
 #include "rd2h/metaserver/proxy.h"
 #include "sim/demo_parts.h"
 #include "sim/stop_on_signal.h"
+#include "util/thread_pool.h"
 
 namespace rd2h::sim {
 namespace {
@@ -165,22 +166,21 @@ size_t run_workload(const DemoOptions& o, const std::vector<Request>& requests,
     for (const auto& p : r.prompts) total_tokens += p.size();
   }
   records.assign(requests.size(), {});
-  std::atomic<size_t> next{0}, done{0}, failed{0};
+  std::atomic<size_t> done{0}, failed{0};
   std::atomic<uint64_t> tokens_done{0};
-  std::vector<std::thread> clients;
+  ThreadPool clients(std::min<uint32_t>(o.concurrency, o.requests));
   const auto started = std::chrono::steady_clock::now();
-  for (uint32_t c = 0; c < std::min<uint32_t>(o.concurrency, o.requests); ++c) {
-    clients.emplace_back([&] {
-      for (size_t i; failed == 0 && (i = next++) < requests.size();) {
-        records[i] = send(proxy, requests[i], o, watch);
-        if (!records[i].ok) {
-          ++failed;
-          std::fprintf(stderr, "rd2h demo: request %s failed: %s\n", records[i].id.c_str(),
-                       records[i].error.c_str());
-        }
-        tokens_done += records[i].tokens;
-        ++done;
+  for (size_t i = 0; i < requests.size(); ++i) {
+    clients.run([&, i] {
+      if (failed > 0) return;  // the run failed: what is left is not sent
+      records[i] = send(proxy, requests[i], o, watch);
+      if (!records[i].ok) {
+        ++failed;
+        std::fprintf(stderr, "rd2h demo: request %s failed: %s\n", records[i].id.c_str(),
+                     records[i].error.c_str());
       }
+      tokens_done += records[i].tokens;
+      ++done;
     });
   }
   std::mutex progress_mu;
@@ -200,7 +200,7 @@ size_t run_workload(const DemoOptions& o, const std::vector<Request>& requests,
       std::fflush(stdout);
     }
   });
-  for (auto& t : clients) t.join();
+  clients.stop();  // every request answered, or given up after a failure
   {
     std::lock_guard lock(progress_mu);
     finished = true;

@@ -20,6 +20,7 @@
 #include <vector>
 
 #include "util/log.h"
+#include "util/thread_pool.h"
 
 namespace rd2h::metaserver {
 
@@ -36,67 +37,24 @@ void set_error(httplib::Response& res, int code, const std::string& message) {
   set_api_error(res, code, message);
 }
 
-// One thread per connection, started on demand up to `max` and joined at shutdown. A task
-// that no thread can take at once is not queued: it runs here, marked as rejected, and the
-// server closes its connection.
+// One thread per connection (from a pool started on demand up to `max`, joined at
+// shutdown). A task that no thread can take at once is not queued: it runs here, marked as
+// rejected, and the server closes its connection.
 class ConnectionThreads final : public httplib::TaskQueue {
  public:
-  explicit ConnectionThreads(size_t max) : max_(std::max<size_t>(1, max)) {}
+  explicit ConnectionThreads(size_t max) : pool_(max) {}
   ~ConnectionThreads() override { shutdown(); }
 
   void enqueue(std::function<void()> fn) override {
-    std::unique_lock lock(mu_);
-    if (!stopping_ && jobs_.size() < idle_) {
-      jobs_.push_back(std::move(fn));
-      cv_.notify_one();
-      return;
-    }
-    if (!stopping_ && threads_.size() < max_) {
-      ++idle_;
-      jobs_.push_back(std::move(fn));
-      threads_.emplace_back([this] { run(); });
-      return;
-    }
-    lock.unlock();
+    if (pool_.try_run(fn)) return;
     t_reject = true;
     fn();
     t_reject = false;
   }
-
-  void shutdown() override {
-    {
-      std::lock_guard lock(mu_);
-      stopping_ = true;
-    }
-    cv_.notify_all();
-    for (auto& t : threads_) {
-      if (t.joinable()) t.join();
-    }
-  }
+  void shutdown() override { pool_.stop(); }
 
  private:
-  void run() {
-    std::unique_lock lock(mu_);
-    for (;;) {
-      cv_.wait(lock, [this] { return stopping_ || !jobs_.empty(); });
-      if (jobs_.empty()) return;  // stopping, and nothing left to close
-      auto fn = std::move(jobs_.front());
-      jobs_.pop_front();
-      --idle_;
-      lock.unlock();
-      fn();
-      lock.lock();
-      ++idle_;
-    }
-  }
-
-  const size_t max_;
-  std::mutex mu_;
-  std::condition_variable cv_;
-  std::deque<std::function<void()>> jobs_;
-  size_t idle_ = 0;  // threads waiting for a job, or started for one not taken yet
-  bool stopping_ = false;
-  std::vector<std::thread> threads_;
+  ThreadPool pool_;
 };
 
 }  // namespace
