@@ -17,9 +17,9 @@
 #include <sstream>
 #include <thread>
 
-#include "util/pattern.h"
 #include "pd_read.h"
 #include "rd2h/common/deadline.h"
+#include "util/pattern.h"
 
 namespace rd2h::tools {
 

@@ -10,11 +10,11 @@
 #include <optional>
 #include <thread>
 
-#include "util/metrics.h"
-#include "rd2h/common/trace.h"
 #include "decode/worker.h"
 #include "prefill/worker.h"
+#include "rd2h/common/trace.h"
 #include "ucx_am_echo.h"
+#include "util/metrics.h"
 
 namespace rd2h::tools {
 

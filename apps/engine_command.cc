@@ -2,10 +2,10 @@
 
 #include <cstdio>
 
-#include "util/subprocess.h"
-#include "util/token.h"
 #include "sim/engine.h"
 #include "stop_signal.h"
+#include "util/subprocess.h"
+#include "util/token.h"
 
 namespace rd2h::tools {
 
@@ -62,8 +62,8 @@ int run_engine(const EngineCommandOptions& o, connector::KvRole role) {
     return 1;
   }
   const char* control = connector->curve.enabled() ? "control channels CURVE"
-                        : connector->insecure    ? "control channels INSECURE"
-                                                 : "control channels plaintext on loopback";
+                        : connector->insecure      ? "control channels INSECURE"
+                                                   : "control channels plaintext on loopback";
   if (role == connector::KvRole::kConsumer) {
     std::printf("rd2h %s: serving %s (kv base port %d, TP %d, %s)\n", name,
                 (*engine)->origin().c_str(), (*engine)->kv_base_port(), o.tp, control);

@@ -8,7 +8,6 @@
 
 #include "bench_engine.h"
 #include "bench_layers.h"
-#include "util/subprocess.h"
 #include "control/curve.h"
 #include "engine_command.h"
 #include "pd_read.h"
@@ -17,6 +16,7 @@
 #include "rd2h/version.h"
 #include "sim/demo.h"
 #include "sim/engine.h"
+#include "util/subprocess.h"
 
 namespace {
 

@@ -3,8 +3,8 @@
 #include <cstdio>
 #include <cstdlib>
 
-#include "util/token.h"
 #include "stop_signal.h"
+#include "util/token.h"
 
 namespace rd2h::tools {
 

@@ -10,8 +10,8 @@
 #include <nlohmann/json.hpp>
 
 #include "fuzz_support.h"
-#include "util/openai_body.h"
 #include "rd2h/connector/metadata.h"
+#include "util/openai_body.h"
 
 namespace {
 

@@ -5,8 +5,8 @@
 #include <type_traits>
 #include <utility>
 
-#include "util/json_number.h"
 #include "protocol/messages.h"
+#include "util/json_number.h"
 
 namespace rd2h::connector {
 

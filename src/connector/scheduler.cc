@@ -5,8 +5,8 @@
 
 #include "layout/cache.h"
 #include "metaserver/client.h"
-#include "util/token.h"
 #include "topology/topology.h"
+#include "util/token.h"
 
 namespace rd2h::connector {
 

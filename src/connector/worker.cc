@@ -1,10 +1,10 @@
 #include "rd2h/connector/worker.h"
 
-#include "util/log.h"
 #include "control/channel.h"
 #include "decode/worker.h"
 #include "layout/cache.h"
 #include "prefill/worker.h"
+#include "util/log.h"
 
 namespace rd2h::connector {
 

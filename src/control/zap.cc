@@ -1,6 +1,5 @@
 #include "control/zap.h"
 
-
 #include "util/log.h"
 
 namespace rd2h::control {

@@ -5,10 +5,10 @@
 
 #include <algorithm>
 
-#include "util/log.h"
-#include "rd2h/common/trace.h"
 #include "decode/layer_meta.h"
 #include "layout/cache.h"
+#include "rd2h/common/trace.h"
+#include "util/log.h"
 
 namespace rd2h::decode {
 namespace {
@@ -289,79 +289,83 @@ void Reader::close_link(const std::string& identity) {
 
 void Reader::handle(const control::Inbound& in) {
   auto message = protocol::decode_message(in.payload);
-  if (!message) {
-    {
-      std::lock_guard lock(mu_);
-      ++stats_.messages_rejected;
-    }
-    const std::string why = message.status().message();
-    // Answer whatever can be answered: Prefill waits for a reply to every readiness.
-    if (auto layer = protocol::salvage_layer_index(in.payload)) {
-      // In its turn: behind what this connection has held, so replies keep their order.
-      auto queue = held_.find(in.identity);
-      if (queue != held_.end() && !queue->second.empty() && held_count_ < config_.max_held) {
-        protocol::ReadReadyBatch failed;
-        failed.layer_idx = *layer;
-        queue->second.push_back({std::move(failed), std::chrono::steady_clock::now(), why});
-        ++held_count_;
-        std::lock_guard lock(mu_);
-        stats_.held_now = held_count_;
-        return;
-      }
-      {
-        std::lock_guard lock(mu_);
-        ++stats_.layers_failed;
-      }
-      reply(in.identity, protocol::encode(protocol::ReadFailed{*layer, why}));
-      return;
-    }
-    if (protocol::peek_tag(in.payload) == std::optional<std::string>("mf_meta")) {
-      return refuse_mf_meta(in.identity, why);
-    }
-    // Nothing to answer for: the connection cannot be trusted to stay in step. What it owes
-    // is failed, its MF_META forgotten, and it is told, so Prefill fails at once.
-    drop_peer(in.identity, "message refused: " + why +
-                               "; this connection's MF_META and held readiness are dropped");
-    return;
-  }
+  if (!message) return handle_undecodable(in, message.status().message());
   if (auto* meta = std::get_if<protocol::MfMeta>(&*message)) {
     handle_mf_meta(in.identity, *meta);
   } else if (auto* ready = std::get_if<protocol::ReadReadyBatch>(&*message)) {
-    trace::instant("readiness in", "reader", ready->layer_idx);
-    // Behind a held message, or naming a request Decode does not know yet: hold it.
-    auto queue = held_.find(in.identity);
-    const size_t mine = queue != held_.end() ? queue->second.size() : 0;
-    const bool room = held_count_ < config_.max_held && mine < config_.max_held_per_peer;
-    bool hold = mine > 0;
-    // A connection that never sent MF_META cannot be read from: answered at once (the
-    // existing connector does not hold it either).
-    if (!hold && room && peers_.count(in.identity) != 0) {
-      std::lock_guard lock(mu_);
-      hold = !destinations_known(*ready);
-    }
-    if (hold && room) {
-      held_[in.identity].push_back({std::move(*ready), std::chrono::steady_clock::now(), {}});
-      ++held_count_;
-      std::lock_guard lock(mu_);
-      ++stats_.readiness_held;
-      stats_.held_now = held_count_;
-      return;
-    }
-    if (mine > 0) {
-      // Its turn is behind held messages there is no room to join: answering now would
-      // break the order of replies, so the connection is dropped.
-      return drop_peer(in.identity,
-                       "Decode rank " + std::to_string(config_.d_rank) + " holds " +
-                           std::to_string(mine) + " readiness of this connection (limit " +
-                           std::to_string(config_.max_held_per_peer) + " per connection, " +
-                           std::to_string(config_.max_held) + " in all)",
-                       ready);
-    }
-    handle_ready(in.identity, *ready);
+    take_readiness(in.identity, std::move(*ready));
   } else {
     std::lock_guard lock(mu_);
     ++stats_.messages_rejected;  // replies are Prefill's to receive, not ours
   }
+}
+
+void Reader::handle_undecodable(const control::Inbound& in, const std::string& why) {
+  {
+    std::lock_guard lock(mu_);
+    ++stats_.messages_rejected;
+  }
+  // Answer whatever can be answered: Prefill waits for a reply to every readiness.
+  if (auto layer = protocol::salvage_layer_index(in.payload)) {
+    // In its turn: behind what this connection has held, so replies keep their order.
+    auto queue = held_.find(in.identity);
+    if (queue != held_.end() && !queue->second.empty() && held_count_ < config_.max_held) {
+      protocol::ReadReadyBatch failed;
+      failed.layer_idx = *layer;
+      queue->second.push_back({std::move(failed), std::chrono::steady_clock::now(), why});
+      ++held_count_;
+      std::lock_guard lock(mu_);
+      stats_.held_now = held_count_;
+      return;
+    }
+    {
+      std::lock_guard lock(mu_);
+      ++stats_.layers_failed;
+    }
+    reply(in.identity, protocol::encode(protocol::ReadFailed{*layer, why}));
+    return;
+  }
+  if (protocol::peek_tag(in.payload) == std::optional<std::string>("mf_meta")) {
+    return refuse_mf_meta(in.identity, why);
+  }
+  // Nothing to answer for: the connection cannot be trusted to stay in step. What it owes
+  // is failed, its MF_META forgotten, and it is told, so Prefill fails at once.
+  drop_peer(in.identity, "message refused: " + why +
+                             "; this connection's MF_META and held readiness are dropped");
+}
+
+void Reader::take_readiness(const std::string& identity, protocol::ReadReadyBatch ready) {
+  trace::instant("readiness in", "reader", ready.layer_idx);
+  // Behind a held message, or naming a request Decode does not know yet: hold it.
+  auto queue = held_.find(identity);
+  const size_t mine = queue != held_.end() ? queue->second.size() : 0;
+  const bool room = held_count_ < config_.max_held && mine < config_.max_held_per_peer;
+  bool hold = mine > 0;
+  // A connection that never sent MF_META cannot be read from: answered at once (the
+  // existing connector does not hold it either).
+  if (!hold && room && peers_.count(identity) != 0) {
+    std::lock_guard lock(mu_);
+    hold = !destinations_known(ready);
+  }
+  if (hold && room) {
+    held_[identity].push_back({std::move(ready), std::chrono::steady_clock::now(), {}});
+    ++held_count_;
+    std::lock_guard lock(mu_);
+    ++stats_.readiness_held;
+    stats_.held_now = held_count_;
+    return;
+  }
+  if (mine > 0) {
+    // Its turn is behind held messages there is no room to join: answering now would
+    // break the order of replies, so the connection is dropped.
+    return drop_peer(identity,
+                     "Decode rank " + std::to_string(config_.d_rank) + " holds " +
+                         std::to_string(mine) + " readiness of this connection (limit " +
+                         std::to_string(config_.max_held_per_peer) + " per connection, " +
+                         std::to_string(config_.max_held) + " in all)",
+                     &ready);
+  }
+  handle_ready(identity, ready);
 }
 
 void Reader::refuse_mf_meta(const std::string& identity, const std::string& why) {
@@ -468,122 +472,6 @@ void Reader::fail_owed(const std::string& identity) {
         "request(s) it was sending; they fail",
         config_.d_rank, failed);
   }
-}
-
-void Reader::handle_ready(const std::string& identity, const protocol::ReadReadyBatch& ready) {
-  Status st = read_layer(identity, ready);
-  std::lock_guard lock(mu_);
-  if (st.is_ok()) {
-    auto& owed = owed_[identity];
-    for (const auto& req : ready.read_reqs) {
-      if (tracker_.known(req.ext_id)) owed.insert(req.ext_id);
-    }
-    for (const auto& ext_id : ready.done_ext_ids) owed.erase(ext_id);
-    if (owed.empty()) owed_.erase(identity);
-    ++stats_.layers_done;
-    for (const auto& ext_id : ready.done_ext_ids) {
-      // Each readiness carries its Prefill's contributor count: one Decode serves Prefill
-      // instances of different TP sizes.
-      Status st = tracker_.on_final_layer(ext_id, static_cast<int>(ready.group_member_idx),
-                                          static_cast<int>(ready.tp_ratio));
-      if (!st) log::warn("decode reader {}: {}", config_.d_rank, st.message());
-      if (trace::enabled() && tracker_.complete(ext_id)) {
-        trace::instant("kv complete", "reader", ready.layer_idx, ext_id);
-      }
-    }
-    reply(identity, protocol::encode(protocol::ReadDone{ready.layer_idx}));
-    trace::instant("answer out", "reader", ready.layer_idx);
-    return;
-  }
-  ++stats_.layers_failed;
-  // Every request of a failed layer may hold partly written blocks: all of them fail.
-  for (const auto& req : ready.read_reqs) tracker_.on_failed(req.ext_id);
-  for (const auto& ext_id : ready.done_ext_ids) tracker_.on_failed(ext_id);
-  reply(identity, protocol::encode(protocol::ReadFailed{ready.layer_idx, st.message()}));
-}
-
-Status Reader::read_layer(const std::string& identity, const protocol::ReadReadyBatch& ready) {
-  // Named only when something fails: the hot path builds no strings.
-  auto where = [&] {
-    return "Decode rank " + std::to_string(config_.d_rank) + ", layer " +
-           std::to_string(ready.layer_idx);
-  };
-  auto peer = peers_.find(identity);
-  if (peer == peers_.end()) {
-    return failed_precondition(where() + ": no MF_META on this connection");
-  }
-  auto p_layer = peer->second.layers.find(ready.layer_name);
-  if (p_layer == peer->second.layers.end()) {
-    // MF_META was checked to name Decode's layers: one it lacks is in neither.
-    return not_found(where() + ": layer '" + ready.layer_name + "' is not in Prefill's MF_META");
-  }
-  const PeerLayer& layer = p_layer->second;
-  RD2H_RETURN_IF_ERROR(layer.layout);
-
-  // Buffers kept from one readiness to the next (reader thread only): no allocation per
-  // block once they have grown.
-  auto& descriptors = scratch_.descriptors;
-  descriptors.clear();
-  {
-    std::lock_guard lock(mu_);
-    const layout::ReadRole role{config_.d_rank, config_.d_tp,
-                                static_cast<int>(ready.group_member_idx),
-                                static_cast<int>(ready.tp_ratio)};
-    for (const auto& req : ready.read_reqs) {
-      const Destinations* dest = tracker_.destinations(req.ext_id);
-      if (dest == nullptr) {
-        // Decode gave the request up: nothing to read for it, and no reason to fail Prefill.
-        if (tracker_.aborted(req.ext_id)) continue;
-        return not_found(where() + ": request " + req.ext_id + " has no destination on Decode");
-      }
-      if (Status st = layout::append_request_descriptors(
-              layer.tensors, *layer.decode, {source_blocks(req), dest->main, dest->indexer}, role, descriptors);
-          !st) {
-        return st.with_context(where());
-      }
-    }
-    if (!descriptors.empty()) {
-      read_in_flight_ = true;
-      ++reads_begun_;
-    }
-  }
-  if (descriptors.empty()) return Status::ok();  // nothing on this rank: still answered
-
-  auto& local = scratch_.local;
-  auto& remote = scratch_.remote;
-  auto& length = scratch_.length;
-  local.clear();
-  remote.clear();
-  length.clear();
-  for (const auto& d : descriptors) {
-    local.push_back(d.local);
-    remote.push_back(d.remote);
-    length.push_back(d.length);
-  }
-  uint64_t bytes = 0;
-  for (size_t n : length) bytes += n;
-  const auto start = std::chrono::steady_clock::now();
-  const int64_t start_us = trace::now_us();
-  Status st = engine_->batch_read_sync(peer->second.session, local, remote, length);
-  const auto ns =
-      std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now() - start)
-          .count();
-  if (trace::enabled()) {
-    std::string ids;
-    for (const auto& req : ready.read_reqs) ids += (ids.empty() ? "" : ",") + req.ext_id;
-    trace::span(st.is_ok() ? "read" : "read failed", "reader", start_us, trace::now_us(),
-                ready.layer_idx, bytes, std::move(ids));
-  }
-  std::lock_guard lock(mu_);
-  read_in_flight_ = false;
-  ++stats_.reads;
-  stats_.read_ns += static_cast<uint64_t>(ns);
-  read_seconds_.observe(static_cast<double>(ns) / 1e9);
-  if (st.is_ok()) {
-    stats_.bytes_read += bytes;
-    return st;
-  }
-  return st.with_context(where());
 }
 
 }  // namespace rd2h::decode

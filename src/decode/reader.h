@@ -22,13 +22,13 @@
 #include <thread>
 #include <vector>
 
-#include "util/metrics.h"
 #include "control/channel.h"
 #include "decode/completion_tracker.h"
 #include "layout/layout.h"
 #include "protocol/messages.h"
 #include "rd2h/common/status.h"
 #include "rd2h/transfer/transfer_engine.h"
+#include "util/metrics.h"
 
 namespace rd2h::decode {
 
@@ -128,6 +128,11 @@ class Reader {
          std::unique_ptr<control::RouterChannel> router);
   void run();
   void handle(const control::Inbound& in);
+  // A message that could not be decoded: a readiness is answered READ_FAILED in its turn,
+  // an MF_META refused, anything else drops the connection.
+  void handle_undecodable(const control::Inbound& in, const std::string& why);
+  // A readiness: held (behind held ones, or until its requests are known) or read now.
+  void take_readiness(const std::string& identity, protocol::ReadReadyBatch ready);
   // Takes what the links delivered: messages handled as if they came on their connection,
   // closed links dropping theirs.
   void drain_links();
@@ -148,6 +153,11 @@ class Reader {
   void fail_owed(const std::string& identity);
   // Reads the layer; the error explains why it was not read.
   Status read_layer(const std::string& identity, const protocol::ReadReadyBatch& ready);
+  // The layer's reads on this rank, into scratch_.descriptors (none: nothing to read here);
+  // marks a read in flight when there are some.
+  Status plan_read(const PeerLayer& layer, const protocol::ReadReadyBatch& ready);
+  // Reads what plan_read() planned, in one batch, and counts it.
+  Status read_planned(const std::string& session, const protocol::ReadReadyBatch& ready);
   void reply(const std::string& identity, const std::vector<std::byte>& payload);
 
   ReaderConfig config_;

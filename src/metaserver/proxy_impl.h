@@ -20,13 +20,13 @@
 #include <thread>
 #include <variant>
 
-#include "util/log.h"
 #include "metaserver/client.h"
-#include "util/http_server.h"
-#include "util/thread_pool.h"
-#include "util/openai_body.h"
 #include "rd2h/metaserver/proxy.h"
 #include "rd2h/version.h"
+#include "util/http_server.h"
+#include "util/log.h"
+#include "util/openai_body.h"
+#include "util/thread_pool.h"
 
 namespace rd2h::metaserver {
 

@@ -6,24 +6,54 @@
 
 namespace rd2h::protocol {
 
-bool Cursor::header(Header& h) {
-  if (p_ == end_) return false;
-  const uint8_t b = *p_++;
-  h = Header{};
-  h.format = b;
-  auto big = [&](size_t bytes, uint64_t& out) {
-    if (left() < bytes) return false;
-    out = 0;
-    for (size_t k = 0; k < bytes; ++k) out = (out << 8) | *p_++;
-    return true;
+namespace {
+
+// What follows a format byte that is not a fix format (msgpack's spec, "Formats").
+struct Follows {
+  enum What : uint8_t {
+    kNothing,    // nil, bool: the byte is all
+    kBody,       // a body of `bytes` (float, fixext)
+    kLength,     // a big-endian length of `bytes`, then that body (str, bin)
+    kExtLength,  // the same, and the body starts with its type byte (ext)
+    kCount,      // a big-endian item or pair count of `bytes` (array, map)
+    kUnsigned,   // a big-endian unsigned integer of `bytes`
+    kSigned,     // a big-endian two's complement integer of `bytes`
   };
-  auto set_signed = [&](int64_t v) {
-    h.kind = Header::kInt;
-    h.negative = v < 0;
-    h.i = v;
-    h.u = static_cast<uint64_t>(v);
-  };
-  uint64_t v = 0;
+  Header::Kind kind;
+  What what;
+  uint8_t bytes;
+};
+
+// 0xc0 to 0xdf; 0xc1 is never used.
+Follows follows(uint8_t b) {
+  const auto pow2 = [](int k) { return static_cast<uint8_t>(1u << k); };
+  if (b >= 0xc4 && b <= 0xc6) return {Header::kBin, Follows::kLength, pow2(b - 0xc4)};
+  if (b >= 0xc7 && b <= 0xc9) return {Header::kExt, Follows::kExtLength, pow2(b - 0xc7)};
+  if (b == 0xca || b == 0xcb)
+    return {Header::kFloat, Follows::kBody, b == 0xca ? uint8_t{4} : uint8_t{8}};
+  if (b >= 0xcc && b <= 0xcf) return {Header::kInt, Follows::kUnsigned, pow2(b - 0xcc)};
+  if (b >= 0xd0 && b <= 0xd3) return {Header::kInt, Follows::kSigned, pow2(b - 0xd0)};
+  if (b >= 0xd4 && b <= 0xd8)
+    return {Header::kExt, Follows::kBody, static_cast<uint8_t>(pow2(b - 0xd4) + 1)};
+  if (b >= 0xd9 && b <= 0xdb) return {Header::kStr, Follows::kLength, pow2(b - 0xd9)};
+  if (b == 0xdc || b == 0xdd)
+    return {Header::kArray, Follows::kCount, b == 0xdc ? uint8_t{2} : uint8_t{4}};
+  if (b == 0xde || b == 0xdf)
+    return {Header::kMap, Follows::kCount, b == 0xde ? uint8_t{2} : uint8_t{4}};
+  if (b == 0xc0) return {Header::kNil, Follows::kNothing, 0};
+  if (b == 0xc2 || b == 0xc3) return {Header::kBool, Follows::kNothing, 0};
+  return {Header::kInvalid, Follows::kNothing, 0};
+}
+
+void set_signed(Header& h, int64_t v) {
+  h.kind = Header::kInt;
+  h.negative = v < 0;
+  h.i = v;
+  h.u = static_cast<uint64_t>(v);
+}
+
+// The fix formats, whose byte carries the value or the size: false for any other byte.
+bool fix_format(uint8_t b, Header& h) {
   if (b <= 0x7f) {
     h.kind = Header::kInt;
     h.u = b;
@@ -37,78 +67,52 @@ bool Cursor::header(Header& h) {
     h.kind = Header::kStr;
     h.n = b & 0x1f;
   } else if (b >= 0xe0) {
-    set_signed(static_cast<int8_t>(b));
+    set_signed(h, static_cast<int8_t>(b));
   } else {
-    switch (b) {
-      case 0xc0:
-        h.kind = Header::kNil;
-        break;
-      case 0xc2:
-      case 0xc3:
-        h.kind = Header::kBool;
-        h.u = b & 1;
-        break;
-      case 0xc4:
-      case 0xc5:
-      case 0xc6:
-        h.kind = Header::kBin;
-        if (!big(size_t{1} << (b - 0xc4), h.n)) return false;
-        break;
-      case 0xc7:
-      case 0xc8:
-      case 0xc9:
-        h.kind = Header::kExt;
-        if (!big(size_t{1} << (b - 0xc7), h.n)) return false;
-        h.n += 1;
-        break;
-      case 0xca:
-      case 0xcb:
-        h.kind = Header::kFloat;
-        h.n = b == 0xca ? 4 : 8;
-        break;
-      case 0xcc:
-      case 0xcd:
-      case 0xce:
-      case 0xcf:
-        h.kind = Header::kInt;
-        if (!big(size_t{1} << (b - 0xcc), h.u)) return false;
-        break;
-      case 0xd0:
-      case 0xd1:
-      case 0xd2:
-      case 0xd3: {
-        const size_t bytes = size_t{1} << (b - 0xd0);
-        if (!big(bytes, v)) return false;
-        const int shift = static_cast<int>(64 - 8 * bytes);
-        set_signed(static_cast<int64_t>(v << shift) >> shift);
-        break;
-      }
-      case 0xd4:
-      case 0xd5:
-      case 0xd6:
-      case 0xd7:
-      case 0xd8:
-        h.kind = Header::kExt;
-        h.n = (size_t{1} << (b - 0xd4)) + 1;
-        break;
-      case 0xd9:
-      case 0xda:
-      case 0xdb:
-        h.kind = Header::kStr;
-        if (!big(size_t{1} << (b - 0xd9), h.n)) return false;
-        break;
-      case 0xdc:
-      case 0xdd:
-        h.kind = Header::kArray;
-        if (!big(b == 0xdc ? 2 : 4, h.n)) return false;
-        break;
-      case 0xde:
-      case 0xdf:
-        h.kind = Header::kMap;
-        if (!big(b == 0xde ? 2 : 4, h.n)) return false;
-        break;
-      default:
-        h.kind = Header::kInvalid;  // 0xc1, never used
+    return false;
+  }
+  return true;
+}
+
+}  // namespace
+
+bool Cursor::big_endian(size_t bytes, uint64_t& out) {
+  if (left() < bytes) return false;
+  out = 0;
+  for (size_t k = 0; k < bytes; ++k) out = (out << 8) | *p_++;
+  return true;
+}
+
+bool Cursor::header(Header& h) {
+  if (p_ == end_) return false;
+  const uint8_t b = *p_++;
+  h = Header{};
+  h.format = b;
+  if (fix_format(b, h)) return true;
+  const Follows f = follows(b);
+  h.kind = f.kind;
+  uint64_t v = 0;
+  switch (f.what) {
+    case Follows::kNothing:
+      if (h.kind == Header::kBool) h.u = b & 1;
+      return true;
+    case Follows::kBody:
+      h.n = f.bytes;
+      return true;
+    case Follows::kLength:
+    case Follows::kCount:
+      return big_endian(f.bytes, h.n);
+    case Follows::kExtLength:
+      if (!big_endian(f.bytes, h.n)) return false;
+      h.n += 1;
+      return true;
+    case Follows::kUnsigned:
+      return big_endian(f.bytes, h.u);
+    case Follows::kSigned: {
+      if (!big_endian(f.bytes, v)) return false;
+      const int shift = static_cast<int>(64 - 8 * f.bytes);
+      set_signed(h, static_cast<int64_t>(v << shift) >> shift);
+      return true;
     }
   }
   return true;

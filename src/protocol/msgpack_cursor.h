@@ -150,6 +150,8 @@ class Cursor {
   void set_what(std::string what) { what_ = std::move(what); }
 
  private:
+  // Reads a big-endian unsigned number of `bytes`; false when the input is shorter.
+  bool big_endian(size_t bytes, uint64_t& out);
   template <typename Where>
   Status error(Where&& where, const char* expected, const Header& h) const {
     return invalid_argument(where() + ": " + expected + kind_name(h));

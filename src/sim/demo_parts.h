@@ -15,10 +15,10 @@
 #include <thread>
 #include <vector>
 
-#include "util/subprocess.h"
 #include "rd2h/common/status.h"
 #include "sim/demo.h"
 #include "sim/demo_report.h"
+#include "util/subprocess.h"
 
 namespace rd2h::sim::demo {
 

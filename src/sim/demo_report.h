@@ -6,8 +6,8 @@
 #include <string>
 #include <vector>
 
-#include "util/metrics.h"
 #include "rd2h/common/trace.h"
+#include "util/metrics.h"
 
 namespace rd2h::sim {
 

@@ -4,7 +4,7 @@
 
 namespace rd2h::sim {
 
-Status Engine::Impl::init() {
+Status Engine::Impl::check_config() const {
   const auto& m = config.model;
   if (m.layers < 1 || m.block_size == 0 || m.num_blocks == 0 || m.bytes_per_token.size() < 2 ||
       std::find(m.bytes_per_token.begin(), m.bytes_per_token.end(), 0u) !=
@@ -14,6 +14,16 @@ Status Engine::Impl::init() {
   }
   if (config.tp_size < 1) return invalid_argument("TP size must be at least 1");
   if (config.token_budget == 0) return invalid_argument("token budget must be at least 1");
+  if (config.worker_executable.empty()) {
+    return invalid_argument(
+        "worker_executable: the rd2h binary the TP rank processes run is not set");
+  }
+  return Status::ok();
+}
+
+Status Engine::Impl::init() {
+  RD2H_RETURN_IF_ERROR(check_config());
+  const auto& m = config.model;
   prefill = config.connector.role == connector::KvRole::kProducer;
   model = std::make_unique<KvModel>(m);
   corrupt_pending = prefill && config.test_corrupt_layer >= 0;
@@ -28,13 +38,17 @@ Status Engine::Impl::init() {
     pool = std::move(p);
     stats.main_pool_locked = pool->lock();
   }
-  if (config.worker_executable.empty()) {
-    return invalid_argument(
-        "worker_executable: the rd2h binary the TP rank processes run is not set");
-  }
   RD2H_TRY(set, RankSet::start(config.worker_executable, config.tp_size, kRankStartTimeout));
   ranks = std::move(set);
+  RD2H_RETURN_IF_ERROR(init_ranks());
+  if (pool) pool->unlink();  // every rank mapped it: nothing is left behind after a crash
+  for (int64_t b = static_cast<int64_t>(m.num_blocks) - 1; b >= 0; --b) free_blocks.push_back(b);
+  stats.free_blocks = m.num_blocks;
+  return Status::ok();
+}
 
+Status Engine::Impl::init_ranks() {
+  const auto& m = config.model;
   json init = {{"op", "init"},
                {"tp", config.tp_size},
                {"trace", config.trace},
@@ -72,9 +86,6 @@ Status Engine::Impl::init() {
                             rn[k].value("error", std::string()));
     }
   }
-  if (pool) pool->unlink();  // every rank mapped it: nothing is left behind after a crash
-  for (int64_t b = static_cast<int64_t>(m.num_blocks) - 1; b >= 0; --b) free_blocks.push_back(b);
-  stats.free_blocks = m.num_blocks;
   return Status::ok();
 }
 
@@ -91,61 +102,8 @@ Expected<std::unique_ptr<Engine>> Engine::start(EngineConfig config) {
   http.token = p->config.token;
   http.metrics = &p->http_metrics;
   p->http = std::make_unique<metaserver::HttpServer>(http);
-  using Auth = metaserver::HttpServer::Auth;
-  p->http->post("/v1/completions", Auth::kToken,
-                [p](const httplib::Request& q, httplib::Response& s) { p->serve(q, s, false); });
-  p->http->post("/v1/chat/completions", Auth::kToken,
-                [p](const httplib::Request& q, httplib::Response& s) { p->serve(q, s, true); });
-  p->http->get("/v1/models", Auth::kToken, [p](const httplib::Request&, httplib::Response& s) {
-    const json model = {{"id", p->config.served_model_name},
-                        {"object", "model"},
-                        {"created", p->started_at},
-                        {"owned_by", "rd2h"},
-                        {"max_model_len", p->config.model.num_blocks * p->config.model.block_size}};
-    s.set_content(json{{"object", "list"}, {"data", {model}}}.dump(), "application/json");
-  });
-  // Nothing to drop: the pretend local prefix cache is a setting, not a cache.
-  p->http->post("/reset_prefix_cache", Auth::kToken,
-                [](const httplib::Request&, httplib::Response& s) {
-                  s.set_content(R"({"status":"ok"})", "application/json");
-                });
-  // Probes take no token, as load balancers and orchestrators send none.
-  p->http->get("/health", Auth::kNone, [p](const httplib::Request&, httplib::Response& s) {
-    std::lock_guard lock(p->mu);
-    if (p->stopping) return metaserver::set_api_error(s, 503, "the engine is stopping");
-    s.set_content(json{{"status", "ok"}, {"role", p->prefill ? "prefill" : "decode"}}.dump(),
-                  "application/json");
-  });
-  p->registry.gauge_callback("rd2h_engine_free_blocks", "KV blocks free after the last step", [p] {
-    std::lock_guard lock(p->mu);
-    return static_cast<double>(p->stats.free_blocks);
-  });
-  p->registry.gauge_callback("rd2h_engine_waiting_for_blocks",
-                             "Prompts queued until their blocks are free", [p] {
-                               std::lock_guard lock(p->mu);
-                               return static_cast<double>(p->stats.waiting_for_blocks);
-                             });
-  if (!p->prefill) {
-    connector::Scheduler* s = p->scheduler.get();
-    p->registry.counter_callback(
-        "rd2h_metaserver_posts_delivered_total", "Rendezvous posts the metaserver answered 2xx",
-        [s] { return static_cast<double>(s->metaserver_stats().delivered); });
-    p->registry.counter_callback(
-        "rd2h_metaserver_posts_refused_total", "Rendezvous posts the metaserver answered otherwise",
-        [s] { return static_cast<double>(s->metaserver_stats().refused); });
-    p->registry.counter_callback(
-        "rd2h_metaserver_post_retries_total",
-        "Rendezvous post attempts that got no answer (each is tried again)",
-        [s] { return static_cast<double>(s->metaserver_stats().failed_attempts); });
-  }
-  p->http->get("/metrics", Auth::kNone, [p](const httplib::Request&, httplib::Response& s) {
-    s.set_content(p->registry.render(), metrics::kContentType);
-  });
-  p->http->get("/version", Auth::kNone, [](const httplib::Request&, httplib::Response& s) {
-    s.set_content(json{{"version", rd2h::version()}}.dump(), "application/json");
-  });
-  p->http->get("/rd2h/report", Auth::kToken,
-               [p](const httplib::Request&, httplib::Response& s) { p->report(s); });
+  p->add_routes();
+  p->add_metrics();
   // The core first: the destructor joins it before it stops HTTP.
   p->core = std::thread([p] { p->run_core(); });
   if (Status st = p->http->start(); !st) {
@@ -160,6 +118,67 @@ Expected<std::unique_ptr<Engine>> Engine::start(EngineConfig config) {
   }
   p->http_port = p->http->port();
   return std::unique_ptr<Engine>(new Engine(std::move(impl)));
+}
+
+void Engine::Impl::add_routes() {
+  using Auth = metaserver::HttpServer::Auth;
+  http->post("/v1/completions", Auth::kToken,
+             [this](const httplib::Request& q, httplib::Response& s) { serve(q, s, false); });
+  http->post("/v1/chat/completions", Auth::kToken,
+             [this](const httplib::Request& q, httplib::Response& s) { serve(q, s, true); });
+  http->get("/v1/models", Auth::kToken, [this](const httplib::Request&, httplib::Response& s) {
+    const json model = {{"id", config.served_model_name},
+                        {"object", "model"},
+                        {"created", started_at},
+                        {"owned_by", "rd2h"},
+                        {"max_model_len", config.model.num_blocks * config.model.block_size}};
+    s.set_content(json{{"object", "list"}, {"data", {model}}}.dump(), "application/json");
+  });
+  // Nothing to drop: the pretend local prefix cache is a setting, not a cache.
+  http->post("/reset_prefix_cache", Auth::kToken,
+             [](const httplib::Request&, httplib::Response& s) {
+               s.set_content(R"({"status":"ok"})", "application/json");
+             });
+  // Probes take no token, as load balancers and orchestrators send none.
+  http->get("/health", Auth::kNone, [this](const httplib::Request&, httplib::Response& s) {
+    std::lock_guard lock(mu);
+    if (stopping) return metaserver::set_api_error(s, 503, "the engine is stopping");
+    s.set_content(json{{"status", "ok"}, {"role", prefill ? "prefill" : "decode"}}.dump(),
+                  "application/json");
+  });
+  http->get("/metrics", Auth::kNone, [this](const httplib::Request&, httplib::Response& s) {
+    s.set_content(registry.render(), metrics::kContentType);
+  });
+  http->get("/version", Auth::kNone, [](const httplib::Request&, httplib::Response& s) {
+    s.set_content(json{{"version", rd2h::version()}}.dump(), "application/json");
+  });
+  http->get("/rd2h/report", Auth::kToken,
+            [this](const httplib::Request&, httplib::Response& s) { report(s); });
+}
+
+void Engine::Impl::add_metrics() {
+  registry.gauge_callback("rd2h_engine_free_blocks", "KV blocks free after the last step", [this] {
+    std::lock_guard lock(mu);
+    return static_cast<double>(stats.free_blocks);
+  });
+  registry.gauge_callback("rd2h_engine_waiting_for_blocks",
+                          "Prompts queued until their blocks are free", [this] {
+                            std::lock_guard lock(mu);
+                            return static_cast<double>(stats.waiting_for_blocks);
+                          });
+  if (!prefill) {
+    connector::Scheduler* s = scheduler.get();
+    registry.counter_callback("rd2h_metaserver_posts_delivered_total",
+                              "Rendezvous posts the metaserver answered 2xx",
+                              [s] { return static_cast<double>(s->metaserver_stats().delivered); });
+    registry.counter_callback("rd2h_metaserver_posts_refused_total",
+                              "Rendezvous posts the metaserver answered otherwise",
+                              [s] { return static_cast<double>(s->metaserver_stats().refused); });
+    registry.counter_callback(
+        "rd2h_metaserver_post_retries_total",
+        "Rendezvous post attempts that got no answer (each is tried again)",
+        [s] { return static_cast<double>(s->metaserver_stats().failed_attempts); });
+  }
 }
 
 Engine::Engine(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}

@@ -18,8 +18,8 @@
 #include <string_view>
 #include <vector>
 
-#include "rd2h/common/trace.h"
 #include "rd2h/common/status.h"
+#include "rd2h/common/trace.h"
 #include "rd2h/connector/config.h"
 
 namespace rd2h::sim {

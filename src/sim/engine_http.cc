@@ -114,51 +114,50 @@ struct Engine::Impl::Call {
     sink.done();
     return true;
   }
-  // The stream: one event per token as the engine makes it, a last event per prompt with its
-  // finish reason, the usage if asked for, then [DONE]. False if the client went away.
-  bool stream(httplib::DataSink& sink, bool include_usage) const {
-    auto send = [&](const json& event) {
+  // How a stream writes: its events, and the last bytes before it ends.
+  struct Events {
+    httplib::DataSink& sink;
+    bool include_usage;
+    bool send(const json& event) const {
       const std::string data = "data: " + event.dump() + "\n\n";
       return sink.write(data.data(), data.size());
-    };
-    auto finish = [&](const std::string& data) {
+    }
+    bool finish(const std::string& data) const {
       sink.write(data.data(), data.size());
       sink.done();
       return true;
-    };
-    auto with_usage = [&](json event) {
+    }
+    json with_usage(json event) const {
       if (include_usage) event["usage"] = nullptr;
       return event;
-    };
-    const size_t n = children.size();
-    if (chat) {
-      json c = token_choice(0, "");
-      c["delta"] = {{"role", "assistant"}, {"content", ""}};
-      if (!send(with_usage(chunk({c})))) return false;
     }
-    std::vector<uint64_t> sent(n, 0);
-    for (;;) {
-      std::vector<uint64_t> made;
-      bool all_ended;
-      {
-        std::unique_lock lock(progress->mu);
-        auto news = [&] {
-          for (size_t i = 0; i < n; ++i) {
-            if (progress->tokens[i] > sent[i]) return true;
-          }
-          return std::all_of(progress->ended.begin(), progress->ended.end(),
-                             [](bool e) { return e; });
-        };
-        progress->cv.wait_for(lock, kLook, news);
-        made = progress->tokens;
-        all_ended =
-            std::all_of(progress->ended.begin(), progress->ended.end(), [](bool e) { return e; });
+  };
+  // Waits (a look at most) for tokens beyond `sent` or the end of every prompt: the tokens
+  // made so far, and whether every prompt ended.
+  std::pair<std::vector<uint64_t>, bool> progress_since(const std::vector<uint64_t>& sent) const {
+    auto all_ended = [&] {
+      return std::all_of(progress->ended.begin(), progress->ended.end(), [](bool e) { return e; });
+    };
+    std::unique_lock lock(progress->mu);
+    progress->cv.wait_for(lock, kLook, [&] {
+      for (size_t i = 0; i < sent.size(); ++i) {
+        if (progress->tokens[i] > sent[i]) return true;
       }
-      // A stream that ends "recomputed" carries exactly recompute_after tokens.
-      const uint64_t cut = recompute_after > 0 && n == 1 ? recompute_after : UINT64_MAX;
+      return all_ended();
+    });
+    return {progress->tokens, all_ended()};
+  }
+  // Streams the tokens as the engine makes them until every prompt ended (nullopt), or
+  // ends the stream here (its outcome: false if the client went away).
+  std::optional<bool> stream_tokens(const Events& ev, std::vector<uint64_t>& sent) const {
+    const size_t n = sent.size();
+    // A stream that ends "recomputed" carries exactly recompute_after tokens.
+    const uint64_t cut = recompute_after > 0 && n == 1 ? recompute_after : UINT64_MAX;
+    for (;;) {
+      const auto [made, all_ended] = progress_since(sent);
       for (size_t i = 0; i < n; ++i) {
         for (; sent[i] < std::min(made[i], cut); ++sent[i]) {
-          if (!send(with_usage(chunk({token_choice(i, std::string(1, token_text))})))) {
+          if (!ev.send(ev.with_usage(chunk({token_choice(i, std::string(1, token_text))})))) {
             client_went_away();
             return false;
           }
@@ -167,41 +166,58 @@ struct Engine::Impl::Call {
       // Cut whether or not the engine made the rest already (it may be that fast): the
       // stream ends at exactly recompute_after tokens, every time.
       if (recompute_after > 0 && n == 1 && sent[0] >= recompute_after && sent[0] < max_tokens) {
-        return recomputed(sink, sent[0], include_usage);
+        return recomputed(ev.sink, sent[0], ev.include_usage);
       }
-      if (all_ended) break;
+      if (all_ended) return std::nullopt;
       if (std::chrono::steady_clock::now() >= deadline) {
-        return finish(
+        return ev.finish(
             "data: " + metaserver::api_error_json(504, "the request did not finish in time") +
             "\n\ndata: [DONE]\n\n");
       }
       if (client_went_away()) return false;
     }
+  }
+  // The end of a stream whose prompts all ended: what it has not carried yet, each prompt's
+  // last event with its finish reason, the usage if asked for, then [DONE].
+  bool stream_end(const Events& ev, const std::vector<uint64_t>& sent) const {
     auto outcome = wait();
     if (auto* failed = std::get_if<std::pair<int, std::string>>(&outcome)) {
       if (failed->first == 499) return false;
-      return finish("data: " + metaserver::api_error_json(failed->first, failed->second) +
-                    "\n\ndata: [DONE]\n\n");
+      return ev.finish("data: " + metaserver::api_error_json(failed->first, failed->second) +
+                       "\n\ndata: [DONE]\n\n");
     }
     const auto& done = std::get<std::vector<Result>>(outcome);
     uint64_t verified = 0;
-    for (size_t i = 0; i < n; ++i) {
+    for (size_t i = 0; i < sent.size(); ++i) {
       // What the stream has not carried yet (Prefill's one token is not generated in steps).
       if (done[i].text.size() > sent[i] &&
-          !send(with_usage(chunk({token_choice(i, done[i].text.substr(sent[i]))})))) {
+          !ev.send(ev.with_usage(chunk({token_choice(i, done[i].text.substr(sent[i]))})))) {
         return false;
       }
       verified += done[i].verified_blocks;
-      json last = with_usage(chunk({token_choice(i, "", "length")}));
-      if (i + 1 == n) last["rd2h"] = {{"verified_blocks", verified}};
-      if (!send(last)) return false;
+      json last = ev.with_usage(chunk({token_choice(i, "", "length")}));
+      if (i + 1 == sent.size()) last["rd2h"] = {{"verified_blocks", verified}};
+      if (!ev.send(last)) return false;
     }
-    if (include_usage) {
+    if (ev.include_usage) {
       json u = chunk(json::array());
       u["usage"] = usage(done);
-      if (!send(u)) return false;
+      if (!ev.send(u)) return false;
     }
-    return finish("data: [DONE]\n\n");
+    return ev.finish("data: [DONE]\n\n");
+  }
+  // The stream: one event per token as the engine makes it, a last event per prompt with its
+  // finish reason, the usage if asked for, then [DONE]. False if the client went away.
+  bool stream(httplib::DataSink& sink, bool include_usage) const {
+    const Events ev{sink, include_usage};
+    if (chat) {
+      json c = token_choice(0, "");
+      c["delta"] = {{"role", "assistant"}, {"content", ""}};
+      if (!ev.send(ev.with_usage(chunk({c})))) return false;
+    }
+    std::vector<uint64_t> sent(children.size(), 0);
+    if (const std::optional<bool> ended = stream_tokens(ev, sent)) return *ended;
+    return stream_end(ev, sent);
   }
 };
 

@@ -23,10 +23,7 @@
 #include <utility>
 #include <variant>
 
-#include "util/metrics.h"
 #include "rd2h/common/trace.h"
-#include "util/http_server.h"
-#include "util/openai_body.h"
 #include "rd2h/connector/metadata.h"
 #include "rd2h/connector/scheduler.h"
 #include "rd2h/version.h"
@@ -35,6 +32,9 @@
 #include "sim/rank_set.h"
 #include "sim/shared_pool.h"
 #include "sim/sim_message.h"
+#include "util/http_server.h"
+#include "util/metrics.h"
+#include "util/openai_body.h"
 
 namespace rd2h::sim {
 
@@ -192,7 +192,14 @@ struct Engine::Impl {
   // Ends what clients that went away gave up (core thread).
   void give_up_cancelled();
 
+  // The model and scheduler checked and set up, the rank processes started and initialised.
   Status init();
+  Status check_config() const;
+  // Each rank told its part (rank 0 first: Decode's all-gather binds there).
+  Status init_ranks();
+  // The HTTP API (on `http`) and the engine's own metrics.
+  void add_routes();
+  void add_metrics();
   struct Call;
   struct Asked;
   void serve(const httplib::Request& req, httplib::Response& res, bool chat);

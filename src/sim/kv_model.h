@@ -10,8 +10,8 @@
 #include <string>
 #include <vector>
 
-#include "util/pattern.h"
 #include "sim/engine.h"
+#include "util/pattern.h"
 
 namespace rd2h::sim {
 

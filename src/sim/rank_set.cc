@@ -8,8 +8,8 @@
 #include <cstring>
 #include <filesystem>
 
-#include "rd2h/common/trace.h"
 #include "rd2h/common/deadline.h"
+#include "rd2h/common/trace.h"
 #include "sim/sim_message.h"
 
 namespace rd2h::sim {

@@ -11,8 +11,8 @@
 #include <utility>
 #include <vector>
 
-#include "util/subprocess.h"
 #include "sim/ipc.h"
+#include "util/subprocess.h"
 
 namespace rd2h::sim {
 

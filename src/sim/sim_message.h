@@ -9,8 +9,8 @@
 #include <utility>
 #include <vector>
 
-#include "util/json_number.h"
 #include "rd2h/common/trace.h"
+#include "util/json_number.h"
 
 namespace rd2h::sim {
 

@@ -6,8 +6,8 @@
 #include <cstdint>
 #include <string>
 
-#include "util/unique_fd.h"
 #include "rd2h/common/status.h"
+#include "util/unique_fd.h"
 
 namespace rd2h::transfer {
 

@@ -15,11 +15,11 @@
 #include <unordered_map>
 #include <vector>
 
-#include "util/unique_fd.h"
 #include "rd2h/common/status.h"
 #include "rd2h/transfer/transfer_engine.h"
 #include "transfer/ucx_serving.h"
 #include "transfer/ucx_session.h"
+#include "util/unique_fd.h"
 
 namespace rd2h::transfer {
 

@@ -11,11 +11,11 @@
 #include <thread>
 #include <vector>
 
-#include "util/unique_fd.h"
 #include "rd2h/common/status.h"
 #include "transfer/ucx_handles.h"
 #include "transfer/ucx_link.h"
 #include "transfer/ucx_memory.h"
+#include "util/unique_fd.h"
 
 namespace rd2h::transfer {
 

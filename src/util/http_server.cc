@@ -114,8 +114,8 @@ class HttpServer::Server final : public httplib::Server {
           std::chrono::duration_cast<std::chrono::milliseconds>(deadline - Clock::now()).count();
       if (left <= 0) return false;
       pollfd fds[2] = {{sock, events, 0}, {wake_[0], POLLIN, 0}};
-      const int n = ::poll(fds, wake_[0] >= 0 ? 2 : 1, static_cast<int>(std::min<long long>(
-                                                            left, 1000 * 60 * 60)));
+      const int n = ::poll(fds, wake_[0] >= 0 ? 2 : 1,
+                           static_cast<int>(std::min<long long>(left, 1000 * 60 * 60)));
       if (n < 0 && errno == EINTR) continue;
       if (n < 0) return false;
       if (n == 0) continue;  // re-checks the deadline
@@ -211,13 +211,15 @@ bool HttpServer::Server::process_and_close_socket(socket_t sock) {
   if (t_reject) {
     ++rejected_;
     static const std::string busy = [] {
-      const std::string body = api_error_json(503, "the server is serving as many connections as "
-                                                   "it may; try again later");
+      const std::string body = api_error_json(503,
+                                              "the server is serving as many connections as "
+                                              "it may; try again later");
       return "HTTP/1.1 503 Service Unavailable\r\nConnection: close\r\nContent-Type: "
              "application/json\r\nContent-Length: " +
              std::to_string(body.size()) + "\r\n\r\n" + body;
     }();
-    [[maybe_unused]] ssize_t n = ::send(sock, busy.data(), busy.size(), MSG_NOSIGNAL | MSG_DONTWAIT);
+    [[maybe_unused]] ssize_t n =
+        ::send(sock, busy.data(), busy.size(), MSG_NOSIGNAL | MSG_DONTWAIT);
   } else {
     Connection conn(*this, sock);
     t_sock = sock;
@@ -262,12 +264,12 @@ std::string api_error_json(int status, const std::string& message, const std::st
                      : status == 429 ? "rate_limit_error"
                      : status >= 500 ? "server_error"
                                      : "invalid_request_error";
-  auto or_null = [](const std::string& s) { return s.empty() ? nlohmann::json() : nlohmann::json(s); };
-  return nlohmann::json{{"error",
-                         {{"message", message},
-                          {"type", type},
-                          {"param", or_null(param)},
-                          {"code", or_null(code)}}}}
+  auto or_null = [](const std::string& s) {
+    return s.empty() ? nlohmann::json() : nlohmann::json(s);
+  };
+  return nlohmann::json{
+      {"error",
+       {{"message", message}, {"type", type}, {"param", or_null(param)}, {"code", or_null(code)}}}}
       .dump();
 }
 
@@ -280,8 +282,8 @@ void set_api_error(httplib::Response& res, int status, const std::string& messag
 HttpMetrics::HttpMetrics(metrics::Registry& r)
     : requests(r.counter("rd2h_http_requests_total", "HTTP requests answered",
                          {"listener", "route", "status"})),
-      in_flight(r.gauge("rd2h_http_requests_in_flight", "HTTP requests being served",
-                        {"listener"})),
+      in_flight(
+          r.gauge("rd2h_http_requests_in_flight", "HTTP requests being served", {"listener"})),
       duration(r.histogram("rd2h_http_request_duration_seconds",
                            "From a request's first byte to the end of its answer (a stream's "
                            "last event)",
@@ -330,8 +332,8 @@ bool token_matches(const std::string& header, const std::string& token) {
   // Equal-length digests compared in constant time: neither the bytes nor the length of
   // the token leak through timing.
   unsigned char a[crypto_generichash_BYTES], b[crypto_generichash_BYTES];
-  crypto_generichash(a, sizeof(a), reinterpret_cast<const unsigned char*>(header.data()) +
-                                       prefix.size(),
+  crypto_generichash(a, sizeof(a),
+                     reinterpret_cast<const unsigned char*>(header.data()) + prefix.size(),
                      header.size() - prefix.size(), nullptr, 0);
   crypto_generichash(b, sizeof(b), reinterpret_cast<const unsigned char*>(token.data()),
                      token.size(), nullptr, 0);
@@ -341,10 +343,8 @@ bool token_matches(const std::string& header, const std::string& token) {
 HttpServer::HttpServer(HttpServerConfig config)
     : config_(std::move(config)), server_(std::make_unique<Server>(config_)) {
   server_->set_payload_max_length(config_.max_body_bytes);
-  server_->set_keep_alive_timeout(
-      std::max<time_t>(1, std::chrono::duration_cast<std::chrono::seconds>(
-                              config_.keep_alive_timeout)
-                              .count()));
+  server_->set_keep_alive_timeout(std::max<time_t>(
+      1, std::chrono::duration_cast<std::chrono::seconds>(config_.keep_alive_timeout).count()));
   server_->set_keep_alive_max_count(std::max<size_t>(1, config_.keep_alive_max_count));
   // SO_REUSEADDR only: httplib's default adds SO_REUSEPORT, which lets a second process
   // bind the same port and take half of its connections.
@@ -376,18 +376,18 @@ HttpServer::HttpServer(HttpServerConfig config)
     std::string id = res.get_header_value("X-Request-Id");
     if (id.empty()) id = req.get_header_value("X-Request-Id");
     log::logger().log(config_.access_log ? spdlog::level::info : spdlog::level::debug,
-                      "{}: {} {} {} {} {:.1f} ms", config_.name, id.empty() ? "-" : id,
-                      req.method, req.path, res.status, ms);
+                      "{}: {} {} {} {} {:.1f} ms", config_.name, id.empty() ? "-" : id, req.method,
+                      req.path, res.status, ms);
   });
   // Errors without a body of their own (an unknown route, a wrong method) get one too.
-  server_->set_error_handler(httplib::Server::HandlerWithResponse(
-      [](const httplib::Request& req, httplib::Response& res) {
-    if (!res.body.empty()) return httplib::Server::HandlerResponse::Unhandled;
-    set_api_error(res, res.status,
-                  res.status == 404 ? "no route " + req.method + " " + req.path
-                                    : "HTTP " + std::to_string(res.status));
-    return httplib::Server::HandlerResponse::Handled;
-  }));
+  server_->set_error_handler(
+      httplib::Server::HandlerWithResponse([](const httplib::Request& req, httplib::Response& res) {
+        if (!res.body.empty()) return httplib::Server::HandlerResponse::Unhandled;
+        set_api_error(res, res.status,
+                      res.status == 404 ? "no route " + req.method + " " + req.path
+                                        : "HTTP " + std::to_string(res.status));
+        return httplib::Server::HandlerResponse::Handled;
+      }));
   server_->set_pre_routing_handler([this](const httplib::Request& req, httplib::Response& res) {
     auto key = key_of_path_.find(req.path);
     if (key != key_of_path_.end() &&
@@ -429,33 +429,33 @@ void HttpServer::require(const std::string& path, Auth auth) {
 void HttpServer::post(const std::string& path, Auth auth, Handler handler) {
   require(path, auth);
   const size_t max = config_.max_body_bytes;
-  server_->Post(path, [max, handler = std::move(handler)](const httplib::Request& req,
-                                                          httplib::Response& res,
-                                                          const httplib::ContentReader& read) {
-    // The body is read here, counted whatever its framing (a chunked or unframed body has
-    // no Content-Length for httplib to check).
-    std::string body;
-    bool too_large = false;
-    const bool ok = read([&](const char* data, size_t n) {
-      if (n > max - body.size()) {
-        too_large = true;
-        return false;
-      }
-      body.append(data, n);
-      return true;
-    });
-    if (too_large || !ok) {
-      close_connection_after_response();
-      res.set_header("Connection", "close");
-      if (too_large) {
-        return set_error(res, 413, "the body is larger than " + std::to_string(max) + " bytes");
-      }
-      return set_error(res, 400, "the body could not be read");
-    }
-    httplib::Request with_body = req;
-    with_body.body = std::move(body);
-    handler(with_body, res);
-  });
+  server_->Post(
+      path, [max, handler = std::move(handler)](const httplib::Request& req, httplib::Response& res,
+                                                const httplib::ContentReader& read) {
+        // The body is read here, counted whatever its framing (a chunked or unframed body has
+        // no Content-Length for httplib to check).
+        std::string body;
+        bool too_large = false;
+        const bool ok = read([&](const char* data, size_t n) {
+          if (n > max - body.size()) {
+            too_large = true;
+            return false;
+          }
+          body.append(data, n);
+          return true;
+        });
+        if (too_large || !ok) {
+          close_connection_after_response();
+          res.set_header("Connection", "close");
+          if (too_large) {
+            return set_error(res, 413, "the body is larger than " + std::to_string(max) + " bytes");
+          }
+          return set_error(res, 400, "the body could not be read");
+        }
+        httplib::Request with_body = req;
+        with_body.body = std::move(body);
+        handler(with_body, res);
+      });
 }
 
 void HttpServer::get(const std::string& path, Auth auth, Handler handler) {
@@ -476,8 +476,7 @@ Status HttpServer::start() {
   }
   if (!server_->set_backlog(config_.backlog)) {
     server_->stop();
-    return unreachable("cannot set the listen backlog on " + where + ": " +
-                       std::strerror(errno));
+    return unreachable("cannot set the listen backlog on " + where + ": " + std::strerror(errno));
   }
   thread_ = std::thread([this] { server_->listen_after_bind(); });
   // stop() only stops a server whose accept loop runs: wait for it (bounded).

@@ -21,15 +21,15 @@
 #include <chrono>
 #include <cstdint>
 #include <functional>
-#include <memory>
 #include <map>
+#include <memory>
 #include <set>
 #include <string>
 #include <thread>
 
+#include "rd2h/common/status.h"
 #include "util/metrics.h"
 #include "util/token.h"
-#include "rd2h/common/status.h"
 
 namespace rd2h::metaserver {
 
@@ -44,7 +44,7 @@ struct HttpMetrics {
 
 struct HttpServerConfig {
   std::string host = "127.0.0.1";
-  int port = 0;  // 0 picks a free port
+  int port = 0;               // 0 picks a free port
   std::string name = "HTTP";  // in errors: "cannot listen ... for the <name>"
   int backlog = 1024;
   size_t max_connections = 512;  // connections served at once (one thread each)
@@ -53,12 +53,12 @@ struct HttpServerConfig {
   std::chrono::milliseconds request_timeout{30000};    // a whole request arrives within it
   std::chrono::milliseconds write_timeout{30000};      // one write waits at most this
   size_t keep_alive_max_count = 100;                   // requests on one connection
-  std::string token;    // empty: routes need no token
-  std::string api_key;  // empty: Auth::kApiKey routes need none
+  std::string token;                                   // empty: routes need no token
+  std::string api_key;                                 // empty: Auth::kApiKey routes need none
   // One log line per request (name, X-Request-Id, method and path, status, latency) at
   // info level; false: at debug level.
   bool access_log = true;
-  HttpMetrics* metrics = nullptr;   // counted here if set (it outlives the server)
+  HttpMetrics* metrics = nullptr;    // counted here if set (it outlives the server)
   std::string metrics_name = "api";  // the listener label of its series
 };
 

@@ -13,9 +13,8 @@ namespace {
 std::optional<spdlog::level::level_enum> parse_level(std::string_view name) {
   using L = spdlog::level::level_enum;
   static const std::pair<std::string_view, L> names[] = {
-      {"trace", L::trace}, {"debug", L::debug}, {"info", L::info},
-      {"warn", L::warn},   {"warning", L::warn}, {"error", L::err},
-      {"critical", L::critical}, {"off", L::off}};
+      {"trace", L::trace},  {"debug", L::debug}, {"info", L::info},         {"warn", L::warn},
+      {"warning", L::warn}, {"error", L::err},   {"critical", L::critical}, {"off", L::off}};
   for (const auto& [n, level] : names) {
     if (name == n) return level;
   }
@@ -24,7 +23,8 @@ std::optional<spdlog::level::level_enum> parse_level(std::string_view name) {
 
 std::shared_ptr<spdlog::logger> make_logger() {
   // Not registered with spdlog's global registry: a host's own spdlog setup stays its own.
-  auto l = std::make_shared<spdlog::logger>("rd2h", std::make_shared<spdlog::sinks::stderr_sink_mt>());
+  auto l =
+      std::make_shared<spdlog::logger>("rd2h", std::make_shared<spdlog::sinks::stderr_sink_mt>());
   l->set_pattern("[%Y-%m-%d %H:%M:%S.%e] [%n] [%l] %v");
   l->set_level(spdlog::level::info);
   if (const char* env = std::getenv("RD2H_LOG_LEVEL")) {

@@ -91,13 +91,13 @@ Expected<size_t> check_openai_body(const Json& body, bool chat, const PromptLimi
   };
   for (const char* name : {"max_tokens", "max_completion_tokens"}) {
     if (const Json* v = field(name); v && !integer_in(*v, 1, INT32_MAX)) {
-      return refuse(name, std::string(name) + " must be an integer from 1 to " +
-                              std::to_string(INT32_MAX));
+      return refuse(
+          name, std::string(name) + " must be an integer from 1 to " + std::to_string(INT32_MAX));
     }
   }
   if (const Json* v = field("min_tokens"); v && !integer_in(*v, 0, INT32_MAX)) {
-    return refuse("min_tokens", "min_tokens must be an integer from 0 to " +
-                                    std::to_string(INT32_MAX));
+    return refuse("min_tokens",
+                  "min_tokens must be an integer from 0 to " + std::to_string(INT32_MAX));
   }
   if (const Json* v = field("seed"); v && !v->is_number_integer()) {
     return refuse("seed", "seed must be an integer");
@@ -159,8 +159,8 @@ Expected<size_t> check_openai_body(const Json& body, bool chat, const PromptLimi
   if (const Json* v = field("logprobs"); v && !(v->is_boolean() && !v->template get<bool>())) {
     return unsupported("logprobs", "logprobs");
   }
-  for (const char* name : {"top_logprobs", "suffix", "tools", "functions", "function_call",
-                           "audio", "prediction"}) {
+  for (const char* name :
+       {"top_logprobs", "suffix", "tools", "functions", "function_call", "audio", "prediction"}) {
     if (field(name)) return unsupported(name, name);
   }
   if (const Json* v = field("tool_choice"); v && !(v->is_string() && *v == "none")) {
@@ -181,8 +181,7 @@ Expected<size_t> check_openai_body(const Json& body, bool chat, const PromptLimi
   auto token_list = [&](const Json& list, const std::string& name) -> Status {
     if (list.size() > limits.max_prompt_tokens) {
       return refuse(name, name + " lists " + std::to_string(list.size()) +
-                              " tokens; the limit is " +
-                              std::to_string(limits.max_prompt_tokens));
+                              " tokens; the limit is " + std::to_string(limits.max_prompt_tokens));
     }
     for (const auto& t : list) {
       if (!t.is_number_integer()) return refuse(name, name + " must list integer token ids");
@@ -221,7 +220,8 @@ Expected<size_t> check_openai_body(const Json& body, bool chat, const PromptLimi
           return refuse(where, where + " must be an object with a string type");
         }
         if (*type != "text") {
-          return refuse(where, where + ": content of type " + type->dump(), "unsupported_parameter");
+          return refuse(where, where + ": content of type " + type->dump(),
+                        "unsupported_parameter");
         }
         auto text = part.find("text");
         if (text == part.end() || !text->is_string()) {

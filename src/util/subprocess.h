@@ -9,9 +9,9 @@
 #include <string>
 #include <vector>
 
-#include "util/unique_fd.h"
 #include "rd2h/common/deadline.h"
 #include "rd2h/common/status.h"
+#include "util/unique_fd.h"
 
 namespace rd2h {
 

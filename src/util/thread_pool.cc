@@ -6,7 +6,9 @@ namespace rd2h {
 
 ThreadPool::ThreadPool(size_t max_threads) : max_(std::max<size_t>(1, max_threads)) {}
 
-ThreadPool::~ThreadPool() { stop(); }
+ThreadPool::~ThreadPool() {
+  stop();
+}
 
 bool ThreadPool::try_run(std::function<void()>& job) {
   std::lock_guard lock(mu_);

@@ -10,10 +10,10 @@
 #include <string>
 #include <vector>
 
-#include "util/pattern.h"
 #include "layout/layout.h"
 #include "protocol/messages.h"
 #include "rd2h/transfer/transfer_engine.h"
+#include "util/pattern.h"
 
 namespace rd2h::testing {
 

@@ -10,9 +10,9 @@
 #include <nlohmann/json.hpp>
 #include <random>
 
-#include "util/subprocess.h"
 #include "rd2h/metaserver/proxy.h"
 #include "sim/engine.h"
+#include "util/subprocess.h"
 
 namespace rd2h::sim {
 namespace {

@@ -9,11 +9,11 @@
 #include <future>
 #include <nlohmann/json.hpp>
 
-#include "util/subprocess.h"
 #include "rd2h/metaserver/proxy.h"
 #include "sim/engine.h"
 #include "support/http_server.h"
 #include "support/sim_engine.h"
+#include "util/subprocess.h"
 
 namespace rd2h::sim {
 namespace {
@@ -40,8 +40,8 @@ std::optional<PrefillProcess> start_prefill() {
   options.merge_stderr = true;
   auto p = Subprocess::spawn(
       {RD2H_BINARY, "prefill", "--tp", "2", "--layers", "4", "--block-size", "16", "--num-blocks",
-       "64", "--bytes-per-token", "64,8,16", "--compute-min-layer-us", "100000",
-       "--token-budget", "128", "--kv-transfer-config",
+       "64", "--bytes-per-token", "64,8,16", "--compute-min-layer-us", "100000", "--token-budget",
+       "128", "--kv-transfer-config",
        R"({"kv_connector": "rd2h", "kv_role": "kv_producer", "kv_port": 1,
            "kv_connector_extra_config": {"transport": "shm"}})"},
       options);

@@ -19,13 +19,13 @@
 #include <thread>
 #include <vector>
 
-#include "util/pattern.h"
 #include "decode/local_all_gather.h"
 #include "decode/worker.h"
 #include "layout/cache.h"
 #include "prefill/worker.h"
 #include "support/engines.h"
 #include "transfer/fault_injecting_engine.h"
+#include "util/pattern.h"
 
 namespace rd2h::testing {
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 import importlib
 import inspect
 import pickle
+import socket
 import threading
 import time
 
@@ -230,18 +231,23 @@ def test_kv_buffers_from_tensors_and_the_buffer_protocol():
 
 
 def test_a_blocking_call_releases_the_gil():
-    """Prefill waits for a Decode that is not there (ACK deadline 1.5 s); meanwhile this
-    thread keeps running Python."""
+    """Prefill waits for a Decode that takes the connection and never answers (ACK deadline
+    1.5 s); meanwhile this thread keeps running Python."""
     from rd2h.vllm import KVConnectorRole
 
-    dead_decode_port = free_ports(1)
+    # The kernel accepts connections on a listening socket nobody serves: the connect
+    # succeeds and no ACK ever comes (a port with nothing listening fails at once).
+    silent = socket.socket()
+    silent.bind(("127.0.0.1", 0))
+    silent.listen(16)
+    silent_decode_port = silent.getsockname()[1]
     ktc = kv_config("kv_producer", free_ports(1), ack_timeout_ms=1500, send_timeout_ms=5000)
     c = load(ktc, KVConnectorRole.WORKER)
     s = load(ktc, KVConnectorRole.SCHEDULER)
     try:
         c.register_kv_caches(caches())
         params = {"do_remote_decode": True, "request_id": "cmpl-g-0", "remote_host": "127.0.0.1",
-                  "remote_port": dead_decode_port, "remote_tp_size": 1}
+                  "remote_port": silent_decode_port, "remote_tp_size": 1}
         req = V.Request("cmpl-g-0-abcdefgh", list(range(16)),
                         V.SamplingParams(max_tokens=1, extra_args={"kv_transfer_params": params}))
         s.update_state_after_alloc(req, V.KVCacheBlocks(((V.KVCacheBlock(0),),)), 0)
@@ -276,6 +282,7 @@ def test_a_blocking_call_releases_the_gil():
     finally:
         c.shutdown()
         s.shutdown()
+        silent.close()
 
 
 def prefill_request(ext_id: str, tokens: int) -> V.Request:

@@ -14,10 +14,10 @@
 #include <set>
 #include <sstream>
 
-#include "util/subprocess.h"
 #include "sim/demo_report.h"
 #include "support/http_server.h"
 #include "support/rd2h_run.h"
+#include "util/subprocess.h"
 
 namespace rd2h::sim {
 namespace {

@@ -14,8 +14,8 @@
 #include <regex>
 #include <sstream>
 
-#include "util/subprocess.h"
 #include "sim/engine.h"
+#include "util/subprocess.h"
 
 namespace rd2h::sim {
 namespace {

@@ -7,8 +7,8 @@
 #include <string>
 #include <vector>
 
-#include "util/subprocess.h"
 #include "transfer/hex.h"
+#include "util/subprocess.h"
 
 namespace rd2h::testing {
 

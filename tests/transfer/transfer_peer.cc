@@ -17,9 +17,9 @@
 #include <string>
 #include <vector>
 
-#include "util/pattern.h"
 #include "rd2h/transfer/transfer_engine.h"
 #include "transfer/hex.h"
+#include "util/pattern.h"
 
 using namespace rd2h;
 using namespace rd2h::transfer;

@@ -12,11 +12,11 @@
 #include <random>
 #include <thread>
 
-#include "util/pattern.h"
 #include "rd2h/common/deadline.h"
 #include "rd2h/transfer/transfer_engine.h"
 #include "transfer/fault_injecting_engine.h"
 #include "transfer/peer_process.h"
+#include "util/pattern.h"
 
 namespace rd2h::transfer {
 namespace {
@@ -742,8 +742,8 @@ TEST_F(SharedRegistration, TheCallerKeepsItsAddressAndBytesAndReadersSeeItsLater
 }
 
 TEST_F(SharedRegistration, MemoryAlreadySharedStaysAsItWasAndIsServedByThePeer) {
-  void* shared = ::mmap(nullptr, 4 * 4096, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_ANONYMOUS,
-                        -1, 0);
+  void* shared =
+      ::mmap(nullptr, 4 * 4096, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_ANONYMOUS, -1, 0);
   ASSERT_NE(shared, MAP_FAILED);
   auto* kv = static_cast<std::byte*>(shared);
   fill_pattern(kv, kBytes, 94);

@@ -326,8 +326,9 @@ TEST_F(ProxyHttp, AChunkedBodyOverTheLimitIs413AndTheProxyStaysUp) {
   }
   // An announced length over the limit is refused before its body is read.
   RawConnection big(proxy_->port());
-  ASSERT_TRUE(big.send("POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 1000000000"
-                       "\r\n\r\n{"));
+  ASSERT_TRUE(
+      big.send("POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 1000000000"
+               "\r\n\r\n{"));
   EXPECT_EQ(big.read_until_closed().rfind("HTTP/1.1 413", 0), 0u);
   // Still serving.
   EXPECT_EQ(rendezvous().first, 404);

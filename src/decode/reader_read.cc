@@ -1,0 +1,129 @@
+// The Decode reader's read path: a readiness read into Decode's blocks and answered.
+#include <chrono>
+
+#include "decode/layer_meta.h"
+#include "decode/reader.h"
+#include "layout/cache.h"
+#include "rd2h/common/trace.h"
+#include "util/log.h"
+
+namespace rd2h::decode {
+
+void Reader::handle_ready(const std::string& identity, const protocol::ReadReadyBatch& ready) {
+  Status st = read_layer(identity, ready);
+  std::lock_guard lock(mu_);
+  if (st.is_ok()) {
+    auto& owed = owed_[identity];
+    for (const auto& req : ready.read_reqs) {
+      if (tracker_.known(req.ext_id)) owed.insert(req.ext_id);
+    }
+    for (const auto& ext_id : ready.done_ext_ids) owed.erase(ext_id);
+    if (owed.empty()) owed_.erase(identity);
+    ++stats_.layers_done;
+    for (const auto& ext_id : ready.done_ext_ids) {
+      // Each readiness carries its Prefill's contributor count: one Decode serves Prefill
+      // instances of different TP sizes.
+      Status st = tracker_.on_final_layer(ext_id, static_cast<int>(ready.group_member_idx),
+                                          static_cast<int>(ready.tp_ratio));
+      if (!st) log::warn("decode reader {}: {}", config_.d_rank, st.message());
+      if (trace::enabled() && tracker_.complete(ext_id)) {
+        trace::instant("kv complete", "reader", ready.layer_idx, ext_id);
+      }
+    }
+    reply(identity, protocol::encode(protocol::ReadDone{ready.layer_idx}));
+    trace::instant("answer out", "reader", ready.layer_idx);
+    return;
+  }
+  ++stats_.layers_failed;
+  // Every request of a failed layer may hold partly written blocks: all of them fail.
+  for (const auto& req : ready.read_reqs) tracker_.on_failed(req.ext_id);
+  for (const auto& ext_id : ready.done_ext_ids) tracker_.on_failed(ext_id);
+  reply(identity, protocol::encode(protocol::ReadFailed{ready.layer_idx, st.message()}));
+}
+
+Status Reader::read_layer(const std::string& identity, const protocol::ReadReadyBatch& ready) {
+  // Named only when something fails: the hot path builds no strings.
+  auto where = [&] {
+    return "Decode rank " + std::to_string(config_.d_rank) + ", layer " +
+           std::to_string(ready.layer_idx);
+  };
+  auto peer = peers_.find(identity);
+  if (peer == peers_.end()) {
+    return failed_precondition(where() + ": no MF_META on this connection");
+  }
+  auto p_layer = peer->second.layers.find(ready.layer_name);
+  if (p_layer == peer->second.layers.end()) {
+    // MF_META was checked to name Decode's layers: one it lacks is in neither.
+    return not_found(where() + ": layer '" + ready.layer_name + "' is not in Prefill's MF_META");
+  }
+  const PeerLayer& layer = p_layer->second;
+  RD2H_RETURN_IF_ERROR(layer.layout);
+  if (Status st = plan_read(layer, ready); !st) return st.with_context(where());
+  if (scratch_.descriptors.empty()) return Status::ok();  // nothing on this rank: still answered
+  if (Status st = read_planned(peer->second.session, ready); !st) return st.with_context(where());
+  return Status::ok();
+}
+
+Status Reader::plan_read(const PeerLayer& layer, const protocol::ReadReadyBatch& ready) {
+  // Buffers kept from one readiness to the next (reader thread only): no allocation per
+  // block once they have grown.
+  auto& descriptors = scratch_.descriptors;
+  descriptors.clear();
+  std::lock_guard lock(mu_);
+  const layout::ReadRole role{config_.d_rank, config_.d_tp,
+                              static_cast<int>(ready.group_member_idx),
+                              static_cast<int>(ready.tp_ratio)};
+  for (const auto& req : ready.read_reqs) {
+    const Destinations* dest = tracker_.destinations(req.ext_id);
+    if (dest == nullptr) {
+      // Decode gave the request up: nothing to read for it, and no reason to fail Prefill.
+      if (tracker_.aborted(req.ext_id)) continue;
+      return not_found("request " + req.ext_id + " has no destination on Decode");
+    }
+    RD2H_RETURN_IF_ERROR(layout::append_request_descriptors(
+        layer.tensors, *layer.decode, {source_blocks(req), dest->main, dest->indexer}, role,
+        descriptors));
+  }
+  if (!descriptors.empty()) {
+    read_in_flight_ = true;
+    ++reads_begun_;
+  }
+  return Status::ok();
+}
+
+Status Reader::read_planned(const std::string& session, const protocol::ReadReadyBatch& ready) {
+  auto& local = scratch_.local;
+  auto& remote = scratch_.remote;
+  auto& length = scratch_.length;
+  local.clear();
+  remote.clear();
+  length.clear();
+  uint64_t bytes = 0;
+  for (const auto& d : scratch_.descriptors) {
+    local.push_back(d.local);
+    remote.push_back(d.remote);
+    length.push_back(d.length);
+    bytes += d.length;
+  }
+  const auto start = std::chrono::steady_clock::now();
+  const int64_t start_us = trace::now_us();
+  Status st = engine_->batch_read_sync(session, local, remote, length);
+  const auto ns =
+      std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now() - start)
+          .count();
+  if (trace::enabled()) {
+    std::string ids;
+    for (const auto& req : ready.read_reqs) ids += (ids.empty() ? "" : ",") + req.ext_id;
+    trace::span(st.is_ok() ? "read" : "read failed", "reader", start_us, trace::now_us(),
+                ready.layer_idx, bytes, std::move(ids));
+  }
+  std::lock_guard lock(mu_);
+  read_in_flight_ = false;
+  ++stats_.reads;
+  stats_.read_ns += static_cast<uint64_t>(ns);
+  read_seconds_.observe(static_cast<double>(ns) / 1e9);
+  if (st.is_ok()) stats_.bytes_read += bytes;
+  return st;
+}
+
+}  // namespace rd2h::decode
