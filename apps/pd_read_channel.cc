@@ -56,8 +56,8 @@ Expected<std::string> bind_host(const std::string& host) {
     return unreachable("cannot resolve " + host + ": " + ::gai_strerror(rc));
   }
   char numeric[NI_MAXHOST];
-  const int rc = ::getnameinfo(found->ai_addr, found->ai_addrlen, numeric, sizeof(numeric),
-                               nullptr, 0, NI_NUMERICHOST);
+  const int rc = ::getnameinfo(found->ai_addr, found->ai_addrlen, numeric, sizeof(numeric), nullptr,
+                               0, NI_NUMERICHOST);
   ::freeaddrinfo(found);
   if (rc != 0) return unreachable("cannot resolve " + host + ": " + ::gai_strerror(rc));
   return std::string(numeric);

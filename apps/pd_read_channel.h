@@ -64,7 +64,7 @@ class DestChannel {
   Expected<std::vector<std::byte>> receive(const Deadline& deadline);
 
   std::unique_ptr<control::DealerChannel> dealer_;  // null once the verdict is sent
-  std::string address_;  // as the user gave it
+  std::string address_;                             // as the user gave it
 };
 
 }  // namespace rd2h::tools

@@ -98,7 +98,10 @@ std::vector<Entry> valid_entries() {
   return {{"format", [](Packer& pk) { pack_str(pk, "rd2h pd-read 1"); }},
           {"layers", [](Packer& pk) { pk.pack(2u); }},
           {"blocks", [](Packer& pk) { pk.pack(4u); }},
-          {"tensor_bytes", [](Packer& pk) { pk.pack(std::vector<uint64_t>{64, 8}); }},
+          {"tensor_bytes",
+           [](Packer& pk) {
+             pk.pack(std::vector<uint64_t>{64, 8});
+           }},
           {"seed", [](Packer& pk) { pk.pack(1u); }},
           {"base", [](Packer& pk) { pk.pack(4096u); }},
           {"engine_metadata", [](Packer& pk) {
@@ -178,7 +181,9 @@ TEST(Handshake, MalformedFieldsAreRefusedNamingTheField) {
                        [](Packer& pk) { pk.pack(std::vector<uint64_t>(65, 8)); })),
        "pd-read handshake.tensor_bytes: 65 elements, expected 0 to 64"},
       {pack(with_value(valid_entries(), "tensor_bytes",
-                       [](Packer& pk) { pk.pack(std::vector<int>{8, -8}); })),
+                       [](Packer& pk) {
+                         pk.pack(std::vector<int>{8, -8});
+                       })),
        "pd-read handshake.tensor_bytes[1]: -8 is negative"},
       {pack(with_value(valid_entries(), "engine_metadata", str("abc"))),
        "pd-read handshake.engine_metadata: expected bin, got str"},
@@ -216,8 +221,8 @@ TEST(Handshake, HeadersClaimingMoreThanTheBytesHoldAreRefused) {
   // A map of 2^32-1 pairs and an array of 2^32-1 items, each in a handful of bytes.
   for (const std::vector<uint8_t>& raw :
        {std::vector<uint8_t>{0xdf, 0xff, 0xff, 0xff, 0xff, 0xa1, 'x'},
-        std::vector<uint8_t>{0x81, 0xac, 't', 'e', 'n', 's', 'o', 'r', '_', 'b', 'y', 't', 'e', 's',
-                             0xdd, 0xff, 0xff, 0xff, 0xff, 0x01}}) {
+        std::vector<uint8_t>{0x81, 0xac, 't', 'e', 'n',  's',  'o',  'r',  '_',  'b',
+                             'y',  't',  'e', 's', 0xdd, 0xff, 0xff, 0xff, 0xff, 0x01}}) {
     auto d = decode_handshake(std::as_bytes(std::span(raw)));
     ASSERT_FALSE(d);
     EXPECT_NE(d.status().message().find("pd-read handshake"), std::string::npos)
@@ -227,8 +232,8 @@ TEST(Handshake, HeadersClaimingMoreThanTheBytesHoldAreRefused) {
 
 TEST(Handshake, DecodedLayoutStillGoesThroughValidate) {
   // The codec reads ranges; a layout it accepts is validated by its own rules after.
-  auto d = decode_handshake(pack(with_value(valid_entries(), "layers",
-                                            [](Packer& pk) { pk.pack(0u); })));
+  auto d = decode_handshake(
+      pack(with_value(valid_entries(), "layers", [](Packer& pk) { pk.pack(0u); })));
   ASSERT_TRUE(d) << d.status().to_string();
   Status st = d->layout.validate(64ull << 30);
   EXPECT_NE(st.message().find("layers must be at least 1"), std::string::npos) << st.message();

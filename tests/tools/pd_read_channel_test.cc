@@ -122,8 +122,8 @@ TEST(PdReadChannel, ADestinationThatLeavesWithoutAVerdictFailsTheSourceAtOnce) {
 TEST(PdReadChannel, AMalformedRequestIsNotAnsweredWithTheHandshake) {
   auto source = SourceChannel::bind("127.0.0.1:0");
   ASSERT_TRUE(source) << source.status().to_string();
-  auto stranger = control::DealerChannel::connect(control::Context::create(),
-                                                  "tcp://" + source->address());
+  auto stranger =
+      control::DealerChannel::connect(control::Context::create(), "tcp://" + source->address());
   ASSERT_TRUE(stranger) << stranger.status().to_string();
   ASSERT_TRUE((*stranger)->send(bytes_of("GET / HTTP/1.1")).is_ok());
   Status st = source->serve(bytes_of("h"), Deadline(300ms));
@@ -156,7 +156,8 @@ class FakeSource {
 };
 
 TEST(PdReadChannel, ADestinationRefusesAGarbageHandshakeNamingTheSource) {
-  FakeSource source(bytes_of("\x81\xa6" "format" "\xa4" "rd2h"));
+  const std::string map = std::string("\x81\xa6") + "format" + "\xa4" + "rd2h";  // {format: rd2h}
+  FakeSource source(bytes_of(map));
   auto conn = connect_to_source(source.address(), transfer::EngineConfig{});
   EXPECT_TRUE(source.answered().is_ok());
   ASSERT_FALSE(conn);

@@ -63,8 +63,8 @@ TEST(PdReadErrors, SourceWhoseDestinationNeverComesFailsAtItsServeTimeoutNamingI
   const size_t at = r.output.find("LISTENING ");
   ASSERT_NE(at, std::string::npos) << r.output;
   const std::string address = r.output.substr(at + 10, r.output.find('\n', at) - at - 10);
-  EXPECT_NE(r.output.find("timeout: waiting for the destination: no destination asked " +
-                          address + " for the handshake"),
+  EXPECT_NE(r.output.find("timeout: waiting for the destination: no destination asked " + address +
+                          " for the handshake"),
             std::string::npos)
       << r.output;
 }
