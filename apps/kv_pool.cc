@@ -1,15 +1,107 @@
 #include "kv_pool.h"
 
-#include <cstring>
+#include <algorithm>
+#include <string_view>
 
-#include "common/bytes.h"
+#include "protocol/msgpack_field.h"
 #include "util/pattern.h"
 
 namespace rd2h::tools {
 
 namespace {
-constexpr char kHandshakeMagic[8] = {'R', 'D', '2', 'H', 'P', 'D', 'R', '1'};
+
 constexpr uint32_t kMaxTensors = 64;
+
+constexpr const char* kWhat = "pd-read handshake";
+// What a foreign map (or another version of this one) is told apart by.
+constexpr std::string_view kHandshakeFormat = "rd2h pd-read 1";
+
+// The fields of a handshake, all required, in the order they are written.
+enum HandshakeField : uint32_t {
+  kFormat,
+  kLayers,
+  kBlocks,
+  kTensorBytes,
+  kSeed,
+  kBase,
+  kEngineMetadata,
+  kFieldCount
+};
+constexpr std::string_view kFieldNames[kFieldCount] = {
+    "format", "layers", "blocks", "tensor_bytes", "seed", "base", "engine_metadata"};
+
+Expected<uint32_t> u32(const protocol::Field& f) {
+  RD2H_TRY(v, f.integer(0, UINT32_MAX));
+  return static_cast<uint32_t>(v);
+}
+
+Expected<std::vector<uint64_t>> tensor_bytes(const protocol::Field& f) {
+  RD2H_TRY(items, f.array(0, kMaxTensors));
+  std::vector<uint64_t> out;
+  for (const auto& item : items) {
+    RD2H_TRY(b, item.unsigned_int());
+    out.push_back(b);
+  }
+  return out;
+}
+
+Expected<std::vector<std::byte>> engine_metadata(const protocol::Field& f) {
+  RD2H_TRY(meta, f.bin());
+  if (meta.size() > kMaxEngineMetadataBytes) {
+    return f.error(std::to_string(meta.size()) + " bytes exceed the limit of " +
+                   std::to_string(kMaxEngineMetadataBytes));
+  }
+  const auto* p = reinterpret_cast<const std::byte*>(meta.data());
+  return std::vector<std::byte>(p, p + meta.size());
+}
+
+// Reads one field's value into `h`; ranges only, the layout's rules are validate()'s.
+Status decode_field(HandshakeField which, const protocol::Field& value, SourceHandshake& h) {
+  switch (which) {
+    case kFormat: {
+      RD2H_TRY(format, value.str(64));
+      if (format != kHandshakeFormat) {
+        return value.error("'" + format + "' is not '" + std::string(kHandshakeFormat) +
+                           "' (not a pd-read source, or another version of rd2h)");
+      }
+      return Status::ok();
+    }
+    case kLayers: {
+      RD2H_TRY(v, u32(value));
+      h.layout.layers = v;
+      return Status::ok();
+    }
+    case kBlocks: {
+      RD2H_TRY(v, u32(value));
+      h.layout.blocks = v;
+      return Status::ok();
+    }
+    case kTensorBytes: {
+      RD2H_TRY(v, tensor_bytes(value));
+      h.layout.tensor_bytes = std::move(v);
+      return Status::ok();
+    }
+    case kSeed: {
+      RD2H_TRY(v, value.unsigned_int());
+      h.seed = v;
+      return Status::ok();
+    }
+    case kBase: {
+      RD2H_TRY(v, value.unsigned_int());
+      h.base = v;
+      return Status::ok();
+    }
+    case kEngineMetadata: {
+      RD2H_TRY(v, engine_metadata(value));
+      h.engine_metadata = std::move(v);
+      return Status::ok();
+    }
+    case kFieldCount:
+      break;
+  }
+  return value.error("not a handshake field");
+}
+
 }  // namespace
 
 Status KvPoolLayout::validate(uint64_t max_total) const {
@@ -68,46 +160,59 @@ void fill_pool(std::byte* base, const KvPoolLayout& layout, uint64_t seed) {
 }
 
 std::vector<std::byte> encode_handshake(const SourceHandshake& h) {
-  ByteWriter w;
-  w.raw(kHandshakeMagic, sizeof(kHandshakeMagic));
-  w.u32(h.layout.layers);
-  w.u32(h.layout.blocks);
-  w.u32(static_cast<uint32_t>(h.layout.tensor_bytes.size()));
-  for (auto b : h.layout.tensor_bytes) w.u64(b);
-  w.u64(h.seed);
-  w.u64(h.base);
-  w.bytes(h.engine_metadata);
-  return w.take();
+  msgpack::sbuffer buffer;
+  msgpack::packer<msgpack::sbuffer> pk(buffer);
+  auto str = [&](std::string_view s) {
+    pk.pack_str(static_cast<uint32_t>(s.size()));
+    pk.pack_str_body(s.data(), static_cast<uint32_t>(s.size()));
+  };
+  pk.pack_map(kFieldCount);
+  str(kFieldNames[kFormat]);
+  str(kHandshakeFormat);
+  str(kFieldNames[kLayers]);
+  pk.pack(h.layout.layers);
+  str(kFieldNames[kBlocks]);
+  pk.pack(h.layout.blocks);
+  str(kFieldNames[kTensorBytes]);
+  pk.pack(h.layout.tensor_bytes);
+  str(kFieldNames[kSeed]);
+  pk.pack(h.seed);
+  str(kFieldNames[kBase]);
+  pk.pack(h.base);
+  str(kFieldNames[kEngineMetadata]);
+  pk.pack_bin(static_cast<uint32_t>(h.engine_metadata.size()));
+  pk.pack_bin_body(reinterpret_cast<const char*>(h.engine_metadata.data()),
+                   static_cast<uint32_t>(h.engine_metadata.size()));
+  const auto* p = reinterpret_cast<const std::byte*>(buffer.data());
+  return {p, p + buffer.size()};
 }
 
 Expected<SourceHandshake> decode_handshake(std::span<const std::byte> bytes) {
-  ByteReader r(bytes);
-  auto magic = r.raw("magic", sizeof(kHandshakeMagic));
-  if (!magic || std::memcmp(magic->data(), kHandshakeMagic, sizeof(kHandshakeMagic)) != 0) {
-    return invalid_argument("the source did not send a pd-read handshake (bad magic)");
+  if (bytes.size() > kMaxHandshakeBytes) {
+    return invalid_argument(std::string(kWhat) + ": " + std::to_string(bytes.size()) +
+                            " bytes exceed the limit of " + std::to_string(kMaxHandshakeBytes));
   }
+  RD2H_TRY(tree, protocol::parse(bytes, kWhat));
+  const protocol::Field root(tree.get(), kWhat);
+  if (!root.is_map()) return root.error("expected a map, got " + root.type_name());
+  const auto& map = root.raw().via.map;
   SourceHandshake h;
-  auto layers = r.u32("layers");
-  auto blocks = r.u32("blocks");
-  auto tensors = r.u32("tensor count");
-  if (!layers || !blocks || !tensors) return invalid_argument("truncated pd-read handshake");
-  if (*tensors > kMaxTensors) {
-    return invalid_argument("handshake names " + std::to_string(*tensors) + " tensors");
+  uint32_t seen = 0;
+  for (uint32_t i = 0; i < map.size; ++i) {
+    RD2H_TRY(name, protocol::Field(map.ptr[i].key, std::string(kWhat) + " key").str(64));
+    const auto* known = std::find(std::begin(kFieldNames), std::end(kFieldNames), name);
+    if (known == std::end(kFieldNames)) return root.error("unknown field '" + name + "'");
+    const auto which = static_cast<HandshakeField>(known - std::begin(kFieldNames));
+    if ((seen & (1u << which)) != 0) return root.error("field '" + name + "' appears twice");
+    seen |= 1u << which;
+    RD2H_RETURN_IF_ERROR(
+        decode_field(which, protocol::Field(map.ptr[i].val, std::string(kWhat) + "." + name), h));
   }
-  h.layout.layers = *layers;
-  h.layout.blocks = *blocks;
-  for (uint32_t t = 0; t < *tensors; ++t) {
-    RD2H_TRY(b, r.u64("tensor bytes"));
-    h.layout.tensor_bytes.push_back(b);
+  for (uint32_t f = 0; f < kFieldCount; ++f) {
+    if ((seen & (1u << f)) == 0) {
+      return root.error("missing field '" + std::string(kFieldNames[f]) + "'");
+    }
   }
-  auto seed = r.u64("seed");
-  auto base = r.u64("base");
-  if (!seed || !base) return invalid_argument("truncated pd-read handshake");
-  h.seed = *seed;
-  h.base = *base;
-  RD2H_TRY(meta, r.bytes("engine metadata", 1 << 24));
-  h.engine_metadata.assign(meta.begin(), meta.end());
-  if (!r.at_end()) return invalid_argument("trailing bytes after the pd-read handshake");
   return h;
 }
 

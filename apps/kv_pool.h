@@ -37,7 +37,14 @@ struct SourceHandshake {
   std::vector<std::byte> engine_metadata;
 };
 
+// The largest encoded handshake a reader accepts, and the largest engine metadata in one.
+inline constexpr size_t kMaxHandshakeBytes = 32u << 20;
+inline constexpr size_t kMaxEngineMetadataBytes = 16u << 20;
+
+// A msgpack map: format, layers, blocks, tensor_bytes, seed, base, engine_metadata.
 std::vector<std::byte> encode_handshake(const SourceHandshake& h);
+// Checks the size before parsing and every field after; an error names the field. The
+// layout's own rules are its validate()'s, left to the caller who knows the size limit.
 Expected<SourceHandshake> decode_handshake(std::span<const std::byte> bytes);
 
 }  // namespace rd2h::tools

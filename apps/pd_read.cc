@@ -22,7 +22,6 @@ namespace {
 using namespace std::chrono_literals;
 
 constexpr uint64_t kMaxPoolBytes = 64ull << 30;
-constexpr size_t kMaxHandshake = 32u << 20;
 
 std::string join(const std::vector<uint64_t>& v) {
   std::string s;
@@ -146,23 +145,23 @@ int run_source(const PdReadOptions& o) {
   }
   fill_pool(pool.base, layout, o.seed);
 
-  auto listener = Socket::listen(o.listen);
-  if (!listener) return fail(listener.status(), "source");
-  std::printf("LISTENING %s\n", listener->local_address().c_str());
+  auto channel = SourceChannel::bind(o.listen);
+  if (!channel) return fail(channel.status(), "source");
+  std::printf("LISTENING %s\n", channel->address().c_str());
   std::fflush(stdout);
 
   Deadline serve(std::chrono::seconds(o.serve_timeout_s));
   BusyThreads busy(o.busy_threads);
-  auto conn = listener->accept(serve);
-  if (!conn) return fail(conn.status().with_context("waiting for the destination"), "source");
   auto meta = (*engine)->export_metadata();
   if (!meta) return fail(meta.status(), "source");
   SourceHandshake h{layout, o.seed, reinterpret_cast<uint64_t>(pool.base), std::move(*meta)};
-  if (Status st = conn->send_frame(encode_handshake(h), serve); !st) return fail(st, "source");
+  if (Status st = channel->serve(encode_handshake(h), serve); !st) {
+    return fail(st.with_context("waiting for the destination"), "source");
+  }
   // The reader's verdict; meanwhile the engine's progress thread serves its reads.
-  auto verdict = conn->recv_frame(16, serve);
+  auto verdict = channel->await_verdict(serve);
   if (!verdict) return fail(verdict.status().with_context("waiting for the destination"), "source");
-  return !verdict->empty() && (*verdict)[0] == std::byte{1} ? 0 : 1;
+  return *verdict ? 0 : 1;
 }
 
 // What the destination's batches came to.
@@ -340,24 +339,23 @@ Expected<SourceProcess> spawn_source(const PdReadOptions& o) {
 Expected<SourceConnection> connect_to_source(const std::string& address,
                                              transfer::EngineConfig cfg) {
   Deadline deadline(std::max(cfg.connect_timeout, std::chrono::milliseconds(10000)));
-  RD2H_TRY(sock, Socket::connect(address, deadline));
-  auto frame = sock.recv_frame(kMaxHandshake, deadline);
-  if (!frame) return frame.status().with_context("reading the source's handshake");
-  RD2H_TRY(h, decode_handshake(*frame));
-  RD2H_RETURN_IF_ERROR(h.layout.validate(kMaxPoolBytes).with_context("source layout"));
+  RD2H_TRY(channel, DestChannel::connect(address));
+  RD2H_TRY(bytes, channel.fetch_handshake(deadline));
+  auto h = decode_handshake(bytes);
+  if (!h) return h.status().with_context("the source at " + address);
+  RD2H_RETURN_IF_ERROR(h->layout.validate(kMaxPoolBytes).with_context("source layout"));
 
   cfg.role = transfer::Role::kDecode;
   // A reader of a loopback source stays on loopback too.
   const std::string source_host = interface_host(address);
   if (source_host.rfind("127.", 0) == 0 || source_host == "::1") cfg.listen_host = source_host;
   RD2H_TRY(engine, transfer::create_ucx_engine(cfg));
-  RD2H_TRY(session, engine->connect(h.engine_metadata));
-  return SourceConnection{std::move(sock), std::move(h), std::move(engine), session};
+  RD2H_TRY(session, engine->connect(h->engine_metadata));
+  return SourceConnection{std::move(channel), std::move(*h), std::move(engine), session};
 }
 
 void release_source(SourceConnection& c, bool ok) {
-  std::byte verdict[1] = {ok ? std::byte{1} : std::byte{0}};
-  (void)c.socket.send_frame(verdict, Deadline(std::chrono::seconds(5)));
+  (void)c.channel.send_verdict(ok, Deadline(5s));
 }
 
 int run_pd_read(const PdReadOptions& o) {

@@ -12,8 +12,8 @@
 
 #include "util/subprocess.h"
 #include "kv_pool.h"
+#include "pd_read_channel.h"
 #include "rd2h/transfer/transfer_engine.h"
-#include "tool_socket.h"
 
 namespace rd2h::tools {
 
@@ -52,7 +52,7 @@ Expected<SourceProcess> spawn_source(const PdReadOptions& options);
 
 // A destination connected to a source: the handshake, the engine and its session.
 struct SourceConnection {
-  Socket socket;
+  DestChannel channel;
   SourceHandshake handshake;
   std::unique_ptr<transfer::TransferEngine> engine;
   std::string session;

@@ -54,6 +54,21 @@ TEST(PdReadErrors, UnreachableSourceExitsNonZeroNamingTheAddress) {
   EXPECT_NE(r.output.find("cannot connect to 127.0.0.1:1"), std::string::npos) << r.output;
 }
 
+TEST(PdReadErrors, SourceWhoseDestinationNeverComesFailsAtItsServeTimeoutNamingItsAddress) {
+  const auto start = std::chrono::steady_clock::now();
+  ToolRun r = run_rd2h({"pd-read", "--role", "source", "--layers", "1", "--blocks", "2",
+                        "--main-bytes", "64", "--indexer-bytes", "0", "--serve-timeout", "1"});
+  EXPECT_LT(std::chrono::steady_clock::now() - start, 30s);
+  EXPECT_NE(r.exit_code, 0);
+  const size_t at = r.output.find("LISTENING ");
+  ASSERT_NE(at, std::string::npos) << r.output;
+  const std::string address = r.output.substr(at + 10, r.output.find('\n', at) - at - 10);
+  EXPECT_NE(r.output.find("timeout: waiting for the destination: no destination asked " + address +
+                          " for the handshake"),
+            std::string::npos)
+      << r.output;
+}
+
 TEST(PdReadErrors, ZeroByteTensorIsRejectedByName) {
   ToolRun r = run_rd2h({"pd-read", "--role", "source", "--main-bytes", "4096,0"});
   EXPECT_NE(r.exit_code, 0);
