@@ -14,10 +14,13 @@
 
 namespace rd2h::transfer {
 
-// Version 3 is msgpack; versions up to 2 were a little-endian format led by "RD2HUCXM",
-// which is recognised only to be refused by name.
+// Version 3 is the map {"v": 3, "session_id", "hostname", "transport": str, "identity":
+// {"boot_id": str, "pid_namespace", "pid", "start_time": int}, "worker_address": bin,
+// "regions": [{"base", "length": int, "rkey": bin, "fd", "inode", "file_offset",
+// "live_offset": int}]}, every field present and no other. Versions up to 2 were a
+// little-endian format led by "RD2HUCXM", recognised only to be refused by name.
 inline constexpr uint32_t kUcxMetadataVersion = 3;
-inline constexpr size_t kMaxUcxMetadataBytes = 32u << 20;
+inline constexpr size_t kMaxUcxMetadataBytes = 32u << 20;  // the whole blob, checked first
 inline constexpr size_t kMaxMetadataString = 4096;
 inline constexpr size_t kMaxWorkerAddress = 1 << 20;
 inline constexpr size_t kMaxPackedRkey = 1 << 16;
