@@ -128,6 +128,17 @@ TEST(UcxMetadata, RoundTripPreservesExtremeValues) {
   expect_same(*decoded, m);
 }
 
+// The decoder bounds an array by the regions its bytes could hold: the smallest regions an
+// engine can export still fit that bound.
+TEST(UcxMetadata, ManyOfTheSmallestRegionsDecode) {
+  UcxMetadata m = sample();
+  m.regions.clear();
+  for (uint64_t i = 0; i < 4096; ++i) m.regions.push_back({i, 1, {std::byte{1}}});
+  auto decoded = decode_ucx_metadata(encode_ucx_metadata(m));
+  ASSERT_TRUE(decoded) << decoded.status().to_string();
+  expect_same(*decoded, m);
+}
+
 TEST(UcxMetadata, EncodesTheDocumentedMap) {
   const auto raw = encode_ucx_metadata(sample());
   const auto* p = reinterpret_cast<const uint8_t*>(raw.data());
