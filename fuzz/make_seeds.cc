@@ -396,9 +396,25 @@ void ucx_metadata() {
   m.worker_address = hex("00 01 02 03 04 05 06 07");
   const Bytes none = transfer::encode_ucx_metadata(m);
   write("ucx_metadata", "gen-no-regions", none);
-  Bytes huge = none;  // the region count, last, made 2^32 - 1
-  std::fill(huge.end() - 4, huge.end(), std::byte{0xff});
+  // The regions come last: an empty array, one byte (0x90), that the edges replace.
+  const Bytes head(none.begin(), none.end() - 1);
+  Bytes huge = head;  // an array32 header declaring 2^32 - 1 regions, and no region
+  const Bytes count = hex("dd ff ff ff ff");
+  huge.insert(huge.end(), count.begin(), count.end());
   write("ucx_metadata", "edge-huge-region-count", huge);
+  Bytes deep = head;  // regions nested ten arrays deep
+  deep.insert(deep.end(), 9, std::byte{0x91});
+  deep.push_back(std::byte{0x90});
+  write("ucx_metadata", "edge-deep", deep);
+  Bytes later = none;  // {"v": 4, ...}: the map header, the key "v", then the version
+  later[3] = std::byte{4};
+  write("ucx_metadata", "edge-later-version", later);
+  Bytes legacy = text("RD2HUCXM");  // version 2's little-endian format
+  const Bytes legacy_body = hex("02 00 00 00 0d 00 00 00");
+  legacy.insert(legacy.end(), legacy_body.begin(), legacy_body.end());
+  const Bytes session = text("10.0.0.1:5000");
+  legacy.insert(legacy.end(), session.begin(), session.end());
+  write("ucx_metadata", "edge-legacy-format", legacy);
   transfer::ExportedRegion a;
   a.base = 0x7f0000000000;
   a.length = 1 << 20;
@@ -408,6 +424,7 @@ void ucx_metadata() {
   b.fd = 7;
   b.inode = 99;
   b.file_offset = 4096;
+  b.live_offset = 4096 + (1 << 20);
   m.regions = {a, b};
   const Bytes two = transfer::encode_ucx_metadata(m);
   write("ucx_metadata", "gen-two-regions", two);

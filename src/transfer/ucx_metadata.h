@@ -1,6 +1,7 @@
 // The UCX engine's exported metadata: how to reach a peer engine and what it exposes.
-// Encoded with rd2h's bounded little-endian format; decoding validates everything a
-// connect() relies on, so garbage or truncated bytes fail with a message, never a crash.
+// Encoded as one msgpack map led by its version "v"; decoding bounds the bytes before msgpack
+// reads them and validates every field a connect() relies on, so garbage, truncated or
+// oversized bytes fail with a message naming the field, never an exception or a crash.
 #pragma once
 
 #include <cstdint>
@@ -13,8 +14,13 @@
 
 namespace rd2h::transfer {
 
-inline constexpr char kUcxMetadataMagic[8] = {'R', 'D', '2', 'H', 'U', 'C', 'X', 'M'};
-inline constexpr uint32_t kUcxMetadataVersion = 2;
+// Version 3 is the map {"v": 3, "session_id", "hostname", "transport": str, "identity":
+// {"boot_id": str, "pid_namespace", "pid", "start_time": int}, "worker_address": bin,
+// "regions": [{"base", "length": int, "rkey": bin, "fd", "inode", "file_offset",
+// "live_offset": int}]}, every field present and no other. Versions up to 2 were a
+// little-endian format led by "RD2HUCXM", recognised only to be refused by name.
+inline constexpr uint32_t kUcxMetadataVersion = 3;
+inline constexpr size_t kMaxUcxMetadataBytes = 32u << 20;  // the whole blob, checked first
 inline constexpr size_t kMaxMetadataString = 4096;
 inline constexpr size_t kMaxWorkerAddress = 1 << 20;
 inline constexpr size_t kMaxPackedRkey = 1 << 16;
