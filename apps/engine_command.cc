@@ -9,6 +9,39 @@
 
 namespace rd2h::tools {
 
+namespace {
+
+// The simulated engine the command line describes.
+sim::EngineConfig engine_config(const EngineCommandOptions& o,
+                                const connector::ConnectorConfig& connector,
+                                const std::string& token) {
+  sim::EngineConfig config;
+  config.connector = connector;
+  config.token = token;
+  config.max_prompts = o.max_prompts;
+  config.max_prompt_tokens = o.max_prompt_tokens;
+  config.tp_size = o.tp;
+  config.model.layers = o.layers;
+  config.model.block_size = o.block_size;
+  config.model.num_blocks = o.num_blocks;
+  config.model.prefill_slots = o.slots;
+  config.model.bytes_per_token = o.bytes_per_token;
+  config.token_budget = o.token_budget;
+  config.decode_cached_tokens = o.decode_cached_tokens;
+  config.test_recompute_after = o.test_recompute_after;
+  config.host = o.host;
+  config.served_model_name = o.served_model_name;
+  config.port = o.port;
+  config.worker_executable = self_executable();
+  config.compute_ns_per_token = o.compute_ns_per_token;
+  config.compute_min_layer_us = o.compute_min_layer_us;
+  config.trace = o.trace;
+  config.test_corrupt_layer = o.test_corrupt_layer;
+  return config;
+}
+
+}  // namespace
+
 int run_engine(const EngineCommandOptions& o, connector::KvRole role) {
   const char* name = role == connector::KvRole::kProducer ? "prefill" : "decode";
   std::string text = o.kv_transfer_config;
@@ -32,28 +65,7 @@ int run_engine(const EngineCommandOptions& o, connector::KvRole role) {
   }
   // Decode's metaserver posts carry the same token, unless its config names another.
   if (connector->metaserver_token_file.empty()) connector->metaserver_token_file = o.token_file;
-  sim::EngineConfig config;
-  config.connector = *connector;
-  config.token = *token;
-  config.max_prompts = o.max_prompts;
-  config.max_prompt_tokens = o.max_prompt_tokens;
-  config.tp_size = o.tp;
-  config.model.layers = o.layers;
-  config.model.block_size = o.block_size;
-  config.model.num_blocks = o.num_blocks;
-  config.model.prefill_slots = o.slots;
-  config.model.bytes_per_token = o.bytes_per_token;
-  config.token_budget = o.token_budget;
-  config.decode_cached_tokens = o.decode_cached_tokens;
-  config.test_recompute_after = o.test_recompute_after;
-  config.host = o.host;
-  config.served_model_name = o.served_model_name;
-  config.port = o.port;
-  config.worker_executable = self_executable();
-  config.compute_ns_per_token = o.compute_ns_per_token;
-  config.compute_min_layer_us = o.compute_min_layer_us;
-  config.trace = o.trace;
-  config.test_corrupt_layer = o.test_corrupt_layer;
+  const sim::EngineConfig config = engine_config(o, *connector, *token);
 
   StopSignal stop;  // before the engine starts its threads
   auto engine = sim::Engine::start(config);

@@ -23,66 +23,74 @@ Expected<std::unique_ptr<Proxy>> Proxy::start(ProxyConfig config) {
   impl->dispatchers = std::make_unique<ThreadPool>(config.max_concurrent);
   if (!config.token.empty()) impl->auth.emplace("Authorization", bearer(config.token));
   Impl* p = impl.get();
-  HttpServerConfig api;
-  api.host = config.host;
-  api.port = config.port;
-  api.name = "client API";
-  api.max_body_bytes = config.max_body_bytes;
-  api.max_connections = config.max_concurrent == 0 ? 1 : config.max_concurrent;
-  api.token = config.token;
-  api.api_key = config.api_key;
-  api.metrics = &p->http;
-  HttpServerConfig meta = api;
+  p->make_servers();
+  p->add_routes();
+  RD2H_RETURN_IF_ERROR(p->api->start());
+  RD2H_RETURN_IF_ERROR(p->rendezvous->start());
+  p->api_port = p->api->port();
+  p->rendezvous_port = p->rendezvous->port();
+  return std::unique_ptr<Proxy>(new Proxy(std::move(impl)));
+}
+
+void Proxy::Impl::make_servers() {
+  HttpServerConfig client;
+  client.host = config.host;
+  client.port = config.port;
+  client.name = "client API";
+  client.max_body_bytes = config.max_body_bytes;
+  client.max_connections = config.max_concurrent == 0 ? 1 : config.max_concurrent;
+  client.token = config.token;
+  client.api_key = config.api_key;
+  client.metrics = &http;
+  HttpServerConfig meta = client;
   meta.port = config.metaserver_port;
   meta.name = "metaserver";
   meta.max_connections = HttpServerConfig{}.max_connections;
   meta.api_key.clear();
   meta.access_log = false;  // a post per prompt: at debug level
   meta.metrics_name = "metaserver";
-  p->api = std::make_unique<HttpServer>(api);
-  p->rendezvous = std::make_unique<HttpServer>(meta);
-  for (HttpServer* s : {p->api.get(), p->rendezvous.get()}) {
+  api = std::make_unique<HttpServer>(client);
+  rendezvous = std::make_unique<HttpServer>(meta);
+}
+
+void Proxy::Impl::add_routes() {
+  for (HttpServer* s : {api.get(), rendezvous.get()}) {
     s->post("/v1/metaserver", HttpServer::Auth::kToken,
-            [p](const httplib::Request& req, httplib::Response& res) {
-              p->handle_rendezvous(req, res);
+            [this](const httplib::Request& req, httplib::Response& res) {
+              handle_rendezvous(req, res);
             });
   }
   // The client-facing routes take the client API key (if one is set), not the engine token.
   using Auth = HttpServer::Auth;
-  p->api->post("/v1/completions", Auth::kApiKey,
-               [p](const httplib::Request& req, httplib::Response& res) {
-                 p->handle_client(req, res, false);
-               });
-  p->api->post("/v1/chat/completions", Auth::kApiKey,
-               [p](const httplib::Request& req, httplib::Response& res) {
-                 p->handle_client(req, res, true);
-               });
-  p->api->get("/v1/models", Auth::kApiKey,
-              [p](const httplib::Request&, httplib::Response& res) { p->handle_models(res); });
+  api->post("/v1/completions", Auth::kApiKey,
+            [this](const httplib::Request& req, httplib::Response& res) {
+              handle_client(req, res, false);
+            });
+  api->post("/v1/chat/completions", Auth::kApiKey,
+            [this](const httplib::Request& req, httplib::Response& res) {
+              handle_client(req, res, true);
+            });
+  api->get("/v1/models", Auth::kApiKey,
+           [this](const httplib::Request&, httplib::Response& res) { handle_models(res); });
   // The existing proxy's operator routes.
-  p->api->get("/healthcheck", Auth::kNone, [p](const httplib::Request&, httplib::Response& res) {
+  api->get("/healthcheck", Auth::kNone, [this](const httplib::Request&, httplib::Response& res) {
     res.set_content(ordered_json{{"status", "ok"},
-                                 {"prefill_instances", p->config.prefill.size()},
-                                 {"decode_instances", p->config.decode.size()}}
+                                 {"prefill_instances", config.prefill.size()},
+                                 {"decode_instances", config.decode.size()}}
                         .dump(),
                     "application/json");
   });
-  p->api->post(
+  api->post(
       "/reset_prefix_cache", Auth::kApiKey,
-      [p](const httplib::Request&, httplib::Response& res) { p->handle_reset_prefix_cache(res); });
-  p->api->get("/health", Auth::kNone,
-              [p](const httplib::Request&, httplib::Response& res) { p->handle_health(res); });
-  p->api->get("/metrics", Auth::kNone, [p](const httplib::Request&, httplib::Response& res) {
-    res.set_content(p->registry.render(), metrics::kContentType);
+      [this](const httplib::Request&, httplib::Response& res) { handle_reset_prefix_cache(res); });
+  api->get("/health", Auth::kNone,
+           [this](const httplib::Request&, httplib::Response& res) { handle_health(res); });
+  api->get("/metrics", Auth::kNone, [this](const httplib::Request&, httplib::Response& res) {
+    res.set_content(registry.render(), metrics::kContentType);
   });
-  p->api->get("/version", Auth::kNone, [](const httplib::Request&, httplib::Response& res) {
+  api->get("/version", Auth::kNone, [](const httplib::Request&, httplib::Response& res) {
     res.set_content(ordered_json{{"version", rd2h::version()}}.dump(), "application/json");
   });
-  RD2H_RETURN_IF_ERROR(p->api->start());
-  RD2H_RETURN_IF_ERROR(p->rendezvous->start());
-  p->api_port = p->api->port();
-  p->rendezvous_port = p->rendezvous->port();
-  return std::unique_ptr<Proxy>(new Proxy(std::move(impl)));
 }
 
 Proxy::Proxy(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}

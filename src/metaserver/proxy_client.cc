@@ -178,25 +178,31 @@ std::string Proxy::Impl::continue_event(Continuation& c, const std::string& even
   auto choices = j.find("choices");
   const bool has_choice =
       choices != j.end() && choices->is_array() && !choices->empty() && (*choices)[0].is_object();
-  if (!has_choice) {
-    // The usage event, after the last choice.
-    auto usage = j.find("usage");
-    if (usage == j.end() || !usage->is_object()) return c.recomputed ? std::string() : raw;
-    const uint64_t prompt = usage->value("prompt_tokens", uint64_t{0});
-    const uint64_t completion = usage->value("completion_tokens", uint64_t{0});
-    if (c.rounds == 0) c.prompt_tokens = prompt;
-    if (c.recomputed) {
-      c.completion_tokens += completion;
-      return {};
-    }
-    if (c.rounds == 0) return raw;  // one round: Decode's own count
-    const uint64_t all = c.completion_tokens + completion;
-    (*usage)["prompt_tokens"] = c.prompt_tokens;
-    (*usage)["completion_tokens"] = all;
-    (*usage)["total_tokens"] = c.prompt_tokens + all;
-    return "data: " + j.dump() + "\n\n";
+  if (!has_choice) return continue_usage(c, j, raw);
+  return continue_choice(c, j, (*choices)[0], raw);
+}
+
+std::string Proxy::Impl::continue_usage(Continuation& c, ordered_json& j, const std::string& raw) {
+  // The usage event, after the last choice.
+  auto usage = j.find("usage");
+  if (usage == j.end() || !usage->is_object()) return c.recomputed ? std::string() : raw;
+  const uint64_t prompt = usage->value("prompt_tokens", uint64_t{0});
+  const uint64_t completion = usage->value("completion_tokens", uint64_t{0});
+  if (c.rounds == 0) c.prompt_tokens = prompt;
+  if (c.recomputed) {
+    c.completion_tokens += completion;
+    return {};
   }
-  auto& choice = (*choices)[0];
+  if (c.rounds == 0) return raw;  // one round: Decode's own count
+  const uint64_t all = c.completion_tokens + completion;
+  (*usage)["prompt_tokens"] = c.prompt_tokens;
+  (*usage)["completion_tokens"] = all;
+  (*usage)["total_tokens"] = c.prompt_tokens + all;
+  return "data: " + j.dump() + "\n\n";
+}
+
+std::string Proxy::Impl::continue_choice(Continuation& c, ordered_json& j, ordered_json& choice,
+                                         const std::string& raw) {
   std::string text;
   if (c.chat) {
     auto delta = choice.find("delta");

@@ -169,6 +169,9 @@ struct Proxy::Impl {
       registry.gauge("rd2h_proxy_upstream_in_flight", "Requests in flight on each engine instance",
                      {"role", "instance"});
   std::unique_ptr<HttpServer> api, rendezvous;
+  // The client API and the metaserver listener, with their routes (before they start).
+  void make_servers();
+  void add_routes();
   int api_port = 0, rendezvous_port = 0;
   httplib::Headers auth;  // what the engines are sent: the bearer token, if any
 
@@ -221,6 +224,10 @@ struct Proxy::Impl {
   static bool continuable(const ordered_json& body, bool chat, size_t prompts);
   // One event of a continued stream: what the client gets of it (maybe nothing).
   std::string continue_event(Continuation& c, const std::string& event);
+  // Its parts: the usage event (`j`, whose text is `raw`), and an event with a choice.
+  std::string continue_usage(Continuation& c, ordered_json& j, const std::string& raw);
+  std::string continue_choice(Continuation& c, ordered_json& j, ordered_json& choice,
+                              const std::string& raw);
   // The body of the round that continues a stream Decode ended "recomputed".
   ordered_json next_round_body(const Continuation& c) const;
   void start_decode_leg(const std::shared_ptr<Parent>& parent, DecodeLeg& leg,

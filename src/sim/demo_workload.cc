@@ -52,25 +52,43 @@ std::vector<Request> workload(const DemoOptions& o) {
   return out;
 }
 
-ClientRecord send(const std::string& proxy, const Request& r, const DemoOptions& o, Watch& watch) {
-  ClientRecord rec;
-  rec.id = r.id;
-  rec.prompts = r.prompts.size();
-  uint64_t blocks = 0;
-  for (const auto& p : r.prompts) {
-    rec.tokens += p.size();
-    blocks += (p.size() + o.block_size - 1) / o.block_size;
+namespace {
+
+// Decode's verdict in a finished stream: the verified block count of its last event, or the
+// error an event carried (or why there is neither).
+Expected<uint64_t> verified_blocks(const std::string& received) {
+  std::optional<uint64_t> verified;
+  size_t pos = 0;
+  while ((pos = received.find("data: ", pos)) != std::string::npos) {
+    const size_t end = received.find("\n\n", pos);
+    const std::string data =
+        received.substr(pos + 6, end == std::string::npos ? end : end - pos - 6);
+    pos = end == std::string::npos ? received.size() : end;
+    if (data == "[DONE]") continue;
+    const json event = json::parse(data, nullptr, false);
+    if (event.is_discarded()) continue;
+    if (event.contains("error")) {
+      return internal_error(event["error"].value("message", event["error"].dump()));
+    }
+    if (event.contains("rd2h")) verified = event["rd2h"].value("verified_blocks", uint64_t{0});
   }
-  const uint64_t expected = blocks * static_cast<uint64_t>(o.layers);
+  if (!verified) {
+    return internal_error("the stream ended without Decode's verification: " +
+                          received.substr(0, 200));
+  }
+  return *verified;
+}
+
+// Posts the request's body, streaming; what came back, or why nothing did (the record has
+// its times).
+Expected<std::string> post_streaming(const std::string& proxy, const Request& r,
+                                     const DemoOptions& o, Watch& watch, ClientRecord& rec) {
   json body = {{"model", "rd2h-sim"}, {"max_tokens", o.output_tokens}, {"stream", true}};
   body["prompt"] = r.list ? json(r.prompts) : json(r.prompts.front());
   httplib::Client client(proxy);
   client.set_connection_timeout(10);
   client.set_read_timeout(static_cast<time_t>(o.timeout_s));
-  if (!watch.add(&client)) {
-    rec.error = watch.death();
-    return rec;
-  }
+  if (!watch.add(&client)) return unreachable(watch.death());
   std::string received;
   rec.start_us = trace::now_us();
   httplib::Request req;
@@ -88,40 +106,39 @@ ClientRecord send(const std::string& proxy, const Request& r, const DemoOptions&
   rec.end_us = trace::now_us();
   watch.remove(&client);
   if (const std::string death = watch.death(); !death.empty() && (!res || res->status != 200)) {
-    rec.error = death;
-    return rec;
+    return unreachable(death);
   }
-  if (!res) {
-    rec.error = "no answer from the proxy: " + httplib::to_string(res.error());
-    return rec;
-  }
+  if (!res) return unreachable("no answer from the proxy: " + httplib::to_string(res.error()));
   if (res->status != 200) {
-    rec.error = "HTTP " + std::to_string(res->status) + ": " + received.substr(0, 500);
-    return rec;
+    return internal_error("HTTP " + std::to_string(res->status) + ": " + received.substr(0, 500));
   }
   if (const json whole = json::parse(received, nullptr, false);
       whole.is_object() && whole.contains("error")) {
-    rec.error = whole["error"].value("message", whole["error"].dump());
+    return internal_error(whole["error"].value("message", whole["error"].dump()));
+  }
+  return received;
+}
+
+}  // namespace
+
+ClientRecord send(const std::string& proxy, const Request& r, const DemoOptions& o, Watch& watch) {
+  ClientRecord rec;
+  rec.id = r.id;
+  rec.prompts = r.prompts.size();
+  uint64_t blocks = 0;
+  for (const auto& p : r.prompts) {
+    rec.tokens += p.size();
+    blocks += (p.size() + o.block_size - 1) / o.block_size;
+  }
+  const uint64_t expected = blocks * static_cast<uint64_t>(o.layers);
+  auto received = post_streaming(proxy, r, o, watch, rec);
+  if (!received) {
+    rec.error = received.status().message();
     return rec;
   }
-  std::optional<uint64_t> verified;
-  size_t pos = 0;
-  while ((pos = received.find("data: ", pos)) != std::string::npos) {
-    const size_t end = received.find("\n\n", pos);
-    const std::string data =
-        received.substr(pos + 6, end == std::string::npos ? end : end - pos - 6);
-    pos = end == std::string::npos ? received.size() : end;
-    if (data == "[DONE]") continue;
-    const json event = json::parse(data, nullptr, false);
-    if (event.is_discarded()) continue;
-    if (event.contains("error")) {
-      rec.error = event["error"].value("message", event["error"].dump());
-      return rec;
-    }
-    if (event.contains("rd2h")) verified = event["rd2h"].value("verified_blocks", uint64_t{0});
-  }
+  auto verified = verified_blocks(*received);
   if (!verified) {
-    rec.error = "the stream ended without Decode's verification: " + received.substr(0, 200);
+    rec.error = verified.status().message();
   } else if (*verified != expected) {
     rec.error = "Decode verified " + std::to_string(*verified) + " of " + std::to_string(expected) +
                 " block-layers";

@@ -353,23 +353,7 @@ void Engine::Impl::run_core() {
       waiting_blocks.back().push_back(r);
     }
     if (cancels) give_up_cancelled();
-    // First come, first served: a large request is not starved by smaller ones behind it.
-    while (!waiting_blocks.empty()) {
-      size_t need = 0;
-      for (const auto& r : waiting_blocks.front()) need += blocks_needed(*r);
-      if (need > free_blocks.size() && need <= config.model.num_blocks) break;
-      auto next = std::move(waiting_blocks.front());
-      waiting_blocks.pop_front();
-      for (auto& r : next) {
-        if (need > config.model.num_blocks) {  // serve() refuses these; nothing may wait on them
-          complete(r, {false, "",
-                       "needs " + std::to_string(need) + " blocks, the engine has " +
-                           std::to_string(config.model.num_blocks)});
-        } else {
-          admit(r);
-        }
-      }
-    }
+    admit_waiting();
     if (Status st = step(); !st) {
       for (auto r : std::vector<std::shared_ptr<EngineRequest>>(active)) {
         complete(r, {false, "", st.message()});
@@ -381,6 +365,30 @@ void Engine::Impl::run_core() {
     stats.free_blocks = free_blocks.size();
     stats.waiting_for_blocks = waiting;
   }
+  end_everything();
+}
+
+void Engine::Impl::admit_waiting() {
+  // First come, first served: a large request is not starved by smaller ones behind it.
+  while (!waiting_blocks.empty()) {
+    size_t need = 0;
+    for (const auto& r : waiting_blocks.front()) need += blocks_needed(*r);
+    if (need > free_blocks.size() && need <= config.model.num_blocks) break;
+    auto next = std::move(waiting_blocks.front());
+    waiting_blocks.pop_front();
+    for (auto& r : next) {
+      if (need > config.model.num_blocks) {  // serve() refuses these; nothing may wait on them
+        complete(r, {false, "",
+                     "needs " + std::to_string(need) + " blocks, the engine has " +
+                         std::to_string(config.model.num_blocks)});
+      } else {
+        admit(r);
+      }
+    }
+  }
+}
+
+void Engine::Impl::end_everything() {
   for (auto r : std::vector<std::shared_ptr<EngineRequest>>(active)) {
     complete(r, {false, "", "the engine is stopping"});
   }

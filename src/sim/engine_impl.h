@@ -211,6 +211,10 @@ struct Engine::Impl {
   std::optional<HttpFault> await_first_token(Call& call);
   void report(httplib::Response& res);
   void run_core();
+  // Admits the requests waiting for blocks, in order, while their blocks are free (core).
+  void admit_waiting();
+  // The engine stops: every request it holds, queued or running, fails (core).
+  void end_everything();
   void admit(const std::shared_ptr<EngineRequest>& r);
   Status step();
   // A request's blocks [first, last) a Prefill step writes.

@@ -58,6 +58,23 @@ Expected<MemoryRegion> Registrations::add(void* addr, size_t length, bool alloca
     }
   }
 
+  void* mapped = nullptr;
+  RD2H_RETURN_IF_ERROR(map(addr, length, allocate, reg, mapped));
+  // Caller memory is known by the caller's address (UCX may report its page instead).
+  const uintptr_t actual = allocate ? reinterpret_cast<uintptr_t>(mapped) : base;
+  if (allocate && overlapping(actual, length)) {
+    // Cannot happen for fresh memory unless a caller registered a range it did not own.
+    return internal_error("allocated memory " + range_text(actual, length) +
+                          " overlaps an existing registration");
+  }
+  if (reg.shared.fd >= 0) reg.file_offset = actual - reg.shared.base;
+  regs_.emplace(actual, std::move(reg));
+  return MemoryRegion{reinterpret_cast<void*>(actual), length};
+}
+
+Status Registrations::map(void* addr, size_t length, bool allocate, LocalRegistration& reg,
+                          void*& mapped) {
+  const auto base = reinterpret_cast<uintptr_t>(addr);
   ucp_mem_map_params_t mp{};
   mp.field_mask = UCP_MEM_MAP_PARAM_FIELD_ADDRESS | UCP_MEM_MAP_PARAM_FIELD_LENGTH |
                   UCP_MEM_MAP_PARAM_FIELD_FLAGS;
@@ -74,6 +91,7 @@ Expected<MemoryRegion> Registrations::add(void* addr, size_t length, bool alloca
   if (ucs_status_t st = ucp_mem_query(memh, &attr); st != UCS_OK) {
     return ucs_error("ucp_mem_query", st);
   }
+  mapped = attr.address;
   void* rkey_buf = nullptr;
   size_t rkey_size = 0;
   if (ucs_status_t st = ucp_rkey_pack(context_, memh, &rkey_buf, &rkey_size); st != UCS_OK) {
@@ -85,16 +103,7 @@ Expected<MemoryRegion> Registrations::add(void* addr, size_t length, bool alloca
   reg.packed_rkey.assign(rb, rb + rkey_size);
   ucp_rkey_buffer_release(rkey_buf);
 
-  // Caller memory is known by the caller's address (UCX may report its page instead).
-  const uintptr_t actual = allocate ? reinterpret_cast<uintptr_t>(attr.address) : base;
-  if (allocate && overlapping(actual, length)) {
-    // Cannot happen for fresh memory unless a caller registered a range it did not own.
-    return internal_error("allocated memory " + range_text(actual, length) +
-                          " overlaps an existing registration");
-  }
-  if (reg.shared.fd >= 0) reg.file_offset = actual - reg.shared.base;
-  regs_.emplace(actual, std::move(reg));
-  return MemoryRegion{reinterpret_cast<void*>(actual), length};
+  return Status::ok();
 }
 
 Status Registrations::remove(void* addr) {

@@ -64,6 +64,9 @@ class Registrations {
   const LocalRegistration* find(uintptr_t addr, size_t len) const;
 
  private:
+  // Maps (or allocates) the range with UCX into `reg` (its memory handle, packed rkey and
+  // length); `mapped` is where UCX put it. Caller holds mu_.
+  Status map(void* addr, size_t length, bool allocate, LocalRegistration& reg, void*& mapped);
   // The registration overlapping [base, base+len), if any. Caller holds mu_.
   const std::pair<const uintptr_t, LocalRegistration>* overlapping(uintptr_t base,
                                                                    size_t len) const;
