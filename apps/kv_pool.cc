@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <string_view>
 
+#include "common/msgpack_util.h"
 #include "protocol/msgpack_field.h"
 #include "util/pattern.h"
 
@@ -162,10 +163,7 @@ void fill_pool(std::byte* base, const KvPoolLayout& layout, uint64_t seed) {
 std::vector<std::byte> encode_handshake(const SourceHandshake& h) {
   msgpack::sbuffer buffer;
   msgpack::packer<msgpack::sbuffer> pk(buffer);
-  auto str = [&](std::string_view s) {
-    pk.pack_str(static_cast<uint32_t>(s.size()));
-    pk.pack_str_body(s.data(), static_cast<uint32_t>(s.size()));
-  };
+  auto str = [&](std::string_view s) { msgpack_util::pack_str(pk, s); };
   pk.pack_map(kFieldCount);
   str(kFieldNames[kFormat]);
   str(kHandshakeFormat);
@@ -180,9 +178,7 @@ std::vector<std::byte> encode_handshake(const SourceHandshake& h) {
   str(kFieldNames[kBase]);
   pk.pack(h.base);
   str(kFieldNames[kEngineMetadata]);
-  pk.pack_bin(static_cast<uint32_t>(h.engine_metadata.size()));
-  pk.pack_bin_body(reinterpret_cast<const char*>(h.engine_metadata.data()),
-                   static_cast<uint32_t>(h.engine_metadata.size()));
+  msgpack_util::pack_bin(pk, std::span<const std::byte>(h.engine_metadata));
   const auto* p = reinterpret_cast<const std::byte*>(buffer.data());
   return {p, p + buffer.size()};
 }

@@ -4,6 +4,7 @@
 #include <cstring>
 #include <msgpack.hpp>
 
+#include "common/msgpack_util.h"
 #include "protocol/msgpack_cursor.h"
 #include "protocol/msgpack_field.h"
 
@@ -20,18 +21,8 @@ constexpr std::string_view kTagReadFailed = "read_failed";
 
 using Packer = msgpack::packer<msgpack::sbuffer>;
 
-void pack_bin(Packer& pk, std::string_view s) {
-  pk.pack_bin(static_cast<uint32_t>(s.size()));
-  pk.pack_bin_body(s.data(), static_cast<uint32_t>(s.size()));
-}
-void pack_bin(Packer& pk, std::span<const std::byte> b) {
-  pk.pack_bin(static_cast<uint32_t>(b.size()));
-  pk.pack_bin_body(reinterpret_cast<const char*>(b.data()), static_cast<uint32_t>(b.size()));
-}
-void pack_str(Packer& pk, std::string_view s) {
-  pk.pack_str(static_cast<uint32_t>(s.size()));
-  pk.pack_str_body(s.data(), static_cast<uint32_t>(s.size()));
-}
+using msgpack_util::pack_bin;
+using msgpack_util::pack_str;
 template <typename T>
 void pack_ints(Packer& pk, const std::vector<T>& v) {
   pk.pack_array(static_cast<uint32_t>(v.size()));

@@ -9,6 +9,7 @@
 #include <string_view>
 #include <vector>
 
+#include "common/msgpack_util.h"
 #include "protocol/messages.h"
 #include "rd2h/common/status.h"
 
@@ -92,31 +93,7 @@ class Field {
   bool is_map() const { return o_.type == msgpack::type::MAP; }
   const msgpack::object& raw() const { return o_; }
 
-  std::string type_name() const {
-    switch (o_.type) {
-      case msgpack::type::NIL:
-        return "nil";
-      case msgpack::type::BOOLEAN:
-        return "bool";
-      case msgpack::type::POSITIVE_INTEGER:
-      case msgpack::type::NEGATIVE_INTEGER:
-        return "int";
-      case msgpack::type::FLOAT32:
-      case msgpack::type::FLOAT64:
-        return "float";
-      case msgpack::type::STR:
-        return "str";
-      case msgpack::type::BIN:
-        return "bin";
-      case msgpack::type::ARRAY:
-        return "array";
-      case msgpack::type::MAP:
-        return "map";
-      case msgpack::type::EXT:
-        return "ext";
-    }
-    return "unknown";
-  }
+  std::string type_name() const { return msgpack_util::type_name(o_); }
 
  private:
   const msgpack::object& o_;

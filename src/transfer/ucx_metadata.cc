@@ -9,6 +9,7 @@
 #include <string_view>
 
 #include "common/format.h"
+#include "common/msgpack_util.h"
 
 namespace rd2h::transfer {
 namespace {
@@ -35,25 +36,11 @@ constexpr std::array<std::string_view, 4> kIdentityKeys = {"boot_id", "pid_names
 constexpr std::array<std::string_view, 7> kRegionKeys = {"base",  "length",      "rkey",       "fd",
                                                          "inode", "file_offset", "live_offset"};
 
-// Appends what msgpack's packer writes to a byte vector.
-struct ByteSink {
-  std::vector<std::byte>& out;
-  void write(const char* p, size_t n) {
-    const auto* b = reinterpret_cast<const std::byte*>(p);
-    out.insert(out.end(), b, b + n);
-  }
-};
+using msgpack_util::ByteSink;
+using msgpack_util::pack_bin;
+using msgpack_util::pack_str;
+using msgpack_util::type_name;
 using Packer = msgpack::packer<ByteSink>;
-
-void pack_str(Packer& pk, std::string_view s) {
-  pk.pack_str(static_cast<uint32_t>(s.size()));
-  pk.pack_str_body(s.data(), static_cast<uint32_t>(s.size()));
-}
-
-void pack_bin(Packer& pk, std::span<const std::byte> b) {
-  pk.pack_bin(static_cast<uint32_t>(b.size()));
-  pk.pack_bin_body(reinterpret_cast<const char*>(b.data()), static_cast<uint32_t>(b.size()));
-}
 
 void pack_identity(Packer& pk, const HostIdentity& id) {
   pk.pack_map(kIdentityKeys.size());
@@ -98,32 +85,6 @@ std::string quoted(std::string_view s) {
   std::string out = "\"";
   for (char c : s.substr(0, 64)) out += (c >= 0x20 && c < 0x7f) ? c : '?';
   return out + (s.size() > 64 ? "...\"" : "\"");
-}
-
-std::string type_name(const Object& o) {
-  switch (o.type) {
-    case msgpack::type::NIL:
-      return "nil";
-    case msgpack::type::BOOLEAN:
-      return "bool";
-    case msgpack::type::POSITIVE_INTEGER:
-    case msgpack::type::NEGATIVE_INTEGER:
-      return "int";
-    case msgpack::type::FLOAT32:
-    case msgpack::type::FLOAT64:
-      return "float";
-    case msgpack::type::STR:
-      return "str";
-    case msgpack::type::BIN:
-      return "bin";
-    case msgpack::type::ARRAY:
-      return "array";
-    case msgpack::type::MAP:
-      return "map";
-    case msgpack::type::EXT:
-      return "ext";
-  }
-  return "unknown";
 }
 
 Expected<uint64_t> read_uint(const Object& o, const std::string& path) {
