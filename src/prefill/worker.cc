@@ -123,29 +123,31 @@ Expected<std::string> Worker::decode_key(const SendRequest& r) const {
                              std::to_string(trusted.size()) + " Decode keys");
 }
 
-Status Worker::bind_step(std::vector<SendRequest> requests) {
-  std::vector<Target> targets;
-  std::set<std::string> seen;
-  auto check_blocks = [&](const SendRequest& r, const std::vector<int64_t>& ids,
-                          const char* what) -> Status {
-    for (int64_t id : ids) {
+Status Worker::check_request(const SendRequest& r) const {
+  if (r.main_start < 0 || r.indexer_start < 0) {
+    return invalid_argument("request " + r.ext_id + ": negative destination offset");
+  }
+  for (const auto& [ids, what] :
+       {std::pair{&r.main_block_ids, "main"}, std::pair{&r.indexer_block_ids, "indexer"}}) {
+    for (int64_t id : *ids) {
       if (id < 0 || static_cast<uint64_t>(id) >= min_blocks_) {
         return out_of_range("request " + r.ext_id + ": " + what + " block " + std::to_string(id) +
                             " is outside the " + std::to_string(min_blocks_) +
                             " blocks of Prefill's cache");
       }
     }
-    return Status::ok();
-  };
+  }
+  return Status::ok();
+}
+
+Status Worker::bind_step(std::vector<SendRequest> requests) {
+  std::vector<Target> targets;
+  std::set<std::string> seen;
   for (auto& r : requests) {
     if (!seen.insert(r.ext_id).second) {
       return invalid_argument("request " + r.ext_id + " appears twice in one step");
     }
-    if (r.main_start < 0 || r.indexer_start < 0) {
-      return invalid_argument("request " + r.ext_id + ": negative destination offset");
-    }
-    RD2H_RETURN_IF_ERROR(check_blocks(r, r.main_block_ids, "main"));
-    RD2H_RETURN_IF_ERROR(check_blocks(r, r.indexer_block_ids, "indexer"));
+    RD2H_RETURN_IF_ERROR(check_request(r));
     auto tp = topology::make_tp_mapping(config_.p_tp, r.d_tp);
     if (!tp) return tp.status().with_context("request " + r.ext_id);
     auto position = topology::contributor_of(*tp, config_.p_rank);

@@ -92,6 +92,8 @@ class Worker {
   WorkerStats stats() const;
 
  private:
+  // A request's offsets and block ids, against Prefill's cache.
+  Status check_request(const SendRequest& r) const;
   struct Layer {
     std::string name;
     int64_t index = 0;

@@ -90,6 +90,35 @@ Expected<std::vector<uint64_t>> uints(const Field& f) {
   return out;
 }
 
+// A layer's tensors agree with each other: as many entries in every array, main tensors
+// and the indexer among them, bytes per block within bounds.
+Status check_layer_meta(const Field& f, const LayerMeta& m) {
+  const size_t n = m.base_addrs.size();
+  if (m.block_len.size() != n || m.block_size_scale.size() != n || m.tensor_group_idx.size() != n) {
+    return f.error("base_addrs, block_len, block_size_scale and tensor_group_idx have " +
+                   std::to_string(n) + ", " + std::to_string(m.block_len.size()) + ", " +
+                   std::to_string(m.block_size_scale.size()) + " and " +
+                   std::to_string(m.tensor_group_idx.size()) + " entries; they must match");
+  }
+  if (m.main_tensor_count == 0 || m.main_tensor_count > n) {
+    return f.error("main_tensor_count " + std::to_string(m.main_tensor_count) + " with " +
+                   std::to_string(n) + " tensors");
+  }
+  if (m.has_indexer && m.main_tensor_count == n) {
+    return f.error("has_indexer is set but there is no tensor after the " +
+                   std::to_string(m.main_tensor_count) + " main ones");
+  }
+  for (size_t i = 0; i < n; ++i) {
+    if (m.block_len[i] == 0 || m.block_size_scale[i] == 0) {
+      return f.error("tensor " + std::to_string(i) + " has zero bytes per block");
+    }
+    if (m.block_len[i] > (uint64_t{1} << 40) / m.block_size_scale[i]) {
+      return f.error("tensor " + std::to_string(i) + " bytes per block overflow");
+    }
+  }
+  return Status::ok();
+}
+
 Expected<LayerMeta> decode_layer_meta(const Field& f) {
   if (!f.is_map()) return f.error("expected a map, got " + f.type_name());
   const auto& map = f.raw().via.map;
@@ -130,28 +159,7 @@ Expected<LayerMeta> decode_layer_meta(const Field& f) {
   if ((seen & 8) == 0) m.tensor_group_idx.assign(n, 0);
   if ((seen & 16) == 0) m.main_tensor_count = 2;
   if ((seen & 32) == 0) m.has_indexer = n > m.main_tensor_count;
-  if (m.block_len.size() != n || m.block_size_scale.size() != n || m.tensor_group_idx.size() != n) {
-    return f.error("base_addrs, block_len, block_size_scale and tensor_group_idx have " +
-                   std::to_string(n) + ", " + std::to_string(m.block_len.size()) + ", " +
-                   std::to_string(m.block_size_scale.size()) + " and " +
-                   std::to_string(m.tensor_group_idx.size()) + " entries; they must match");
-  }
-  if (m.main_tensor_count == 0 || m.main_tensor_count > n) {
-    return f.error("main_tensor_count " + std::to_string(m.main_tensor_count) + " with " +
-                   std::to_string(n) + " tensors");
-  }
-  if (m.has_indexer && m.main_tensor_count == n) {
-    return f.error("has_indexer is set but there is no tensor after the " +
-                   std::to_string(m.main_tensor_count) + " main ones");
-  }
-  for (size_t i = 0; i < n; ++i) {
-    if (m.block_len[i] == 0 || m.block_size_scale[i] == 0) {
-      return f.error("tensor " + std::to_string(i) + " has zero bytes per block");
-    }
-    if (m.block_len[i] > (uint64_t{1} << 40) / m.block_size_scale[i]) {
-      return f.error("tensor " + std::to_string(i) + " bytes per block overflow");
-    }
-  }
+  RD2H_RETURN_IF_ERROR(check_layer_meta(f, m));
   return m;
 }
 
