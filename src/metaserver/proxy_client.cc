@@ -447,13 +447,7 @@ void Proxy::Impl::handle_client(const httplib::Request& req, httplib::Response& 
   // A stream Decode may end "recomputed" is followed across rounds, event by event.
   auto cont = std::make_shared<Continuation>();
   const bool follow = stream && config.max_reissues > 0 && continuable(body, chat, *prompts);
-  if (follow) {
-    cont->chat = chat;
-    cont->body = body;
-    if (body.contains("max_completion_tokens") || body.contains("max_tokens")) {
-      cont->budget = requested_max_tokens(body, 0);
-    }
-  }
+  if (follow) *cont = Continuation::of(body, chat);
   const std::string path = chat ? "/v1/chat/completions" : "/v1/completions";
   auto begun = begin_round(path, body, *prompts);
   if (auto* refused = std::get_if<std::pair<int, std::string>>(&begun)) {

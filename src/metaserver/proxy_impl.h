@@ -141,6 +141,17 @@ struct Continuation {
   int rounds = 0;
   bool recomputed = false;  // the current round ended with stop reason "recomputed"
   std::string pending;      // the bytes of an event not complete yet
+
+  // The start of following a client's stream: its body, and its token budget if it set one.
+  static Continuation of(const ordered_json& body, bool chat) {
+    Continuation c;
+    c.chat = chat;
+    c.body = body;
+    if (body.contains("max_completion_tokens") || body.contains("max_tokens")) {
+      c.budget = requested_max_tokens(body, 0);
+    }
+    return c;
+  }
 };
 
 struct Proxy::Impl {

@@ -206,4 +206,64 @@ EngineStats Engine::stats() const {
   return impl_->stats;
 }
 
+// What the engine did and recorded (GET /rd2h/report), and its reader.
+void Engine::Impl::report(httplib::Response& res) {
+  if (trace::enabled()) {
+    std::future<void> drained;
+    {
+      std::lock_guard lock(mu);
+      if (!stopping) {
+        event_drains.emplace_back();
+        drained = event_drains.back().get_future();
+      }
+    }
+    cv.notify_all();
+    if (drained.valid() &&
+        drained.wait_for(std::chrono::seconds(10)) != std::future_status::ready) {
+      res.status = 503;
+      return res.set_content(R"({"error": {"message": "the engine core is busy", "code": 503}})",
+                             "application/json");
+    }
+  }
+  json out;
+  {
+    std::lock_guard lock(mu);
+    out["stats"] = {{"requests", stats.requests},
+                    {"steps", stats.steps},
+                    {"prefill_chunks", stats.prefill_chunks},
+                    {"verified_blocks", stats.verified_blocks},
+                    {"failed_requests", stats.failed_requests},
+                    {"main_pool_locked", stats.main_pool_locked}};
+  }
+  out["role"] = prefill ? "prefill" : "decode";
+  out["tp"] = config.tp_size;
+  out["events"] = to_json(trace::drain());
+  out["events_dropped"] = trace::dropped();
+  res.set_content(out.dump(), "application/json");
+}
+
+Expected<Report> parse_report(std::string_view body) {
+  const json j = json::parse(body, nullptr, false);
+  if (j.is_discarded() || !j.is_object() || !j.contains("stats")) {
+    return invalid_argument("an engine report must be a JSON object with stats and events");
+  }
+  Report r;
+  try {
+    r.role = j.at("role").get<std::string>();
+    r.tp_size = j.at("tp").get<int>();
+    const json& s = j.at("stats");
+    r.stats.requests = s.at("requests").get<uint64_t>();
+    r.stats.steps = s.at("steps").get<uint64_t>();
+    r.stats.prefill_chunks = s.at("prefill_chunks").get<uint64_t>();
+    r.stats.verified_blocks = s.at("verified_blocks").get<uint64_t>();
+    r.stats.failed_requests = s.at("failed_requests").get<uint64_t>();
+    r.stats.main_pool_locked = s.at("main_pool_locked").get<bool>();
+    r.events_dropped = j.value("events_dropped", uint64_t{0});
+  } catch (const json::exception& e) {
+    return invalid_argument(std::string("engine report: ") + e.what());
+  }
+  r.events = events_from_json(j.value("events", json::array()));
+  return r;
+}
+
 }  // namespace rd2h::sim
