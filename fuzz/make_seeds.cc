@@ -9,6 +9,7 @@
 #include <msgpack.hpp>
 #include <nlohmann/json.hpp>
 
+#include "kv_pool.h"
 #include "protocol/messages.h"
 #include "rd2h/connector/config.h"
 #include "rd2h/connector/metadata.h"
@@ -432,6 +433,31 @@ void ucx_metadata() {
   write("ucx_metadata", "edge-truncated", cut);
 }
 
+void pd_read_handshakes() {
+  tools::SourceHandshake h;
+  h.layout = {4, 8, {64, 8, 16}};
+  h.seed = 42;
+  h.base = 0x7f0000000000;
+  h.engine_metadata = hex("00 01 02 03");
+  const Bytes good = tools::encode_handshake(h);
+  write("pd_read_handshake", "gen-handshake", good);
+  Bytes cut(good.begin(), good.begin() + static_cast<std::ptrdiff_t>(good.size() / 2));
+  write("pd_read_handshake", "edge-truncated", cut);
+  // A map32 header declaring 2^32 - 1 fields, and no field.
+  write("pd_read_handshake", "edge-huge-field-count", hex("df ff ff ff ff"));
+  // tensor_bytes as an array32 declaring 2^32 - 1 entries, and none.
+  msgpack::sbuffer buffer;
+  Packer pk(buffer);
+  pk.pack_map(1);
+  pk.pack(std::string("tensor_bytes"));
+  const Bytes head(reinterpret_cast<const std::byte*>(buffer.data()),
+                   reinterpret_cast<const std::byte*>(buffer.data()) + buffer.size());
+  Bytes huge = head;
+  const Bytes count = hex("dd ff ff ff ff");
+  huge.insert(huge.end(), count.begin(), count.end());
+  write("pd_read_handshake", "edge-huge-tensor-count", huge);
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -450,5 +476,6 @@ int main(int argc, char** argv) {
   demo_configs();
   sim_messages();
   ucx_metadata();
+  pd_read_handshakes();
   return 0;
 }
