@@ -1,6 +1,9 @@
 #include "rd2h/connector/config.h"
 
+#include <functional>
+#include <map>
 #include <nlohmann/json.hpp>
+#include <type_traits>
 
 #include "control/curve.h"
 
@@ -49,70 +52,98 @@ Status read_ms(const json& j, const std::string& key, std::chrono::milliseconds&
   return Status::ok();
 }
 
+Status read_bool(const json& j, const std::string& key, bool& out) {
+  if (!j.is_boolean()) return bad(key, "must be true or false");
+  out = j.get<bool>();
+  return Status::ok();
+}
+
+// How one key of kv_connector_extra_config is read into the config; `where` names the key
+// in errors.
+using ExtraReader =
+    std::function<Status(const json& value, const std::string& where, ConnectorConfig& c)>;
+
+template <typename Field>
+ExtraReader into(Field ConnectorConfig::*field) {
+  return [field](const json& value, const std::string& where, ConnectorConfig& c) -> Status {
+    if constexpr (std::is_same_v<Field, bool>)
+      return read_bool(value, where, c.*field);
+    else if constexpr (std::is_same_v<Field, std::string>)
+      return read_string(value, where, c.*field);
+    else
+      return read_ms(value, where, c.*field);
+  };
+}
+
+template <typename Int>
+ExtraReader integer(Int ConnectorConfig::*field, int64_t lo, int64_t hi) {
+  return [field, lo, hi](const json& value, const std::string& where, ConnectorConfig& c) {
+    int64_t v = 0;
+    RD2H_RETURN_IF_ERROR(read_int(value, where, lo, hi, v));
+    c.*field = static_cast<Int>(v);
+    return Status::ok();
+  };
+}
+
+const std::map<std::string, ExtraReader>& extra_readers() {
+  static const std::map<std::string, ExtraReader> readers = {
+      {"transfer_backend",
+       [](const json& value, const std::string& where, ConnectorConfig& c) -> Status {
+         RD2H_RETURN_IF_ERROR(read_string(value, where, c.transfer_backend));
+         if (c.transfer_backend == "ucx") return Status::ok();
+         return bad(where, "is '" + c.transfer_backend + "'; this build has the 'ucx' backend");
+       }},
+      {"transport",
+       [](const json& value, const std::string& where, ConnectorConfig& c) -> Status {
+         std::string t;
+         RD2H_RETURN_IF_ERROR(read_string(value, where, t));
+         auto parsed = transfer::parse_transport(t);
+         if (!parsed) return bad(where, "is '" + t + "', expected shm, tcp or auto");
+         c.transport = *parsed;
+         return Status::ok();
+       }},
+      {"request_id_suffix_chars",
+       [](const json& value, const std::string& where, ConnectorConfig& c) {
+         int64_t v = 0;
+         RD2H_RETURN_IF_ERROR(read_int(value, where, 0, 64, v));
+         c.request_ids.suffix_chars = static_cast<size_t>(v);
+         return Status::ok();
+       }},
+      {"curve_secret_key_file",
+       [](const json& value, const std::string& where, ConnectorConfig& c) {
+         return read_string(value, where, c.curve.secret_key_file);
+       }},
+      {"curve_trusted_keys_file",
+       [](const json& value, const std::string& where, ConnectorConfig& c) {
+         return read_string(value, where, c.curve.trusted_keys_file);
+       }},
+      {"use_layerwise", into(&ConnectorConfig::use_layerwise)},
+      {"prefill_tp_size", integer(&ConnectorConfig::prefill_tp_size, 1, 4096)},
+      {"metaserver_attempts", integer(&ConnectorConfig::metaserver_attempts, 1, 100)},
+      {"ack_timeout_ms", into(&ConnectorConfig::ack_timeout)},
+      {"reply_timeout_ms", into(&ConnectorConfig::reply_timeout)},
+      {"send_timeout_ms", into(&ConnectorConfig::send_timeout)},
+      {"read_timeout_ms", into(&ConnectorConfig::read_timeout)},
+      {"hold_timeout_ms", into(&ConnectorConfig::hold_timeout)},
+      {"kv_arrival_timeout_ms", into(&ConnectorConfig::kv_arrival_timeout)},
+      {"metaserver_timeout_ms", into(&ConnectorConfig::metaserver_timeout)},
+      {"metaserver_resubmit_ms", into(&ConnectorConfig::metaserver_resubmit)},
+      {"share_registered_memory", into(&ConnectorConfig::share_registered_memory)},
+      {"control_link", into(&ConnectorConfig::control_link)},
+      {"insecure", into(&ConnectorConfig::insecure)},
+      {"metaserver_token_file", into(&ConnectorConfig::metaserver_token_file)},
+  };
+  return readers;
+}
+
 Status read_extra(const json& extra, ConnectorConfig& c) {
   if (!extra.is_object()) return bad("kv_connector_extra_config", "must be an object");
+  const auto& readers = extra_readers();
   for (const auto& [key, value] : extra.items()) {
     const std::string where = "kv_connector_extra_config." + key;
-    if (key == "transfer_backend") {
-      RD2H_RETURN_IF_ERROR(read_string(value, where, c.transfer_backend));
-      if (c.transfer_backend != "ucx") {
-        return bad(where, "is '" + c.transfer_backend + "'; this build has the 'ucx' backend");
-      }
-    } else if (key == "transport") {
-      std::string t;
-      RD2H_RETURN_IF_ERROR(read_string(value, where, t));
-      auto parsed = transfer::parse_transport(t);
-      if (!parsed) return bad(where, "is '" + t + "', expected shm, tcp or auto");
-      c.transport = *parsed;
-    } else if (key == "use_layerwise") {
-      if (!value.is_boolean()) return bad(where, "must be true or false");
-      c.use_layerwise = value.get<bool>();
-    } else if (key == "request_id_suffix_chars") {
-      int64_t v = 0;
-      RD2H_RETURN_IF_ERROR(read_int(value, where, 0, 64, v));
-      c.request_ids.suffix_chars = static_cast<size_t>(v);
-    } else if (key == "prefill_tp_size") {
-      int64_t v = 0;
-      RD2H_RETURN_IF_ERROR(read_int(value, where, 1, 4096, v));
-      c.prefill_tp_size = static_cast<int>(v);
-    } else if (key == "metaserver_attempts") {
-      int64_t v = 0;
-      RD2H_RETURN_IF_ERROR(read_int(value, where, 1, 100, v));
-      c.metaserver_attempts = static_cast<int>(v);
-    } else if (key == "ack_timeout_ms") {
-      RD2H_RETURN_IF_ERROR(read_ms(value, where, c.ack_timeout));
-    } else if (key == "reply_timeout_ms") {
-      RD2H_RETURN_IF_ERROR(read_ms(value, where, c.reply_timeout));
-    } else if (key == "send_timeout_ms") {
-      RD2H_RETURN_IF_ERROR(read_ms(value, where, c.send_timeout));
-    } else if (key == "read_timeout_ms") {
-      RD2H_RETURN_IF_ERROR(read_ms(value, where, c.read_timeout));
-    } else if (key == "hold_timeout_ms") {
-      RD2H_RETURN_IF_ERROR(read_ms(value, where, c.hold_timeout));
-    } else if (key == "kv_arrival_timeout_ms") {
-      RD2H_RETURN_IF_ERROR(read_ms(value, where, c.kv_arrival_timeout));
-    } else if (key == "metaserver_timeout_ms") {
-      RD2H_RETURN_IF_ERROR(read_ms(value, where, c.metaserver_timeout));
-    } else if (key == "metaserver_resubmit_ms") {
-      RD2H_RETURN_IF_ERROR(read_ms(value, where, c.metaserver_resubmit));
-    } else if (key == "curve_secret_key_file") {
-      RD2H_RETURN_IF_ERROR(read_string(value, where, c.curve.secret_key_file));
-    } else if (key == "curve_trusted_keys_file") {
-      RD2H_RETURN_IF_ERROR(read_string(value, where, c.curve.trusted_keys_file));
-    } else if (key == "share_registered_memory") {
-      if (!value.is_boolean()) return bad(where, "must be true or false");
-      c.share_registered_memory = value.get<bool>();
-    } else if (key == "control_link") {
-      if (!value.is_boolean()) return bad(where, "must be true or false");
-      c.control_link = value.get<bool>();
-    } else if (key == "insecure") {
-      if (!value.is_boolean()) return bad(where, "must be true or false");
-      c.insecure = value.get<bool>();
-    } else if (key == "metaserver_token_file") {
-      RD2H_RETURN_IF_ERROR(read_string(value, where, c.metaserver_token_file));
-    } else {
-      return bad(where, "is not a setting of this connector");
-    }
+    auto reader = readers.find(key);
+    if (reader == readers.end()) return bad(where, "is not a setting of this connector");
+    RD2H_RETURN_IF_ERROR(reader->second(value, where, c));
   }
   return Status::ok();
 }

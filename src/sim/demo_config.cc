@@ -1,6 +1,7 @@
 #include <algorithm>
 #include <fstream>
 #include <functional>
+#include <iterator>
 #include <map>
 #include <nlohmann/json.hpp>
 #include <sstream>
@@ -124,41 +125,28 @@ Status take(const DemoSetting& s, const json& v, const std::string& key) {
   return std::visit(Take{s, v, key}, s.field);
 }
 
-}  // namespace
+DemoSetting number(std::string name, std::string help, DemoSetting::Field field, uint64_t lo,
+                   uint64_t hi) {
+  DemoSetting s{std::move(name), std::move(help), field};
+  s.lo = lo;
+  s.hi = hi;
+  return s;
+}
 
-std::vector<DemoSetting> demo_settings(DemoOptions& o) {
-  constexpr uint64_t kU32 = UINT32_MAX;
-  auto number = [](std::string name, std::string help, auto* field, uint64_t lo, uint64_t hi) {
-    DemoSetting s{std::move(name), std::move(help), field};
-    s.lo = lo;
-    s.hi = hi;
-    return s;
-  };
-  auto text = [](std::string name, std::string help, std::string* field,
+DemoSetting text(std::string name, std::string help, std::string* field,
                  std::vector<std::string> choices = {}) {
-    DemoSetting s{std::move(name), std::move(help), field};
-    s.choices = std::move(choices);
-    return s;
-  };
-  auto command_line_only = [](DemoSetting s) {
-    s.in_config = false;
-    return s;
-  };
-  DemoSetting bytes_per_token{"bytes-per-token", "K, V, indexer[, scale]", &o.bytes_per_token};
-  bytes_per_token.lo = 1;
-  bytes_per_token.hi = 1u << 24;
-  bytes_per_token.min_items = 2;
-  bytes_per_token.max_items = 4;
-  DemoSetting corrupt{"test-corrupt-layer", "", &o.test_corrupt_layer};
-  corrupt.in_config = false;
-  corrupt.hidden = true;
-  DemoSetting timeline{"timeline",
-                       "the engines record their timeline (the transfer figures, --trace); off "
-                       "for long runs",
-                       &o.timeline};
-  timeline.negatable = true;
+  DemoSetting s{std::move(name), std::move(help), field};
+  s.choices = std::move(choices);
+  return s;
+}
+
+DemoSetting command_line_only(DemoSetting s) {
+  s.in_config = false;
+  return s;
+}
+
+std::vector<DemoSetting> deployment_settings(DemoOptions& o) {
   return {
-      // Deployment
       number("prefill-tp", "Prefill TP size", &o.prefill_tp, 1, 64),
       number("decode-tp", "Decode TP size", &o.decode_tp, 1, 64),
       number("dp", "Prefill and Decode instances", &o.dp, 1, 16),
@@ -173,19 +161,34 @@ std::vector<DemoSetting> demo_settings(DemoOptions& o) {
       number("metaserver-port", "rendezvous port (0: any)", &o.metaserver_port, 0, 65535),
       number("kv-port", "Decode's first kv port (0: a random free range)", &o.kv_port, 0, 65535),
       text("transport", "shm | tcp | auto", &o.transport, {"shm", "tcp", "auto"}),
-      // Model
+  };
+}
+
+std::vector<DemoSetting> model_settings(DemoOptions& o) {
+  DemoSetting bytes_per_token{"bytes-per-token", "K, V, indexer[, scale]", &o.bytes_per_token};
+  bytes_per_token.lo = 1;
+  bytes_per_token.hi = 1u << 24;
+  bytes_per_token.min_items = 2;
+  bytes_per_token.max_items = 4;
+  DemoSetting corrupt = command_line_only({"test-corrupt-layer", "", &o.test_corrupt_layer});
+  corrupt.hidden = true;
+  return {
       number("layers", "attention layers", &o.layers, 1, 1024),
       number("block-size", "tokens per block", &o.block_size, 1, 1u << 20),
       number("num-blocks", "blocks per rank", &o.num_blocks, 1, 1u << 24),
       bytes_per_token,
       number("slots", "Prefill's physical layer buffers (0: one per layer)", &o.slots, 0, 1024),
-      number("token-budget", "Prefill tokens per step (chunking)", &o.token_budget, 1, kU32),
+      number("token-budget", "Prefill tokens per step (chunking)", &o.token_budget, 1, UINT32_MAX),
       number("compute-ns-per-token", "Prefill compute time per token per layer",
              &o.compute_ns_per_token, 0, 1'000'000'000),
       number("compute-min-layer-us", "least Prefill compute time per layer",
              &o.compute_min_layer_us, 0, 60'000'000),
       corrupt,
-      // Workload
+  };
+}
+
+std::vector<DemoSetting> workload_settings(DemoOptions& o) {
+  return {
       number("requests", "requests in the workload", &o.requests, 1, 100'000'000),
       number("min-tokens", "shortest prompt", &o.min_tokens, 1, 1u << 30),
       number("max-tokens", "longest prompt", &o.max_tokens, 1, 1u << 30),
@@ -196,11 +199,31 @@ std::vector<DemoSetting> demo_settings(DemoOptions& o) {
       number("output-tokens", "tokens Decode generates per prompt", &o.output_tokens, 0, 1u << 20),
       number("seed", "workload seed", &o.seed, 0, UINT64_MAX),
       number("timeout", "seconds a request may take", &o.timeout_s, 1, 7 * 86400),
-      // Output
+  };
+}
+
+std::vector<DemoSetting> output_settings(DemoOptions& o) {
+  DemoSetting timeline{"timeline",
+                       "the engines record their timeline (the transfer figures, --trace); off "
+                       "for long runs",
+                       &o.timeline};
+  timeline.negatable = true;
+  return {
       text("trace", "write a Chrome trace-event timeline here", &o.trace_file),
       timeline,
       command_line_only(DemoSetting{"quiet", "print only failures", &o.quiet}),
   };
+}
+
+}  // namespace
+
+std::vector<DemoSetting> demo_settings(DemoOptions& o) {
+  std::vector<DemoSetting> all;
+  for (auto section : {deployment_settings, model_settings, workload_settings, output_settings}) {
+    auto settings = section(o);
+    std::move(settings.begin(), settings.end(), std::back_inserter(all));
+  }
+  return all;
 }
 
 Status apply_demo_config_text(const std::string& text, const std::string& source, DemoOptions& o,
