@@ -19,6 +19,7 @@
 
 #include "pd_read.h"
 #include "rd2h/common/deadline.h"
+#include "util/metrics.h"
 #include "util/pattern.h"
 
 namespace rd2h::tools {
@@ -66,9 +67,7 @@ Expected<std::pair<double, double>> measure_pair(const BenchEngineOptions& o,
     RD2H_TRY(y, measure(slice, batches, bytes_per_batch, b));
     rb.push_back(y);
   }
-  std::sort(ra.begin(), ra.end());
-  std::sort(rb.begin(), rb.end());
-  return std::pair{ra[kRounds / 2], rb[kRounds / 2]};
+  return std::pair{metrics::quantile(ra, 0.5), metrics::quantile(rb, 0.5)};
 }
 
 bool port_listening(int port) {
