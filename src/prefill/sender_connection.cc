@@ -1,0 +1,225 @@
+// Prefill's sender, per Decode connection: MF_META and its ACK, the link it offers, readiness
+// sent, answers read and settled, and connections dropped when lost or late.
+#include <sodium.h>
+
+#include "prefill/sender.h"
+#include "rd2h/common/trace.h"
+
+namespace rd2h::prefill {
+
+namespace {
+using Clock = std::chrono::steady_clock;
+}  // namespace
+
+void Sender::dispatch(Task task) {
+  Endpoint& ep = endpoints_[task.url];
+  // Never send on a connection the peer no longer knows; what it answered before it went
+  // counts (answers nobody waited for may still be in the socket).
+  if (ep.dealer) receive(task.url, ep);
+  drop_if_lost(task.url, ep);
+  if (!ep.dealer) {
+    // A new connection, or one rebuilt after a failure: it starts with MF_META, since the
+    // Decode side keys its metadata by connection.
+    std::optional<control::ClientSecurity> security;
+    if (config_.curve) security = control::ClientSecurity{*config_.curve, task.server_key};
+    auto dealer = control::DealerChannel::connect(context_, task.url, security);
+    if (!dealer) return settle(task.tickets, false, dealer.status().message());
+    ep.dealer = std::move(*dealer);
+    ep.acked = false;
+    ep.ack_deadline = Clock::now() + config_.ack_timeout;
+    if (Status st = ep.dealer->send(offer_link(ep)); !st) {
+      const std::string url = task.url;
+      ep.waiting.push_back(std::move(task));
+      return fail_endpoint(url, ep, st.message());
+    }
+    count(&SenderStats::mf_meta_sent);
+    waker_->wake();  // the sender thread watches for the ACK
+  }
+  if (!ep.acked) {
+    ep.waiting.push_back(std::move(task));
+    return;
+  }
+  transmit(ep, std::move(task));
+}
+
+std::vector<std::byte> Sender::offer_link(Endpoint& ep) {
+  if (!engine_ || !config_.control_link || !engine_->supports_links()) return mf_meta_;
+  uint64_t token = 0;
+  randombytes_buf(&token, sizeof(token));  // the link's capability: unguessable
+  auto inbox = std::make_shared<LinkInbox>();
+  Status st = engine_->expect_link(
+      token, [inbox, waker = waker_](transfer::LinkEvent event, std::span<const std::byte> m) {
+        {
+          std::lock_guard lock(inbox->mu);
+          if (event == transfer::LinkEvent::kOpened) inbox->opened = true;
+          if (event == transfer::LinkEvent::kClosed) inbox->closed = true;
+          if (event == transfer::LinkEvent::kMessage)
+            inbox->messages.emplace_back(m.begin(), m.end());
+        }
+        waker->wake_driver();
+      });
+  if (!st) return mf_meta_;  // a token in use already, say: this connection stays on ZeroMQ
+  ep.link = std::move(inbox);
+  ep.link_token = token;
+  ep.on_link = false;
+  protocol::MfMeta offer = meta_;
+  offer.control_link = token;
+  return protocol::encode(offer);
+}
+
+void Sender::transmit(Endpoint& ep, Task task) {
+  if (ep.link && !ep.on_link && ep.pending.empty()) {
+    // Nothing is owed on ZeroMQ any more: answers cannot overtake each other from here.
+    std::lock_guard lock(ep.link->mu);
+    ep.on_link = ep.link->opened && !ep.link->closed;
+  }
+  Status st = ep.on_link ? engine_->send_on_link(ep.link_token, task.payload)
+                         : ep.dealer->send(task.payload);
+  if (!st) return settle(task.tickets, false, st.message());
+  ep.pending.push_back(
+      {task.layer_idx, std::move(task.tickets), Clock::now() + config_.reply_timeout});
+  trace::instant("readiness", "sender", task.layer_idx);
+  count(&SenderStats::readiness_sent);
+  if (ep.on_link) count(&SenderStats::readiness_on_link);
+  if (on_completion_) count(&SenderStats::sent_on_completion);
+}
+
+void Sender::receive(const std::string& url, Endpoint& ep) {
+  // Answers on the link first: once a connection moved there, ZeroMQ carries no answer.
+  while (ep.on_link) {
+    std::vector<std::byte> bytes;
+    {
+      std::lock_guard lock(ep.link->mu);
+      if (ep.link->messages.empty()) break;
+      bytes = std::move(ep.link->messages.front());
+      ep.link->messages.pop_front();
+    }
+    if (!answer(url, ep, bytes)) return;
+  }
+  // A connection whose first connect failed reaches, at best, a Decode that came up later
+  // on the same port and does not know what was said to its predecessor: its ACK must not
+  // release the readiness that waited for it.
+  if (!ep.acked && drop_if_lost(url, ep)) return;
+  for (;;) {
+    auto payload = ep.dealer->try_receive();
+    if (!payload || !payload->has_value()) return;
+    const auto& bytes = **payload;
+    if (!ep.acked) {
+      if (protocol::is_ack(bytes)) {
+        ep.acked = true;
+        trace::instant("mf_meta ack", "sender");
+        std::deque<Task> waiting;
+        waiting.swap(ep.waiting);
+        for (auto& t : waiting) transmit(ep, std::move(t));
+        continue;
+      }
+      auto refusal = protocol::decode_message(bytes);
+      const std::string why = refusal && std::holds_alternative<protocol::ReadFailed>(*refusal)
+                                  ? std::get<protocol::ReadFailed>(*refusal).error
+                                  : "Decode answered MF_META with something other than ACK";
+      return fail_endpoint(url, ep, why);
+    }
+    if (ep.on_link) {
+      // Decode speaks on ZeroMQ to a connection that moved to the link only when its end
+      // of the link is gone (its session broke); what it says may overtake answers still
+      // on the link, so it answers nothing: the connection starts again.
+      auto told = protocol::decode_message(bytes);
+      const auto* failed = told ? std::get_if<protocol::ReadFailed>(&*told) : nullptr;
+      count(&SenderStats::connections_lost);
+      return fail_endpoint(url, ep,
+                           "Decode " + url + " left the transfer link" +
+                               (failed != nullptr ? ": " + failed->error : std::string()));
+    }
+    if (!answer(url, ep, bytes)) return;
+  }
+}
+
+bool Sender::answer(const std::string& url, Endpoint& ep, std::span<const std::byte> bytes) {
+  auto message = protocol::decode_message(bytes);
+  if (ep.pending.empty()) return true;  // nothing waits for it: a late answer
+  Pending p = std::move(ep.pending.front());
+  ep.pending.pop_front();
+  bool ok = false;
+  std::string reason;
+  int64_t layer = -1;
+  if (!message) {
+    reason = "undecodable answer from " + url + ": " + message.status().message();
+  } else if (auto* done = std::get_if<protocol::ReadDone>(&*message)) {
+    ok = true;
+    layer = done->layer_idx;
+  } else if (auto* failed = std::get_if<protocol::ReadFailed>(&*message)) {
+    reason = failed->error;
+    layer = failed->layer_idx;
+  } else {
+    reason = "unexpected message from " + url;
+  }
+  if (message && layer != p.layer_idx) {
+    // Answers come in request order; one out of order means the connection lost track.
+    ep.pending.push_front(std::move(p));
+    fail_endpoint(url, ep,
+                  "answer for layer " + std::to_string(layer) + " while layer " +
+                      std::to_string(ep.pending.front().layer_idx) + " was expected from " + url);
+    return false;
+  }
+  trace::instant(ok ? "answer" : "read failed", "sender", p.layer_idx);
+  settle(p.tickets, ok, reason, /*from_decode=*/true);
+  return true;
+}
+
+bool Sender::drop_if_lost(const std::string& url, Endpoint& ep) {
+  if (!ep.dealer) return false;
+  if (ep.link) {
+    bool closed;
+    {
+      std::lock_guard lock(ep.link->mu);
+      closed = ep.link->closed;
+    }
+    if (closed && !ep.on_link) {
+      // Never used: the connection stays on ZeroMQ (slower, not wrong).
+      engine_->close_link(ep.link_token);
+      ep.link.reset();
+    } else if (closed) {
+      count(&SenderStats::connections_lost);
+      fail_endpoint(url, ep, "the transfer link to " + url + " closed (Decode restarted or died)");
+      return true;
+    }
+  }
+  if (!ep.dealer->connection_lost()) return false;
+  count(&SenderStats::connections_lost);
+  fail_endpoint(url, ep,
+                ep.dealer->refusal().empty()
+                    ? "the connection to " + url + " closed (Decode restarted or died)"
+                    : ep.dealer->refusal());
+  return true;
+}
+
+void Sender::check_deadlines() {
+  const auto now = Clock::now();
+  for (auto& [url, ep] : endpoints_) {
+    if (!ep.dealer) continue;
+    if (!ep.acked && now >= ep.ack_deadline) {
+      fail_endpoint(url, ep,
+                    "no ACK for MF_META from " + url + " within " +
+                        std::to_string(config_.ack_timeout.count()) + " ms");
+    } else if (!ep.pending.empty() && now >= ep.pending.front().deadline) {
+      fail_endpoint(url, ep,
+                    "no answer from " + url + " for layer " +
+                        std::to_string(ep.pending.front().layer_idx) + " within " +
+                        std::to_string(config_.reply_timeout.count()) + " ms");
+    }
+  }
+}
+
+void Sender::fail_endpoint(const std::string& /*url*/, Endpoint& ep, const std::string& why) {
+  for (auto& p : ep.pending) settle(p.tickets, false, why);
+  for (auto& t : ep.waiting) settle(t.tickets, false, why);
+  ep.pending.clear();
+  ep.waiting.clear();
+  ep.dealer.reset();  // the next readiness reconnects and sends MF_META again
+  ep.acked = false;
+  if (ep.link) engine_->close_link(ep.link_token);
+  ep.link.reset();
+  ep.on_link = false;
+}
+
+}  // namespace rd2h::prefill
