@@ -58,7 +58,7 @@ int run_engine(const EngineCommandOptions& o, connector::KvRole role) {
     std::fprintf(stderr, "rd2h %s: kv_role in --kv-transfer-config is for the other side\n", name);
     return 2;
   }
-  auto token = metaserver::load_token(o.token_file);
+  auto token = http::load_token(o.token_file);
   if (!token) {
     std::fprintf(stderr, "rd2h %s: --token-file: %s\n", name, token.status().message().c_str());
     return 2;

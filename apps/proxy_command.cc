@@ -10,7 +10,7 @@ namespace rd2h::tools {
 
 int run_proxy(metaserver::ProxyConfig config, const std::string& token_file,
               std::chrono::seconds drain_timeout) {
-  auto token = metaserver::load_token(token_file);
+  auto token = http::load_token(token_file);
   if (!token) {
     std::fprintf(stderr, "rd2h proxy: --token-file: %s\n", token.status().message().c_str());
     return 2;

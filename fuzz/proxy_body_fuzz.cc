@@ -48,8 +48,8 @@ size_t text_depth(std::string_view text) {
 void client_body(std::string_view text, bool chat) {
   auto body = ordered_json::parse(text, nullptr, /*allow_exceptions=*/false);
   if (body.is_discarded() || !body.is_object()) return;  // the proxy's 400
-  const metaserver::PromptLimits limits;
-  const auto prompts = metaserver::check_openai_body(body, chat, limits);
+  const http::PromptLimits limits;
+  const auto prompts = http::check_openai_body(body, chat, limits);
   if (!prompts) {
     fuzz::check_refusal(prompts.status(), "check_openai_body");
     return;
@@ -57,7 +57,7 @@ void client_body(std::string_view text, bool chat) {
   RD2H_FUZZ_CHECK(*prompts >= 1 && *prompts <= limits.max_prompts,
                   std::to_string(*prompts) + " prompts accepted");
   RD2H_FUZZ_CHECK(!chat || *prompts == 1, "a chat body is one prompt");
-  RD2H_FUZZ_CHECK(text_depth(text) <= metaserver::kMaxBodyNesting,
+  RD2H_FUZZ_CHECK(text_depth(text) <= http::kMaxBodyNesting,
                   "a body nested " + std::to_string(text_depth(text)) + " levels deep is accepted");
   // To Decode: the client's body with the proxy's kv_transfer_params.
   ordered_json to_decode = body;
@@ -77,7 +77,7 @@ void client_body(std::string_view text, bool chat) {
     const std::string payload = sent->dump();
     const json engine_body = json::parse(payload, nullptr, /*allow_exceptions=*/false);
     RD2H_FUZZ_CHECK(!engine_body.is_discarded(), "the proxy wrote a body that does not parse");
-    const auto at_engine = metaserver::check_openai_body(engine_body, chat, limits);
+    const auto at_engine = http::check_openai_body(engine_body, chat, limits);
     RD2H_FUZZ_CHECK(
         at_engine && *at_engine == *prompts,
         "the engine does not accept what the proxy accepted: " + at_engine.status().message());

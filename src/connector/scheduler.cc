@@ -52,7 +52,7 @@ Expected<std::unique_ptr<Scheduler>> Scheduler::create(ConnectorConfig config, P
     mc.timeout = s->config_.metaserver_timeout;
     mc.attempts = s->config_.metaserver_attempts;
     mc.resubmit = s->config_.metaserver_resubmit;
-    auto token = metaserver::load_token(s->config_.metaserver_token_file);
+    auto token = http::load_token(s->config_.metaserver_token_file);
     if (!token) return token.status().with_context("metaserver_token_file");
     mc.token = *token;
     s->metaserver_ = std::make_unique<metaserver::Client>(mc);

@@ -99,7 +99,7 @@ void Client::attempt(Job job) {
   http.set_read_timeout(config_.timeout);
   http.set_write_timeout(config_.timeout);
   httplib::Headers headers;
-  if (!config_.token.empty()) headers.emplace("Authorization", bearer(config_.token));
+  if (!config_.token.empty()) headers.emplace("Authorization", http::bearer(config_.token));
   auto res = http.Post(job.url.path, headers, job.body, "application/json");
 
   std::lock_guard lock(mu_);

@@ -21,7 +21,7 @@ Expected<std::unique_ptr<Proxy>> Proxy::start(ProxyConfig config) {
   impl->decode_load.assign(config.decode.size(), 0);
   impl->prefill_load.assign(config.prefill.size(), 0);
   impl->dispatchers = std::make_unique<ThreadPool>(config.max_concurrent);
-  if (!config.token.empty()) impl->auth.emplace("Authorization", bearer(config.token));
+  if (!config.token.empty()) impl->auth.emplace("Authorization", http::bearer(config.token));
   Impl* p = impl.get();
   p->make_servers();
   p->add_routes();
@@ -33,7 +33,7 @@ Expected<std::unique_ptr<Proxy>> Proxy::start(ProxyConfig config) {
 }
 
 void Proxy::Impl::make_servers() {
-  HttpServerConfig client;
+  http::HttpServerConfig client;
   client.host = config.host;
   client.port = config.port;
   client.name = "client API";
@@ -42,26 +42,26 @@ void Proxy::Impl::make_servers() {
   client.token = config.token;
   client.api_key = config.api_key;
   client.metrics = &http;
-  HttpServerConfig meta = client;
+  http::HttpServerConfig meta = client;
   meta.port = config.metaserver_port;
   meta.name = "metaserver";
-  meta.max_connections = HttpServerConfig{}.max_connections;
+  meta.max_connections = http::HttpServerConfig{}.max_connections;
   meta.api_key.clear();
   meta.access_log = false;  // a post per prompt: at debug level
   meta.metrics_name = "metaserver";
-  api = std::make_unique<HttpServer>(client);
-  rendezvous = std::make_unique<HttpServer>(meta);
+  api = std::make_unique<http::HttpServer>(client);
+  rendezvous = std::make_unique<http::HttpServer>(meta);
 }
 
 void Proxy::Impl::add_routes() {
-  for (HttpServer* s : {api.get(), rendezvous.get()}) {
-    s->post("/v1/metaserver", HttpServer::Auth::kToken,
+  for (http::HttpServer* s : {api.get(), rendezvous.get()}) {
+    s->post("/v1/metaserver", http::HttpServer::Auth::kToken,
             [this](const httplib::Request& req, httplib::Response& res) {
               handle_rendezvous(req, res);
             });
   }
   // The client-facing routes take the client API key (if one is set), not the engine token.
-  using Auth = HttpServer::Auth;
+  using Auth = http::HttpServer::Auth;
   api->post("/v1/completions", Auth::kApiKey,
             [this](const httplib::Request& req, httplib::Response& res) {
               handle_client(req, res, false);
@@ -113,7 +113,7 @@ Proxy::~Proxy() {
   p.idle_cv.notify_all();  // a dispatch backing off before its next attempt stops waiting
   // Failed first, so that the dispatches cut below are not taken for Prefill's failures.
   for (auto& parent : in_flight) {
-    parent->fail(503, api_error_json(503, "the proxy is stopping"));
+    parent->fail(503, http::api_error_json(503, "the proxy is stopping"));
   }
   in_flight.clear();
   {

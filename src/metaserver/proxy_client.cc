@@ -104,10 +104,11 @@ std::variant<Round, std::pair<int, std::string>> Proxy::Impl::begin_round(
   {
     std::lock_guard lock(mu);
     if (stopping || draining) {
-      return std::pair{503, api_error_json(503, "the proxy is shutting down")};
+      return std::pair{503, http::api_error_json(503, "the proxy is shutting down")};
     }
     if (config.decode.empty() || config.prefill.empty()) {
-      return std::pair{503, api_error_json(503, "the proxy has no Prefill or no Decode instance")};
+      return std::pair{503,
+                       http::api_error_json(503, "the proxy has no Prefill or no Decode instance")};
     }
     parent->decode = least_loaded(decode_load, decode_cursor);
     upstream_in_flight.with({"decode", config.decode[parent->decode]}).add(1);
@@ -162,7 +163,7 @@ std::string Proxy::Impl::continue_event(Continuation& c, const std::string& even
   auto j = ordered_json::parse(data, nullptr, /*allow_exceptions=*/false);
   // Not an event to follow (or nested too deep to copy and write back safely): as it is.
   if (j.is_discarded() || !j.is_object() || j.contains("error") ||
-      nests_deeper_than(j, kMaxBodyNesting)) {
+      http::nests_deeper_than(j, http::kMaxBodyNesting)) {
     return raw;
   }
   if (c.rounds == 0) {
@@ -239,13 +240,13 @@ std::string Proxy::Impl::continue_choice(Continuation& c, ordered_json& j, order
 }
 
 bool Proxy::Impl::client_left(const std::shared_ptr<Parent>& of) {
-  if (!client_gone()) return false;
+  if (!http::client_gone()) return false;
   {
     std::lock_guard lock(mu);
     ++stats.client_cancelled;
   }
   cancelled.with().inc();
-  of->fail(499, api_error_json(499, "the client went away"));
+  of->fail(499, http::api_error_json(499, "the client went away"));
   return true;
 }
 
@@ -276,7 +277,7 @@ void Proxy::Impl::answer_whole(httplib::Response& res, const std::shared_ptr<Rou
   } else {
     std::lock_guard held(leg->mu);
     if (!done || !leg->error.empty() || leg->status == 0) {
-      set_api_error(res, 502, done ? leg->error : "the client went away");
+      http::set_api_error(res, 502, done ? leg->error : "the client went away");
     } else {
       std::string answer;
       answer.reserve(leg->held);
@@ -322,7 +323,7 @@ struct Proxy::Impl::StreamRelay {
     }
     if (sink.write(out.data(), out.size())) return true;
     impl->client_left(round->parent);
-    round->parent->fail(499, api_error_json(499, "the client went away"));
+    round->parent->fail(499, http::api_error_json(499, "the client went away"));
     return false;
   }
 
@@ -331,11 +332,11 @@ struct Proxy::Impl::StreamRelay {
     if (!follow) return write(sink, chunk);
     cont->pending += chunk;
     if (cont->pending.size() > kMaxHeldAnswerBytes) {
-      return write(sink,
-                   "data: " +
-                       api_error_json(502, "Decode sent an event of more than " +
-                                               std::to_string(kMaxHeldAnswerBytes) + " bytes") +
-                       "\n\n");
+      return write(
+          sink, "data: " +
+                    http::api_error_json(502, "Decode sent an event of more than " +
+                                                  std::to_string(kMaxHeldAnswerBytes) + " bytes") +
+                    "\n\n");
     }
     size_t end;
     while ((end = cont->pending.find("\n\n")) != std::string::npos) {
@@ -386,11 +387,12 @@ struct Proxy::Impl::StreamRelay {
       const auto answer = ordered_json::parse(cont->pending, nullptr, false);
       failure = answer.is_object() && answer.contains("error")
                     ? cont->pending
-                    : api_error_json(502, "Decode answered HTTP " + std::to_string(status));
+                    : http::api_error_json(502, "Decode answered HTTP " + std::to_string(status));
     }
     if (failure.empty() && error.empty()) return false;
-    const std::string event = "data: " + (failure.empty() ? api_error_json(502, error) : failure) +
-                              "\n\n" + (cont->rounds > 0 ? "data: [DONE]\n\n" : "");
+    const std::string event =
+        "data: " + (failure.empty() ? http::api_error_json(502, error) : failure) + "\n\n" +
+        (cont->rounds > 0 ? "data: [DONE]\n\n" : "");
     sink.write(event.data(), event.size());
     sink.done();
     return true;
@@ -430,17 +432,19 @@ void Proxy::Impl::handle_client(const httplib::Request& req, httplib::Response& 
   const auto started = Clock::now();
   const std::string client_id = req.get_header_value("X-Request-Id");
   if (!client_id.empty() && !printable_id(client_id)) {
-    return set_api_error(res, 400, "X-Request-Id must be 1 to 128 printable characters",
-                         "X-Request-Id");
+    return http::set_api_error(res, 400, "X-Request-Id must be 1 to 128 printable characters",
+                               "X-Request-Id");
   }
   auto body = ordered_json::parse(req.body, nullptr, /*allow_exceptions=*/false);
   if (body.is_discarded() || !body.is_object()) {
-    return set_api_error(res, 400, "the request body is not a JSON object");
+    return http::set_api_error(res, 400, "the request body is not a JSON object");
   }
-  BodyFault fault;
-  const auto prompts = check_openai_body(
-      body, chat, PromptLimits{config.max_prompts, config.max_prompt_tokens}, &fault);
-  if (!prompts) return set_api_error(res, 400, prompts.status().message(), fault.param, fault.code);
+  http::BodyFault fault;
+  const auto prompts = http::check_openai_body(
+      body, chat, http::PromptLimits{config.max_prompts, config.max_prompt_tokens}, &fault);
+  if (!prompts) {
+    return http::set_api_error(res, 400, prompts.status().message(), fault.param, fault.code);
+  }
   const auto stream_field = body.find("stream");
   const bool stream =
       stream_field != body.end() && stream_field->is_boolean() && stream_field->get<bool>();

@@ -44,12 +44,13 @@ void Proxy::Impl::handle_rendezvous(const httplib::Request& req, httplib::Respon
   auto body = ordered_json::parse(req.body, nullptr, /*allow_exceptions=*/false);
   if (body.is_discarded() || !body.is_object() || !body.contains("request_id") ||
       !body["request_id"].is_string()) {
-    return set_api_error(res, 400, "a rendezvous is a JSON object with a string request_id");
+    return http::set_api_error(res, 400, "a rendezvous is a JSON object with a string request_id");
   }
-  if (nests_deeper_than(body, kMaxBodyNesting)) {  // it is kept and copied: bound the recursion
-    return set_api_error(res, 400,
-                         "the rendezvous nests arrays and objects deeper than " +
-                             std::to_string(kMaxBodyNesting) + " levels");
+  // It is kept and copied: bound the recursion.
+  if (http::nests_deeper_than(body, http::kMaxBodyNesting)) {
+    return http::set_api_error(res, 400,
+                               "the rendezvous nests arrays and objects deeper than " +
+                                   std::to_string(http::kMaxBodyNesting) + " levels");
   }
   const std::string child = body["request_id"].get<std::string>();
   std::shared_ptr<Parent> parent;
@@ -59,7 +60,7 @@ void Proxy::Impl::handle_rendezvous(const httplib::Request& req, httplib::Respon
     if (it == by_child.end()) {
       ++stats.unknown_rendezvous;
       rendezvous_posts.with({"false"}).inc();
-      return set_api_error(res, 404, "unknown request id " + child, "request_id");
+      return http::set_api_error(res, 404, "unknown request id " + child, "request_id");
     }
     ++stats.rendezvous;
     rendezvous_posts.with({"true"}).inc();
@@ -76,7 +77,7 @@ void Proxy::Impl::handle_rendezvous(const httplib::Request& req, httplib::Respon
   }
   if (complete) {
     std::lock_guard lock(mu);
-    if (stopping) return set_api_error(res, 502, "the proxy is stopping");
+    if (stopping) return http::set_api_error(res, 502, "the proxy is stopping");
     dispatchers->run([this, parent] { dispatch_prefill(parent); });
   }
   res.set_content(R"({"status":"ok"})", "application/json");
@@ -176,14 +177,14 @@ void Proxy::Impl::dispatch_prefill(std::shared_ptr<Parent> parent) {
   }
   if (!a.why.empty() && !a.given_up) {
     log::warn("proxy: request {}: {}", parent->id, a.why);
-    parent->fail(a.status, a.refusal.empty() ? api_error_json(502, a.why) : a.refusal);
+    parent->fail(a.status, a.refusal.empty() ? http::api_error_json(502, a.why) : a.refusal);
   }
 }
 
 void Proxy::Impl::handle_health(httplib::Response& res) {
   {
     std::lock_guard lock(mu);
-    if (stopping || draining) return set_api_error(res, 503, "the proxy is shutting down");
+    if (stopping || draining) return http::set_api_error(res, 503, "the proxy is shutting down");
   }
   ordered_json out = {{"status", "ok"}};
   std::vector<std::string> down;
@@ -226,7 +227,7 @@ void Proxy::Impl::handle_reset_prefix_cache(httplib::Response& res) {
   if (failed.empty()) return res.set_content(R"({"status":"ok"})", "application/json");
   std::string names;
   for (const auto& f : failed) names += (names.empty() ? "" : ", ") + f;
-  set_api_error(res, 500, "the prefix cache was not reset on " + names);
+  http::set_api_error(res, 500, "the prefix cache was not reset on " + names);
 }
 
 void Proxy::Impl::handle_models(httplib::Response& res) {
@@ -238,7 +239,7 @@ void Proxy::Impl::handle_models(httplib::Response& res) {
     if (r && r.status == 200) return res.set_content(r.body, "application/json");
     last = "Decode " + origin + (r ? " answered HTTP " + std::to_string(r.status) : " " + r.error);
   }
-  set_api_error(res, 502, last);
+  http::set_api_error(res, 502, last);
 }
 
 }  // namespace rd2h::metaserver

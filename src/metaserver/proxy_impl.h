@@ -88,7 +88,7 @@ struct Parent {
     if (up) up->stop();
     if (pre) pre->stop();
   }
-  void fail(const std::string& why) { fail(502, api_error_json(502, why)); }
+  void fail(const std::string& why) { fail(502, http::api_error_json(502, why)); }
   std::pair<int, std::string> failed() {
     std::lock_guard lock(mu);
     return {failure_status, failure};
@@ -148,7 +148,7 @@ struct Continuation {
     c.chat = chat;
     c.body = body;
     if (body.contains("max_completion_tokens") || body.contains("max_tokens")) {
-      c.budget = requested_max_tokens(body, 0);
+      c.budget = http::requested_max_tokens(body, 0);
     }
     return c;
   }
@@ -158,7 +158,7 @@ struct Proxy::Impl {
   ProxyConfig config;
   // GET /metrics on the client API.
   metrics::Registry registry;
-  HttpMetrics http{registry};
+  http::HttpMetrics http{registry};
   metrics::Family<metrics::Histogram>& ttft = registry.histogram(
       "rd2h_proxy_time_to_first_token_seconds",
       "Streamed requests: from the request to its first event forwarded to the client", {},
@@ -179,7 +179,7 @@ struct Proxy::Impl {
   metrics::Family<metrics::Gauge>& upstream_in_flight =
       registry.gauge("rd2h_proxy_upstream_in_flight", "Requests in flight on each engine instance",
                      {"role", "instance"});
-  std::unique_ptr<HttpServer> api, rendezvous;
+  std::unique_ptr<http::HttpServer> api, rendezvous;
   // The client API and the metaserver listener, with their routes (before they start).
   void make_servers();
   void add_routes();

@@ -94,14 +94,14 @@ Expected<std::unique_ptr<Engine>> Engine::start(EngineConfig config) {
   impl->config = std::move(config);
   RD2H_RETURN_IF_ERROR(impl->init());
   Impl* p = impl.get();
-  metaserver::HttpServerConfig http;
-  http.host = p->config.host;
-  http.port = p->config.port;
-  http.name = "engine's HTTP API";
-  http.max_body_bytes = p->config.max_body_bytes;
-  http.token = p->config.token;
-  http.metrics = &p->http_metrics;
-  p->http = std::make_unique<metaserver::HttpServer>(http);
+  http::HttpServerConfig api;
+  api.host = p->config.host;
+  api.port = p->config.port;
+  api.name = "engine's HTTP API";
+  api.max_body_bytes = p->config.max_body_bytes;
+  api.token = p->config.token;
+  api.metrics = &p->http_metrics;
+  p->http = std::make_unique<http::HttpServer>(api);
   p->add_routes();
   p->add_metrics();
   // The core first: the destructor joins it before it stops HTTP.
@@ -121,7 +121,7 @@ Expected<std::unique_ptr<Engine>> Engine::start(EngineConfig config) {
 }
 
 void Engine::Impl::add_routes() {
-  using Auth = metaserver::HttpServer::Auth;
+  using Auth = http::HttpServer::Auth;
   http->post("/v1/completions", Auth::kToken,
              [this](const httplib::Request& q, httplib::Response& s) { serve(q, s, false); });
   http->post("/v1/chat/completions", Auth::kToken,
@@ -142,7 +142,7 @@ void Engine::Impl::add_routes() {
   // Probes take no token, as load balancers and orchestrators send none.
   http->get("/health", Auth::kNone, [this](const httplib::Request&, httplib::Response& s) {
     std::lock_guard lock(mu);
-    if (stopping) return metaserver::set_api_error(s, 503, "the engine is stopping");
+    if (stopping) return http::set_api_error(s, 503, "the engine is stopping");
     s.set_content(json{{"status", "ok"}, {"role", prefill ? "prefill" : "decode"}}.dump(),
                   "application/json");
   });

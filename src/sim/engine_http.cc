@@ -171,7 +171,7 @@ struct Engine::Impl::Call {
       if (all_ended) return std::nullopt;
       if (std::chrono::steady_clock::now() >= deadline) {
         return ev.finish(
-            "data: " + metaserver::api_error_json(504, "the request did not finish in time") +
+            "data: " + http::api_error_json(504, "the request did not finish in time") +
             "\n\ndata: [DONE]\n\n");
       }
       if (client_went_away()) return false;
@@ -183,7 +183,7 @@ struct Engine::Impl::Call {
     auto outcome = wait();
     if (auto* failed = std::get_if<std::pair<int, std::string>>(&outcome)) {
       if (failed->first == 499) return false;
-      return ev.finish("data: " + metaserver::api_error_json(failed->first, failed->second) +
+      return ev.finish("data: " + http::api_error_json(failed->first, failed->second) +
                        "\n\ndata: [DONE]\n\n");
     }
     const auto& done = std::get<std::vector<Result>>(outcome);
@@ -294,9 +294,9 @@ struct Engine::Impl::Asked {
 
 std::variant<Engine::Impl::Asked, HttpFault> Engine::Impl::read_request(const json& body, bool chat,
                                                                         const std::string& parent) {
-  const metaserver::PromptLimits limits{config.max_prompts, config.max_prompt_tokens};
-  metaserver::BodyFault fault;
-  if (auto checked = metaserver::check_openai_body(body, chat, limits, &fault); !checked) {
+  const http::PromptLimits limits{config.max_prompts, config.max_prompt_tokens};
+  http::BodyFault fault;
+  if (auto checked = http::check_openai_body(body, chat, limits, &fault); !checked) {
     return HttpFault{400, checked.status().message(), fault.param, fault.code};
   }
   if (auto m = body.find("model");
@@ -326,7 +326,7 @@ std::variant<Engine::Impl::Asked, HttpFault> Engine::Impl::read_request(const js
     if (tokens.empty())
       return HttpFault{400, "request " + id + " has an empty prompt", prompt_param, ""};
   }
-  asked.max_tokens = metaserver::requested_max_tokens(body, 16);
+  asked.max_tokens = http::requested_max_tokens(body, 16);
   if (auto why = never_fits(asked.prompts, asked.max_tokens)) {
     return HttpFault{400, *why, prompt_param, "context_length_exceeded"};
   }
@@ -380,7 +380,7 @@ std::optional<HttpFault> Engine::Impl::enqueue(Call& call, Asked& asked) {
     cv.notify_all();
   };
   call.client_went_away = [give_up = call.give_up] {
-    if (!metaserver::client_gone()) return false;
+    if (!http::client_gone()) return false;
     give_up();
     return true;
   };
@@ -415,7 +415,7 @@ std::optional<HttpFault> Engine::Impl::await_first_token(Call& call) {
 
 void Engine::Impl::serve(const httplib::Request& req, httplib::Response& res, bool chat) {
   auto fail = [&](const HttpFault& f) {
-    metaserver::set_api_error(res, f.status, f.message, f.param, f.code);
+    http::set_api_error(res, f.status, f.message, f.param, f.code);
   };
   std::string parent = req.get_header_value("X-Request-Id");
   if (!parent.empty()) {

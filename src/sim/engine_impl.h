@@ -100,7 +100,7 @@ struct Engine::Impl {
   EngineConfig config;
   // GET /metrics.
   metrics::Registry registry;
-  metaserver::HttpMetrics http_metrics{registry};
+  http::HttpMetrics http_metrics{registry};
   metrics::Family<metrics::Histogram>& ttft = registry.histogram(
       "rd2h_engine_time_to_first_token_seconds",
       "From a prompt's arrival to its first token (Prefill: to the end of its prefill)", {},
@@ -138,7 +138,7 @@ struct Engine::Impl {
   bool corrupt_pending = false;
   uint64_t checksum = 0;  // Decode's reads of its pool while decoding
 
-  std::unique_ptr<metaserver::HttpServer> http;
+  std::unique_ptr<http::HttpServer> http;
   int http_port = 0;
 
   std::mutex mu;

@@ -31,7 +31,7 @@
 #include "util/metrics.h"
 #include "util/token.h"
 
-namespace rd2h::metaserver {
+namespace rd2h::http {
 
 // What every HTTP server of a process counts, by listener (its HttpServerConfig::metrics_name),
 // route (a registered path, else "other") and status.
@@ -114,4 +114,4 @@ void close_connection_after_response();
 // a handler that waits long asks this now and then, and gives the work up if so.
 bool client_gone();
 
-}  // namespace rd2h::metaserver
+}  // namespace rd2h::http

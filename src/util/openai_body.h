@@ -11,7 +11,7 @@
 
 #include "rd2h/common/status.h"
 
-namespace rd2h::metaserver {
+namespace rd2h::http {
 
 struct PromptLimits {
   size_t max_prompts = 1024;          // prompts in a list (and chat messages)
@@ -255,4 +255,4 @@ Expected<size_t> check_openai_body(const Json& body, bool chat, const PromptLimi
   return prompt->size();
 }
 
-}  // namespace rd2h::metaserver
+}  // namespace rd2h::http

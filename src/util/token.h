@@ -6,7 +6,7 @@
 
 #include "rd2h/common/status.h"
 
-namespace rd2h::metaserver {
+namespace rd2h::http {
 
 // The first line of `path` (trailing whitespace dropped) when a path is given, else
 // $RD2H_TOKEN, else empty (no token). A given file that cannot be read or is empty is an
@@ -17,4 +17,4 @@ std::string bearer(const std::string& token);
 // Whether `header` (an Authorization header value) carries `token`, in constant time.
 bool token_matches(const std::string& header, const std::string& token);
 
-}  // namespace rd2h::metaserver
+}  // namespace rd2h::http

@@ -22,9 +22,13 @@
 #include "rd2h/metaserver/proxy.h"
 #include "support/http_server.h"
 
-namespace rd2h::metaserver {
+namespace rd2h::http {
 namespace {
 
+using metaserver::Client;
+using metaserver::ClientConfig;
+using metaserver::Proxy;
+using metaserver::ProxyConfig;
 using nlohmann::json;
 using rd2h::testing::eventually;
 using namespace std::chrono_literals;
@@ -470,4 +474,4 @@ TEST(Token, LoadsFromAFileOrTheEnvironmentAndComparesWholeTokens) {
 }
 
 }  // namespace
-}  // namespace rd2h::metaserver
+}  // namespace rd2h::http
