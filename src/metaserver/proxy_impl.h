@@ -1,7 +1,8 @@
 // The proxy's insides, shared by its parts: a client request and its rounds, and
-// Proxy::Impl, whose client side (proxy_client.cc: OpenAI routes, Decode legs, streams
-// continued across rounds) and engine side (proxy_engines.cc: rendezvous, Prefill
-// dispatch, the operator routes) are files of their own; proxy.cc starts and stops it.
+// Proxy::Impl, whose client side (proxy_client.cc: OpenAI routes, Decode legs, streams;
+// proxy_continue.cc: a recomputed stream continued across rounds) and engine side
+// (proxy_engines.cc: rendezvous, Prefill dispatch, the operator routes) are files of their
+// own; proxy.cc starts and stops it.
 #pragma once
 
 #include <httplib.h>
