@@ -1,13 +1,13 @@
 """A small serving engine shaped like vLLM, to drive rd2h.vllm the way vLLM does.
 
-An engine core (an OpenAI-style HTTP front, a scheduler with a block pool, a prefix cache and
-chunked prefill, following vLLM's scheduler, section 3 of spec/vllm-connector-v1.md) and one
-worker process per TP rank (mini_engine_rank.py). The core owns the scheduler-role connector;
-each rank owns a worker-role connector and CPU tensors as KV caches, and runs every step in
-vLLM's order: bind_connector_metadata, start_load_kv, per layer wait_for_layer_load / write /
-save_kv_layer, wait_for_save, get_finished, get_block_ids_with_load_errors,
-clear_connector_metadata. The SchedulerOutput (with the connector metadata) is pickled to the
-ranks, as vLLM does.
+An engine core (an OpenAI-style HTTP front, a scheduler with a block pool and a prefix cache
+(mini_engine_blocks.py) and chunked prefill, following vLLM's scheduler, section 3 of
+spec/vllm-connector-v1.md) and one worker process per TP rank (mini_engine_rank.py). The
+core owns the scheduler-role connector; each rank owns a worker-role connector and CPU tensors
+as KV caches, and runs every step in vLLM's order: bind_connector_metadata, start_load_kv, per
+layer wait_for_layer_load / write / save_kv_layer, wait_for_save, get_finished,
+get_block_ids_with_load_errors, clear_connector_metadata. The SchedulerOutput (with the
+connector metadata) is pickled to the ranks, as vLLM does.
 
 The "model" writes each position's KV as a function of its token, position, layer and tensor,
 so Decode checks every byte it received (or recomputed) before a request's blocks are freed.
@@ -36,6 +36,7 @@ from typing import Optional
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import vllm_standin as V  # noqa: E402
+from mini_engine_blocks import BlockPool  # noqa: E402
 from mini_engine_rank import kv_cache_config, model_of, rank_main, vllm_config  # noqa: E402
 
 RANK_DEADLINE_S = 60.0
@@ -81,11 +82,7 @@ class Core:
         self.waiting: collections.deque[EngineRequest] = collections.deque()
         self.running: list[EngineRequest] = []
         self.requests: dict[str, EngineRequest] = {}
-        self.blocks: dict[str, list[int]] = {}
-        self.free = collections.OrderedDict((b, None) for b in range(self.m.num_blocks))
-        self.ref = [0] * self.m.num_blocks
-        self.hash_of: dict[int, int] = {}  # block -> prefix hash (cached full blocks)
-        self.cached: dict[int, int] = {}  # prefix hash -> block
+        self.pool = BlockPool(self.m.num_blocks, self.m.block_size)
         self.recv_counts: collections.Counter = collections.Counter()
         # Aborted while their KV loaded: vLLM keeps their blocks until the id is received.
         self.aborted_loading: dict[str, EngineRequest] = {}
@@ -110,59 +107,17 @@ class Core:
         return [self.recv(rank, conn)[1] for rank, (_, conn) in enumerate(self.ranks)]
 
     # -- blocks --
-    def prefix_hashes(self, tokens: list[int]) -> list[int]:
-        out, h = [], 0
-        bs = self.m.block_size
-        for i in range(len(tokens) // bs):
-            h = hash((h, tuple(tokens[i * bs:(i + 1) * bs])))
-            out.append(h)
-        return out
-
-    def take_block(self, b: int) -> None:
-        if self.ref[b] == 0:
-            del self.free[b]
-        self.ref[b] += 1
-
-    def allocate(self, r: EngineRequest, tokens: int) -> Optional[list[int]]:
-        have = self.blocks.setdefault(r.request_id, [])
-        need = -(-tokens // self.m.block_size) - len(have)
-        if need <= 0:
-            return []
-        if need > len(self.free):
-            return None
-        new = []
-        for _ in range(need):
-            b, _ = self.free.popitem(last=False)
-            h = self.hash_of.pop(b, None)
-            if h is not None:
-                self.cached.pop(h, None)
-            self.ref[b] = 1
-            new.append(b)
-        have.extend(new)
-        return new
-
     def free_blocks(self, r: EngineRequest, cache: bool) -> None:
-        blocks = self.blocks.pop(r.request_id, [])
-        hashes = self.prefix_hashes(r.prompt_token_ids) if cache else []
-        garbage = []
-        for i, b in enumerate(blocks):
-            if i < len(hashes) and hashes[i] not in self.cached:
-                self.cached[hashes[i]] = b
-                self.hash_of[b] = hashes[i]
-            self.ref[b] -= 1
-            if self.ref[b] == 0:
-                self.free[b] = None  # cached blocks are evicted last-freed-last
-                if b not in self.hash_of:
-                    garbage.append(b)
+        garbage = self.pool.release(r.request_id, r.prompt_token_ids, cache)
         if garbage and not self.prefill:
             self.call_ranks("poison", garbage)
 
     def kv_blocks(self, r: EngineRequest) -> V.KVCacheBlocks:
-        return V.KVCacheBlocks((tuple(V.KVCacheBlock(b) for b in self.blocks.get(r.request_id, [])),))
+        return self.pool.kv_blocks(r.request_id)
 
     def verify(self, r: EngineRequest) -> None:
         """Every rank checks every byte of the prompt's KV that it holds."""
-        results = self.call_ranks("verify", (r.prompt_token_ids, self.blocks[r.request_id]))
+        results = self.call_ranks("verify", (r.prompt_token_ids, self.pool.blocks[r.request_id]))
         r.verified = {"bytes": sum(x[0] for x in results),
                       "mismatches": sum(x[1] for x in results),
                       "first": next((x[2] for x in results if x[2]), "")}
@@ -201,7 +156,7 @@ class Core:
 
     def stats(self) -> dict:
         with self.lock:
-            return {"free_blocks": len(self.free), "num_blocks": self.m.num_blocks,
+            return {"free_blocks": len(self.pool.free), "num_blocks": self.m.num_blocks,
                     "requests": len(self.requests), "aborted_loading": len(self.aborted_loading)}
 
     def finish(self, r: EngineRequest, status: V.RequestStatus, error: Optional[str] = None) -> None:
@@ -256,7 +211,7 @@ class Core:
             if budget <= 0:
                 break
             n = self.chunk(r, budget)
-            new = self.allocate(r, r.num_computed_tokens + n) if n else None
+            new = self.pool.allocate(r.request_id, r.num_computed_tokens + n) if n else None
             if new is None:
                 continue
             cached.req_ids.append(r.request_id)
@@ -282,7 +237,7 @@ class Core:
                 if ext is None:
                     continue
             n = self.chunk(r, budget)
-            if n == 0 or self.allocate(r, r.num_computed_tokens + n) is None:
+            if n == 0 or self.pool.allocate(r.request_id, r.num_computed_tokens + n) is None:
                 continue
             self.connector.update_state_after_alloc(r, self.kv_blocks(r), ext)
             self.waiting.remove(r)
@@ -304,40 +259,29 @@ class Core:
         if r.recompute_from is not None:
             r.num_computed_tokens = r.recompute_from
         else:
-            n = min(len(self.blocks[r.request_id]) * self.m.block_size, r.num_tokens)
+            n = min(len(self.pool.blocks[r.request_id]) * self.m.block_size, r.num_tokens)
             r.num_computed_tokens = n - 1 if n == r.num_tokens else n
         r.status = V.RequestStatus.WAITING
         return True
-
-    def prefix_hits(self, r: EngineRequest) -> list[int]:
-        """The blocks of the local prefix cache that hold `r`'s prompt, all but its last token."""
-        hit_blocks = []
-        if self.args.prefix_cache:
-            for h in self.prefix_hashes(r.prompt_token_ids):
-                if h not in self.cached:
-                    break
-                hit_blocks.append(self.cached[h])
-            hit_blocks = hit_blocks[:(r.num_prompt_tokens - 1) // self.m.block_size]
-        return hit_blocks
 
     def first_look(self, r: EngineRequest) -> Optional[int]:
         """A new request's tokens found locally and by the connector. The external tokens if
         it is to be computed now; None if it waits: for blocks, or for its KV to load."""
         r.seen = True
-        hit_blocks = self.prefix_hits(r)
+        hit_blocks = self.pool.prefix_hits(r.prompt_token_ids) if self.args.prefix_cache else []
         local = len(hit_blocks) * self.m.block_size
         r.cached_tokens = local
         ext, load_async = self.connector.get_num_new_matched_tokens(r, local)
         need = -(-(local + (ext or 0)) // self.m.block_size) - len(hit_blocks)
-        if ext is None or (load_async and need > len(self.free)):
+        if ext is None or (load_async and need > len(self.pool.free)):
             r.seen = False  # ask again later, like vLLM when blocks run out
             return None
         r.num_external_computed_tokens = ext
         for b in hit_blocks:
-            self.take_block(b)
-        self.blocks[r.request_id] = list(hit_blocks)
+            self.pool.take_block(b)
+        self.pool.blocks[r.request_id] = list(hit_blocks)
         if load_async:
-            self.allocate(r, local + ext)
+            self.pool.allocate(r.request_id, local + ext)
             self.connector.update_state_after_alloc(r, self.kv_blocks(r), ext)
             r.num_computed_tokens = local
             r.status = V.RequestStatus.WAITING_FOR_REMOTE_KVS
@@ -350,7 +294,7 @@ class Core:
         invalid = set().union(*(o.invalid_block_ids for o, _ in outputs))
         if invalid:
             for r in list(self.waiting) + list(self.running):
-                blocks = self.blocks.get(r.request_id, [])
+                blocks = self.pool.blocks.get(r.request_id, [])
                 bad = [i for i, b in enumerate(blocks) if b in invalid]
                 if not bad:
                     continue
