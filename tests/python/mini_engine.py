@@ -1,12 +1,13 @@
 """A small serving engine shaped like vLLM, to drive rd2h.vllm the way vLLM does.
 
-An engine core (an OpenAI-style HTTP front, a scheduler with a block pool, a prefix cache and
-chunked prefill, following vLLM's scheduler, section 3 of spec/vllm-connector-v1.md) and one
-worker process per TP rank. The core owns the scheduler-role connector; each rank owns a
-worker-role connector and CPU tensors as KV caches, and runs every step in vLLM's order:
-bind_connector_metadata, start_load_kv, per layer wait_for_layer_load / write / save_kv_layer,
-wait_for_save, get_finished, get_block_ids_with_load_errors, clear_connector_metadata. The
-SchedulerOutput (with the connector metadata) is pickled to the ranks, as vLLM does.
+An engine core (an OpenAI-style HTTP front, a scheduler with a block pool and a prefix cache
+(mini_engine_blocks.py) and chunked prefill, following vLLM's scheduler, section 3 of
+spec/vllm-connector-v1.md) and one worker process per TP rank (mini_engine_rank.py). The
+core owns the scheduler-role connector; each rank owns a worker-role connector and CPU tensors
+as KV caches, and runs every step in vLLM's order: bind_connector_metadata, start_load_kv, per
+layer wait_for_layer_load / write / save_kv_layer, wait_for_save, get_finished,
+get_block_ids_with_load_errors, clear_connector_metadata. The SchedulerOutput (with the
+connector metadata) is pickled to the ranks, as vLLM does.
 
 The "model" writes each position's KV as a function of its token, position, layer and tensor,
 so Decode checks every byte it received (or recomputed) before a request's blocks are freed.
@@ -29,198 +30,16 @@ import sys
 import threading
 import time
 import traceback
-from dataclasses import dataclass
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Optional
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-import torch  # noqa: E402
-
 import vllm_standin as V  # noqa: E402
+from mini_engine_blocks import BlockPool  # noqa: E402
+from mini_engine_rank import kv_cache_config, model_of, rank_main, vllm_config  # noqa: E402
 
 RANK_DEADLINE_S = 60.0
-
-
-@dataclass
-class Model:
-    layers: int = 4
-    block_size: int = 16
-    num_blocks: int = 256
-    main_bytes: int = 64  # per token: the MLA latent
-    indexer_bytes: int = 16  # per token: the lightning indexer's key and scale
-    slots: int = 0  # physical layer buffers Prefill's layers share (0: one per layer)
-
-
-def main_name(layer: int) -> str:
-    return f"model.layers.{layer}.self_attn.attn"
-
-
-def indexer_name(layer: int) -> str:
-    return f"model.layers.{layer}.self_attn.indexer.k_cache"
-
-
-def kv_cache_config(m: Model) -> V.KVCacheConfig:
-    names = [main_name(l) for l in range(m.layers)] + [indexer_name(l) for l in range(m.layers)]
-    # DeepSeek-V3.2: main MLA and indexer layers share one group (UniformTypeKVCacheSpecs).
-    group = V.KVCacheGroupSpec(names, V.MLAAttentionSpec(block_size=m.block_size))
-    tensors = [V.KVCacheTensor(m.num_blocks * m.block_size * m.main_bytes, [n]) for n in names]
-    return V.KVCacheConfig(m.num_blocks, tensors, [group])
-
-
-def vllm_config(args: argparse.Namespace, rank: int) -> V.VllmConfig:
-    ktc = json.loads(args.kv_transfer_config)
-    return V.VllmConfig(
-        kv_transfer_config=V.KVTransferConfig(**ktc),
-        parallel_config=V.ParallelConfig(tensor_parallel_size=args.tp, rank=rank),
-        cache_config=V.CacheConfig(block_size=args.block_size),
-        scheduler_config=V.SchedulerConfig(max_num_batched_tokens=args.token_budget),
-    )
-
-
-def model_of(args: argparse.Namespace) -> Model:
-    return Model(args.layers, args.block_size, args.num_blocks, args.main_bytes, args.indexer_bytes,
-                 args.slots)
-
-
-def expected_kv(tokens: torch.Tensor, positions: torch.Tensor, layer: int, tensor: int,
-                width: int) -> torch.Tensor:
-    """What the model writes for these positions: [len(positions), width] bytes."""
-    cols = torch.arange(width, dtype=torch.int64)[None, :]
-    v = (tokens[:, None] * 40503 + positions[:, None] * 2654435 + layer * 97 + tensor * 13 +
-         cols * 7) % 251
-    return v.to(torch.uint8)
-
-
-# ---- worker rank process ------------------------------------------------------------------
-
-class Rank:
-    def __init__(self, args: argparse.Namespace, rank: int):
-        from rd2h.vllm import KVConnectorRole, Rd2hConnector
-
-        self.m = model_of(args)
-        self.prefill = json.loads(args.kv_transfer_config)["kv_role"] == "kv_producer"
-        self.connector = Rd2hConnector(vllm_config(args, rank), KVConnectorRole.WORKER,
-                                       kv_cache_config(self.m))
-        m = self.m
-        self.caches: dict[str, torch.Tensor] = {}
-        slots = m.slots if (self.prefill and m.slots > 0) else m.layers
-        idx_width = args.decode_indexer_bytes if (not self.prefill and args.decode_indexer_bytes) \
-            else m.indexer_bytes
-        self.idx_width = idx_width
-        mains = [torch.zeros(m.num_blocks, m.block_size, m.main_bytes, dtype=torch.uint8)
-                 for _ in range(slots)]
-        idxs = [torch.zeros(m.num_blocks, m.block_size, idx_width, dtype=torch.uint8)
-                for _ in range(slots)]
-        for l in range(m.layers):
-            self.caches[main_name(l)] = mains[l % slots]
-            self.caches[indexer_name(l)] = idxs[l % slots]
-        self.connector.register_kv_caches(self.caches)
-        self.reqs: dict[str, tuple[list[int], list[int]]] = {}  # id -> (tokens, blocks)
-
-    def rows(self, blocks: list[int], positions: torch.Tensor) -> torch.Tensor:
-        b = torch.tensor(blocks, dtype=torch.int64)
-        return b[positions // self.m.block_size] * self.m.block_size + positions % self.m.block_size
-
-    def write(self, layer: int, req_id: str, start: int, count: int) -> None:
-        tokens, blocks = self.reqs[req_id]
-        pos = torch.arange(start, start + count, dtype=torch.int64)
-        tok = torch.tensor([tokens[p] if p < len(tokens) else 0 for p in range(start, start + count)],
-                           dtype=torch.int64)
-        rows = self.rows(blocks, pos)
-        for t, (name, width) in enumerate(((main_name(layer), self.m.main_bytes),
-                                           (indexer_name(layer), self.idx_width))):
-            self.caches[name].view(-1, width)[rows] = expected_kv(tok, pos, layer, t, width)
-
-    def step(self, so: V.SchedulerOutput):
-        c = self.connector
-        for r in so.scheduled_new_reqs:
-            self.reqs[r.req_id] = (list(r.prompt_token_ids), list(r.block_ids[0]))
-        cached = so.scheduled_cached_reqs
-        for i, req_id in enumerate(cached.req_ids):
-            if cached.new_block_ids[i]:
-                self.reqs[req_id][1].extend(cached.new_block_ids[i][0])
-        work = [(r.req_id, r.num_computed_tokens, so.num_scheduled_tokens[r.req_id])
-                for r in so.scheduled_new_reqs]
-        work += [(req_id, cached.num_computed_tokens[i], so.num_scheduled_tokens[req_id])
-                 for i, req_id in enumerate(cached.req_ids)]
-        error = None
-        c.bind_connector_metadata(so.kv_connector_metadata)
-        try:
-            attn = {main_name(l): object() for l in range(self.m.layers)} if work else None
-            c.start_load_kv(V.ForwardContext(attn_metadata=attn))
-            if work:
-                for l in range(self.m.layers):
-                    # vLLM's attention decorator: wait_for_layer_load, the op, save_kv_layer.
-                    c.wait_for_layer_load(main_name(l))
-                    for req_id, start, count in work:
-                        self.write(l, req_id, start, count)
-                    c.save_kv_layer(main_name(l), self.caches[main_name(l)], attn[main_name(l)])
-            c.wait_for_save()
-        except Exception as e:  # a failed transfer fails this step's requests
-            error = f"{type(e).__name__}: {e}"
-        sending, recving = c.get_finished(so.finished_req_ids)
-        out = V.KVConnectorOutput(finished_sending=sending, finished_recving=recving,
-                                  invalid_block_ids=c.get_block_ids_with_load_errors())
-        c.clear_connector_metadata()
-        for req_id in so.finished_req_ids:
-            self.reqs.pop(req_id, None)
-        return out, error
-
-    def poison(self, blocks: list[int]) -> None:
-        """Freed blocks hold garbage, so a block reused without being written is caught."""
-        ids = torch.tensor(blocks, dtype=torch.int64)
-        for t in {id(x): x for x in self.caches.values()}.values():
-            t[ids] = 0xEE
-
-    def verify(self, tokens: list[int], blocks: list[int]) -> tuple[int, int, str]:
-        """Checks every byte of the prompt's KV in every layer: (bytes, mismatches, first)."""
-        n = len(tokens)
-        pos = torch.arange(n, dtype=torch.int64)
-        tok = torch.tensor(tokens, dtype=torch.int64)
-        rows = self.rows(blocks, pos)
-        checked, bad, first = 0, 0, ""
-        for l in range(self.m.layers):
-            for t, (name, width) in enumerate(((main_name(l), self.m.main_bytes),
-                                               (indexer_name(l), self.idx_width))):
-                got = self.caches[name].view(-1, width)[rows]
-                want = expected_kv(tok, pos, l, t, width)
-                diff = (got != want)
-                checked += got.numel()
-                k = int(diff.sum())
-                if k and not first:
-                    p = int(diff.any(dim=1).nonzero()[0])
-                    first = f"layer {l} {name} position {p} (block {blocks[p // self.m.block_size]})"
-                bad += k
-        return checked, bad, first
-
-
-def rank_main(conn, args: argparse.Namespace, rank: int) -> None:
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    try:
-        r = Rank(args, rank)
-    except Exception as e:
-        conn.send(("error", f"rank {rank}: {type(e).__name__}: {e}"))
-        return
-    conn.send(("ready", None))
-    try:
-        while True:
-            if not conn.poll(1.0):
-                if os.getppid() == 1:  # the core is gone
-                    break
-                continue
-            kind, payload = conn.recv()
-            if kind == "step":
-                conn.send(("step", r.step(payload)))
-            elif kind == "verify":
-                conn.send(("verify", r.verify(*payload)))
-            elif kind == "poison":
-                r.poison(payload)
-                conn.send(("poison", None))
-            elif kind == "stop":
-                break
-    finally:
-        r.connector.shutdown()
 
 
 # ---- engine core ----------------------------------------------------------------------------
@@ -263,11 +82,7 @@ class Core:
         self.waiting: collections.deque[EngineRequest] = collections.deque()
         self.running: list[EngineRequest] = []
         self.requests: dict[str, EngineRequest] = {}
-        self.blocks: dict[str, list[int]] = {}
-        self.free = collections.OrderedDict((b, None) for b in range(self.m.num_blocks))
-        self.ref = [0] * self.m.num_blocks
-        self.hash_of: dict[int, int] = {}  # block -> prefix hash (cached full blocks)
-        self.cached: dict[int, int] = {}  # prefix hash -> block
+        self.pool = BlockPool(self.m.num_blocks, self.m.block_size)
         self.recv_counts: collections.Counter = collections.Counter()
         # Aborted while their KV loaded: vLLM keeps their blocks until the id is received.
         self.aborted_loading: dict[str, EngineRequest] = {}
@@ -292,59 +107,17 @@ class Core:
         return [self.recv(rank, conn)[1] for rank, (_, conn) in enumerate(self.ranks)]
 
     # -- blocks --
-    def prefix_hashes(self, tokens: list[int]) -> list[int]:
-        out, h = [], 0
-        bs = self.m.block_size
-        for i in range(len(tokens) // bs):
-            h = hash((h, tuple(tokens[i * bs:(i + 1) * bs])))
-            out.append(h)
-        return out
-
-    def take_block(self, b: int) -> None:
-        if self.ref[b] == 0:
-            del self.free[b]
-        self.ref[b] += 1
-
-    def allocate(self, r: EngineRequest, tokens: int) -> Optional[list[int]]:
-        have = self.blocks.setdefault(r.request_id, [])
-        need = -(-tokens // self.m.block_size) - len(have)
-        if need <= 0:
-            return []
-        if need > len(self.free):
-            return None
-        new = []
-        for _ in range(need):
-            b, _ = self.free.popitem(last=False)
-            h = self.hash_of.pop(b, None)
-            if h is not None:
-                self.cached.pop(h, None)
-            self.ref[b] = 1
-            new.append(b)
-        have.extend(new)
-        return new
-
     def free_blocks(self, r: EngineRequest, cache: bool) -> None:
-        blocks = self.blocks.pop(r.request_id, [])
-        hashes = self.prefix_hashes(r.prompt_token_ids) if cache else []
-        garbage = []
-        for i, b in enumerate(blocks):
-            if i < len(hashes) and hashes[i] not in self.cached:
-                self.cached[hashes[i]] = b
-                self.hash_of[b] = hashes[i]
-            self.ref[b] -= 1
-            if self.ref[b] == 0:
-                self.free[b] = None  # cached blocks are evicted last-freed-last
-                if b not in self.hash_of:
-                    garbage.append(b)
+        garbage = self.pool.release(r.request_id, r.prompt_token_ids, cache)
         if garbage and not self.prefill:
             self.call_ranks("poison", garbage)
 
     def kv_blocks(self, r: EngineRequest) -> V.KVCacheBlocks:
-        return V.KVCacheBlocks((tuple(V.KVCacheBlock(b) for b in self.blocks.get(r.request_id, [])),))
+        return self.pool.kv_blocks(r.request_id)
 
     def verify(self, r: EngineRequest) -> None:
         """Every rank checks every byte of the prompt's KV that it holds."""
-        results = self.call_ranks("verify", (r.prompt_token_ids, self.blocks[r.request_id]))
+        results = self.call_ranks("verify", (r.prompt_token_ids, self.pool.blocks[r.request_id]))
         r.verified = {"bytes": sum(x[0] for x in results),
                       "mismatches": sum(x[1] for x in results),
                       "first": next((x[2] for x in results if x[2]), "")}
@@ -383,7 +156,7 @@ class Core:
 
     def stats(self) -> dict:
         with self.lock:
-            return {"free_blocks": len(self.free), "num_blocks": self.m.num_blocks,
+            return {"free_blocks": len(self.pool.free), "num_blocks": self.m.num_blocks,
                     "requests": len(self.requests), "aborted_loading": len(self.aborted_loading)}
 
     def finish(self, r: EngineRequest, status: V.RequestStatus, error: Optional[str] = None) -> None:
@@ -416,77 +189,10 @@ class Core:
         return max(n, 0)
 
     def schedule(self) -> Optional[tuple[V.SchedulerOutput, list]]:
-        budget = self.args.token_budget
-        new_reqs: list[V.NewRequestData] = []
         cached = V.CachedRequestData()
         counts: dict[str, int] = {}
-        for r in list(self.running):
-            if budget <= 0:
-                break
-            n = self.chunk(r, budget)
-            new = self.allocate(r, r.num_computed_tokens + n) if n else None
-            if new is None:
-                continue
-            cached.req_ids.append(r.request_id)
-            cached.new_block_ids.append((new,) if new else None)
-            cached.num_computed_tokens.append(r.num_computed_tokens)
-            cached.new_token_ids.append([])
-            cached.num_output_tokens.append(len(r.output_token_ids))
-            counts[r.request_id] = n
-            budget -= n
-        for r in list(self.waiting):
-            if budget <= 0:
-                break
-            if r.status == V.RequestStatus.WAITING_FOR_REMOTE_KVS:
-                if r.request_id not in self.recved:
-                    continue
-                self.recved.discard(r.request_id)
-                if r.recompute_from is not None:
-                    r.num_computed_tokens = r.recompute_from
-                else:
-                    n = min(len(self.blocks[r.request_id]) * self.m.block_size, r.num_tokens)
-                    r.num_computed_tokens = n - 1 if n == r.num_tokens else n
-                r.status = V.RequestStatus.WAITING
-            ext = 0
-            if not r.seen:
-                r.seen = True
-                hit_blocks = []
-                if self.args.prefix_cache:
-                    for h in self.prefix_hashes(r.prompt_token_ids):
-                        if h not in self.cached:
-                            break
-                        hit_blocks.append(self.cached[h])
-                    hit_blocks = hit_blocks[:(r.num_prompt_tokens - 1) // self.m.block_size]
-                local = len(hit_blocks) * self.m.block_size
-                r.cached_tokens = local
-                ext, load_async = self.connector.get_num_new_matched_tokens(r, local)
-                need = -(-(local + (ext or 0)) // self.m.block_size) - len(hit_blocks)
-                if ext is None or (load_async and need > len(self.free)):
-                    r.seen = False  # ask again later, like vLLM when blocks run out
-                    continue
-                r.num_external_computed_tokens = ext
-                for b in hit_blocks:
-                    self.take_block(b)
-                self.blocks[r.request_id] = list(hit_blocks)
-                if load_async:
-                    self.allocate(r, local + ext)
-                    self.connector.update_state_after_alloc(r, self.kv_blocks(r), ext)
-                    r.num_computed_tokens = local
-                    r.status = V.RequestStatus.WAITING_FOR_REMOTE_KVS
-                    continue
-                r.num_computed_tokens = local + ext
-            n = self.chunk(r, budget)
-            if n == 0 or self.allocate(r, r.num_computed_tokens + n) is None:
-                continue
-            self.connector.update_state_after_alloc(r, self.kv_blocks(r), ext)
-            self.waiting.remove(r)
-            self.running.append(r)
-            r.status = V.RequestStatus.RUNNING
-            new_reqs.append(V.NewRequestData(r.request_id, r.prompt_token_ids, r.sampling_params,
-                                             self.kv_blocks(r).get_block_ids(),
-                                             r.num_computed_tokens))
-            counts[r.request_id] = n
-            budget -= n
+        budget = self.schedule_running(cached, counts, self.args.token_budget)
+        new_reqs = self.schedule_waiting(counts, budget)
         finished = self.finished_ids
         self.finished_ids = set()
         so = V.SchedulerOutput(new_reqs, cached, counts, sum(counts.values()),
@@ -498,12 +204,97 @@ class Core:
             return None
         return so, [self.requests[i] for i in counts]
 
+    def schedule_running(self, cached: V.CachedRequestData, counts: dict[str, int],
+                         budget: int) -> int:
+        """The running requests' next chunks, with the blocks they need; the budget left."""
+        for r in list(self.running):
+            if budget <= 0:
+                break
+            n = self.chunk(r, budget)
+            new = self.pool.allocate(r.request_id, r.num_computed_tokens + n) if n else None
+            if new is None:
+                continue
+            cached.req_ids.append(r.request_id)
+            cached.new_block_ids.append((new,) if new else None)
+            cached.num_computed_tokens.append(r.num_computed_tokens)
+            cached.new_token_ids.append([])
+            cached.num_output_tokens.append(len(r.output_token_ids))
+            counts[r.request_id] = n
+            budget -= n
+        return budget
+
+    def schedule_waiting(self, counts: dict[str, int], budget: int) -> list[V.NewRequestData]:
+        """Waiting requests that can start within the budget, moved to running."""
+        new_reqs: list[V.NewRequestData] = []
+        for r in list(self.waiting):
+            if budget <= 0:
+                break
+            if r.status == V.RequestStatus.WAITING_FOR_REMOTE_KVS and not self.remote_kv_arrived(r):
+                continue
+            ext = 0
+            if not r.seen:
+                ext = self.first_look(r)
+                if ext is None:
+                    continue
+            n = self.chunk(r, budget)
+            if n == 0 or self.pool.allocate(r.request_id, r.num_computed_tokens + n) is None:
+                continue
+            self.connector.update_state_after_alloc(r, self.kv_blocks(r), ext)
+            self.waiting.remove(r)
+            self.running.append(r)
+            r.status = V.RequestStatus.RUNNING
+            new_reqs.append(V.NewRequestData(r.request_id, r.prompt_token_ids, r.sampling_params,
+                                             self.kv_blocks(r).get_block_ids(),
+                                             r.num_computed_tokens))
+            counts[r.request_id] = n
+            budget -= n
+        return new_reqs
+
+    def remote_kv_arrived(self, r: EngineRequest) -> bool:
+        """Whether every rank received the KV `r` waits for; if so it waits to be computed from
+        there (or from the first block that failed to load)."""
+        if r.request_id not in self.recved:
+            return False
+        self.recved.discard(r.request_id)
+        if r.recompute_from is not None:
+            r.num_computed_tokens = r.recompute_from
+        else:
+            n = min(len(self.pool.blocks[r.request_id]) * self.m.block_size, r.num_tokens)
+            r.num_computed_tokens = n - 1 if n == r.num_tokens else n
+        r.status = V.RequestStatus.WAITING
+        return True
+
+    def first_look(self, r: EngineRequest) -> Optional[int]:
+        """A new request's tokens found locally and by the connector. The external tokens if
+        it is to be computed now; None if it waits: for blocks, or for its KV to load."""
+        r.seen = True
+        hit_blocks = self.pool.prefix_hits(r.prompt_token_ids) if self.args.prefix_cache else []
+        local = len(hit_blocks) * self.m.block_size
+        r.cached_tokens = local
+        ext, load_async = self.connector.get_num_new_matched_tokens(r, local)
+        need = -(-(local + (ext or 0)) // self.m.block_size) - len(hit_blocks)
+        if ext is None or (load_async and need > len(self.pool.free)):
+            r.seen = False  # ask again later, like vLLM when blocks run out
+            return None
+        r.num_external_computed_tokens = ext
+        for b in hit_blocks:
+            self.pool.take_block(b)
+        self.pool.blocks[r.request_id] = list(hit_blocks)
+        if load_async:
+            self.pool.allocate(r.request_id, local + ext)
+            self.connector.update_state_after_alloc(r, self.kv_blocks(r), ext)
+            r.num_computed_tokens = local
+            r.status = V.RequestStatus.WAITING_FOR_REMOTE_KVS
+            return None
+        r.num_computed_tokens = local + ext
+        return ext
+
     def update_from_output(self, so: V.SchedulerOutput, scheduled: list, outputs: list) -> None:
         errors = [e for _, e in outputs if e]
         invalid = set().union(*(o.invalid_block_ids for o, _ in outputs))
         if invalid:
             for r in list(self.waiting) + list(self.running):
-                blocks = self.blocks.get(r.request_id, [])
+                blocks = self.pool.blocks.get(r.request_id, [])
                 bad = [i for i, b in enumerate(blocks) if b in invalid]
                 if not bad:
                     continue
@@ -591,79 +382,107 @@ def tokens_of(prompt) -> list[int]:
     return [int(t) for t in prompt]
 
 
-def make_handler(core: Core, timeout_s: float):
-    class Handler(BaseHTTPRequestHandler):
-        protocol_version = "HTTP/1.1"
+def completion_requests(body: dict, parent: str) -> list[EngineRequest]:
+    """One engine request per prompt of a completion's body (a list of prompts is a batch)."""
+    prompt = body.get("prompt", "")
+    prompts = prompt if (isinstance(prompt, list) and prompt and
+                         not isinstance(prompt[0], int)) else [prompt]
+    params = body.get("kv_transfer_params")
+    reqs = []
+    for i, p in enumerate(prompts):
+        ext = f"cmpl-{parent}-{i}"
+        sp = V.SamplingParams(max_tokens=int(body.get("max_tokens", 16)),
+                              extra_args={"kv_transfer_params": json.loads(json.dumps(params))}
+                              if params is not None else None)
+        reqs.append(EngineRequest(f"{ext}-{secrets.token_hex(4)}", tokens_of(p), sp))
+    return reqs
 
-        def log_message(self, *a):
-            pass
 
-        def send_json(self, status: int, body: dict) -> None:
-            data = json.dumps(body).encode()
-            self.send_response(status)
-            self.send_header("Content-Type", "application/json")
-            self.send_header("Content-Length", str(len(data)))
-            self.end_headers()
-            self.wfile.write(data)
+def wait_for(reqs: list[EngineRequest], timeout_s: float) -> None:
+    """Waits for the requests to finish; those that did not in time get an error."""
+    deadline = time.monotonic() + timeout_s
+    for r in reqs:
+        if not r.done.wait(max(0.0, deadline - time.monotonic())):
+            r.error = r.error or f"request {r.request_id} did not finish in {timeout_s} s"
 
-        def do_GET(self):
-            if self.path == "/health":
-                return self.send_json(200, {"status": "ok"})
-            if self.path == "/stats":
-                return self.send_json(200, core.stats())
-            self.send_json(404, {"error": {"message": "not found", "code": 404}})
 
-        def do_POST(self):
-            if self.path == "/abort":  # vLLM aborts the requests of a client that went away
-                body = json.loads(self.rfile.read(int(self.headers.get("Content-Length", 0))))
-                parent = body["x_request_id"]
-                with core.lock:
-                    ids = [i for i in core.requests if i.startswith(f"cmpl-{parent}-")]
-                core.abort(ids)
-                return self.send_json(200, {"aborted": ids})
-            if self.path != "/v1/completions":
-                return self.send_json(404, {"error": {"message": "not found", "code": 404}})
-            body = json.loads(self.rfile.read(int(self.headers.get("Content-Length", 0))))
-            parent = self.headers.get("X-Request-Id") or secrets.token_hex(8)
-            prompt = body.get("prompt", "")
-            prompts = prompt if (isinstance(prompt, list) and prompt and
-                                 not isinstance(prompt[0], int)) else [prompt]
-            params = body.get("kv_transfer_params")
-            reqs = []
-            for i, p in enumerate(prompts):
-                ext = f"cmpl-{parent}-{i}"
-                sp = V.SamplingParams(max_tokens=int(body.get("max_tokens", 16)),
-                                      extra_args={"kv_transfer_params": json.loads(json.dumps(params))}
-                                      if params is not None else None)
-                reqs.append(EngineRequest(f"{ext}-{secrets.token_hex(4)}", tokens_of(p), sp))
-            core.add(reqs)
-            deadline = time.monotonic() + timeout_s
-            for r in reqs:
-                if not r.done.wait(max(0.0, deadline - time.monotonic())):
-                    r.error = r.error or f"request {r.request_id} did not finish in {timeout_s} s"
-            failed = [r for r in reqs if r.error]
-            if failed:
-                return self.send_json(500, {"error": {"message": failed[0].error, "code": 500}})
-            choices = [{"index": i, "text": "x" * len(r.output_token_ids), "finish_reason": "length",
-                        "kv_verified": r.verified, "cached_tokens": r.cached_tokens,
-                        "recomputed": r.recompute_from is not None}
-                       for i, r in enumerate(reqs)]
-            out = {"id": f"cmpl-{parent}", "object": "text_completion", "choices": choices}
-            if not body.get("stream"):
-                return self.send_json(200, out)
-            self.send_response(200)
-            self.send_header("Content-Type", "text/event-stream")
-            self.send_header("Transfer-Encoding", "chunked")
-            self.end_headers()
-            for c in choices:
-                self.chunk(b"data: " + json.dumps({**out, "choices": [c]}).encode() + b"\n\n")
-            self.chunk(b"data: [DONE]\n\n")
-            self.chunk(b"")
+def choices_of(reqs: list[EngineRequest]) -> list[dict]:
+    return [{"index": i, "text": "x" * len(r.output_token_ids), "finish_reason": "length",
+             "kv_verified": r.verified, "cached_tokens": r.cached_tokens,
+             "recomputed": r.recompute_from is not None}
+            for i, r in enumerate(reqs)]
 
-        def chunk(self, data: bytes) -> None:
-            self.wfile.write(f"{len(data):x}\r\n".encode() + data + b"\r\n")
 
-    return Handler
+class EngineHandler(BaseHTTPRequestHandler):
+    """The HTTP front of one engine core; make_handler binds `core` and `timeout_s`."""
+    protocol_version = "HTTP/1.1"
+    core: Core
+    timeout_s: float
+
+    def log_message(self, *a):
+        pass
+
+    def send_json(self, status: int, body: dict) -> None:
+        data = json.dumps(body).encode()
+        self.send_response(status)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
+    def read_json(self) -> dict:
+        return json.loads(self.rfile.read(int(self.headers.get("Content-Length", 0))))
+
+    def do_GET(self):
+        if self.path == "/health":
+            return self.send_json(200, {"status": "ok"})
+        if self.path == "/stats":
+            return self.send_json(200, self.core.stats())
+        self.send_json(404, {"error": {"message": "not found", "code": 404}})
+
+    def do_POST(self):
+        if self.path == "/abort":  # vLLM aborts the requests of a client that went away
+            return self.post_abort()
+        if self.path != "/v1/completions":
+            return self.send_json(404, {"error": {"message": "not found", "code": 404}})
+        self.post_completions()
+
+    def post_abort(self) -> None:
+        parent = self.read_json()["x_request_id"]
+        with self.core.lock:
+            ids = [i for i in self.core.requests if i.startswith(f"cmpl-{parent}-")]
+        self.core.abort(ids)
+        self.send_json(200, {"aborted": ids})
+
+    def post_completions(self) -> None:
+        body = self.read_json()
+        parent = self.headers.get("X-Request-Id") or secrets.token_hex(8)
+        reqs = completion_requests(body, parent)
+        self.core.add(reqs)
+        wait_for(reqs, self.timeout_s)
+        failed = [r for r in reqs if r.error]
+        if failed:
+            return self.send_json(500, {"error": {"message": failed[0].error, "code": 500}})
+        choices = choices_of(reqs)
+        out = {"id": f"cmpl-{parent}", "object": "text_completion", "choices": choices}
+        if not body.get("stream"):
+            return self.send_json(200, out)
+        self.send_response(200)
+        self.send_header("Content-Type", "text/event-stream")
+        self.send_header("Transfer-Encoding", "chunked")
+        self.end_headers()
+        for c in choices:
+            self.chunk(b"data: " + json.dumps({**out, "choices": [c]}).encode() + b"\n\n")
+        self.chunk(b"data: [DONE]\n\n")
+        self.chunk(b"")
+
+    def chunk(self, data: bytes) -> None:
+        self.wfile.write(f"{len(data):x}\r\n".encode() + data + b"\r\n")
+
+
+def make_handler(core: Core, timeout_s: float) -> type:
+    """The handler class of an HTTP server in front of `core`."""
+    return type("Handler", (EngineHandler,), {"core": core, "timeout_s": timeout_s})
 
 
 def parse_args(argv=None) -> argparse.Namespace:

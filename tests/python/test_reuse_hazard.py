@@ -15,7 +15,7 @@ import torch
 import rd2h
 import vllm_standin as V
 from conftest import free_ports, kv_config
-from mini_engine import Model, expected_kv, indexer_name, kv_cache_config, main_name
+from mini_engine_rank import Model, expected_kv, indexer_name, kv_cache_config, main_name
 from rd2h.vllm import KVConnectorRole, Rd2hConnector
 
 M = Model(layers=2, block_size=16, num_blocks=8, main_bytes=32, indexer_bytes=8)
