@@ -14,15 +14,21 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import socket
 import statistics
 import sys
 import time
 
 
-def quantile(xs: list[int], q: float) -> float:
+def quantile(xs: list[float], q: float) -> float:
+    """The nearest rank, as rd2h's C++ benches and demo report define it (metrics::quantile):
+    the smallest value with at least a share q of the values at or below it; 0 for none."""
+    if not xs:
+        return 0
     s = sorted(xs)
-    return s[min(len(s) - 1, int(q * len(s)))]
+    rank = math.ceil(q * len(s))
+    return s[min(len(s) - 1, max(rank, 1) - 1)]
 
 
 def main(argv=None) -> int:
