@@ -229,6 +229,13 @@ TEST(KvTransferParams, PromptListChildrenAreFoundByIdAndAMissingOneIsNamed) {
   EXPECT_NE(wrong.status().message().find("'remote_port'"), std::string::npos);
 }
 
+TEST(KvTransferParams, VirtualIsReadAsABoolean) {
+  auto p = KvTransferParams::from_json(R"({"do_remote_prefill":true,"virtual":true})");
+  ASSERT_TRUE(p);
+  EXPECT_TRUE(p->is_virtual);
+  EXPECT_FALSE(KvTransferParams::from_json(R"({"virtual":"yes"})"));
+}
+
 TEST(KvTransferParams, FloatsAndOutOfRangeNumbersAreRefusedNamingTheKey) {
   struct Case {
     const char* json;

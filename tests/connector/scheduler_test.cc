@@ -138,13 +138,6 @@ TEST(DecodeScheduler, WithoutAMetaserverOrWhenVirtualNothingIsPostedButTheReques
   EXPECT_EQ(testing::SchedulerAccess::tracked(**s), 0u);
 }
 
-TEST(KvTransferParams, VirtualIsReadAsABoolean) {
-  auto p = KvTransferParams::from_json(R"({"do_remote_prefill":true,"virtual":true})");
-  ASSERT_TRUE(p);
-  EXPECT_TRUE(p->is_virtual);
-  EXPECT_FALSE(KvTransferParams::from_json(R"({"virtual":"yes"})"));
-}
-
 KvTransferParams from_decode(uint64_t cached) {
   KvTransferParams p;
   p.do_remote_decode = true;
