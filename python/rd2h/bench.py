@@ -31,20 +31,17 @@ def quantile(xs: list[float], q: float) -> float:
     return s[min(len(s) - 1, max(rank, 1) - 1)]
 
 
-def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--layers", type=int, default=61)
-    p.add_argument("--steps", type=int, default=200)
-    p.add_argument("--rounds", type=int, default=5)
-    args = p.parse_args(argv)
+class Obj:
+    def __init__(self, **kw):
+        self.__dict__.update(kw)
 
+
+def connectors(layers: int):
+    """A Prefill scheduler and worker of the Python class on a free port, the worker's caches
+    registered, and the metadata of a step without requests."""
     import torch
 
     from rd2h.vllm import KVConnectorRole, Rd2hConnector
-
-    class Obj:
-        def __init__(self, **kw):
-            self.__dict__.update(kw)
 
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -53,7 +50,7 @@ def main(argv=None) -> int:
               kv_ip="127.0.0.1", kv_connector_extra_config={}, is_kv_producer=True)
     vc = Obj(kv_transfer_config=ktc, parallel_config=Obj(tensor_parallel_size=1, rank=0),
              cache_config=Obj(block_size=128))
-    names = [f"model.layers.{l}.self_attn.attn" for l in range(args.layers)]
+    names = [f"model.layers.{l}.self_attn.attn" for l in range(layers)]
     kcc = Obj(kv_cache_groups=[Obj(layer_names=names, kv_cache_spec=Obj(block_size=128))])
     sched = Rd2hConnector(vc, KVConnectorRole.SCHEDULER, kcc)
     conn = Rd2hConnector(vc, KVConnectorRole.WORKER, kcc)
@@ -62,34 +59,28 @@ def main(argv=None) -> int:
     so = Obj(scheduled_new_reqs=[], scheduled_cached_reqs=Obj(req_ids=[], new_block_ids=[],
                                                               num_computed_tokens=[]),
              num_scheduled_tokens={})
-    meta = sched.build_connector_meta(so)
+    return sched, conn, caches, sched.build_connector_meta(so)
+
+
+def python_loop(conn, caches: dict, meta, steps: int) -> list[int]:
+    """Each layer's wait_for_layer_load + save_kv_layer through the Python class, in ns."""
+    out = []
+    clock = time.perf_counter_ns
     attn = object()
+    for _ in range(steps):
+        conn.bind_connector_metadata(meta)
+        conn.start_load_kv(None)
+        for n, cache in caches.items():
+            t0 = clock()
+            conn.wait_for_layer_load(n)
+            conn.save_kv_layer(n, cache, attn)
+            out.append(clock() - t0)
+        conn.wait_for_save()
+        conn.clear_connector_metadata()
+    return out
 
-    def python_loop() -> list[int]:
-        out = []
-        clock = time.perf_counter_ns
-        for _ in range(args.steps):
-            conn.bind_connector_metadata(meta)
-            conn.start_load_kv(None)
-            for n in names:
-                t0 = clock()
-                conn.wait_for_layer_load(n)
-                conn.save_kv_layer(n, caches[n], attn)
-                out.append(clock() - t0)
-            conn.wait_for_save()
-            conn.clear_connector_metadata()
-        return out
 
-    def cpp_loop() -> list[int]:
-        return conn._worker._time_layer_loop(meta.data, names, args.steps)
-
-    py_all, cpp_all = [], []
-    python_loop(), cpp_loop()  # warm-up
-    for r in range(args.rounds):
-        for name, fn, acc in (("python", python_loop, py_all), ("c++", cpp_loop, cpp_all))[:: 1 if r % 2 == 0 else -1]:
-            acc.extend(fn())
-    conn.shutdown()
-    sched.shutdown()
+def report(args: argparse.Namespace, py_all: list[int], cpp_all: list[int]) -> dict:
     result = {
         "layers_per_path": len(py_all),
         "cpp_p50_us": quantile(cpp_all, 0.5) / 1e3,
@@ -106,7 +97,33 @@ def main(argv=None) -> int:
     print(f"  Python class: p50 {result['python_p50_us']:.2f} us   p99 {result['python_p99_us']:.2f} us")
     print(f"  Python adds:  p50 {result['added_p50_us']:.2f} us   p99 {result['added_p99_us']:.2f} us "
           f"(goal: p50 <= 20 us)")
-    print(json.dumps(result))
+    return result
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--layers", type=int, default=61)
+    p.add_argument("--steps", type=int, default=200)
+    p.add_argument("--rounds", type=int, default=5)
+    args = p.parse_args(argv)
+
+    sched, conn, caches, meta = connectors(args.layers)
+    names = list(caches)
+
+    def on_python() -> list[int]:
+        return python_loop(conn, caches, meta, args.steps)
+
+    def on_cpp() -> list[int]:
+        return conn._worker._time_layer_loop(meta.data, names, args.steps)
+
+    py_all, cpp_all = [], []
+    on_python(), on_cpp()  # warm-up
+    for r in range(args.rounds):
+        for fn, acc in ((on_python, py_all), (on_cpp, cpp_all))[:: 1 if r % 2 == 0 else -1]:
+            acc.extend(fn())
+    conn.shutdown()
+    sched.shutdown()
+    print(json.dumps(report(args, py_all, cpp_all)))
     return 0
 
 
