@@ -165,37 +165,68 @@ struct Row {
   std::string lanes;
 };
 
-Expected<Row> bench_one(const BenchEngineOptions& o, const std::string& transport_name,
-                        uint64_t block, const std::optional<std::string>& perftest) {
-  RD2H_TRY(transport, transfer::parse_transport(transport_name));
-  const uint64_t per_batch = std::max<uint64_t>(1, o.batch_bytes / block);
-  const uint64_t pool_blocks = per_batch * 2;
-  if (pool_blocks > UINT32_MAX) return invalid_argument("too many blocks per batch");
-
+// The source's options: one layer of `blocks` blocks of `block` bytes.
+PdReadOptions source_options(const BenchEngineOptions& o, const std::string& transport_name,
+                             uint64_t block, uint64_t blocks) {
   PdReadOptions so;
   so.transport = transport_name;
   so.memory = o.memory;
   so.layers = 1;
-  so.blocks = static_cast<uint32_t>(pool_blocks);
+  so.blocks = static_cast<uint32_t>(blocks);
   so.main_bytes = {block};
   so.indexer_bytes = 0;
   so.serve_timeout_s = 600;
   so.share = o.share;
   if (o.source_load == "busy") so.busy_threads = std::max(1u, std::thread::hardware_concurrency());
-  RD2H_TRY(source, spawn_source(so));
-  RD2H_TRY(read_path, transfer::parse_read_path(o.read_path));
-  transfer::EngineConfig cfg;
-  cfg.transport = transport;
-  cfg.read_path = read_path;
-  cfg.read_timeout = cfg.connect_timeout = std::chrono::milliseconds(o.timeout_ms);
-  auto conn = connect_to_source(source.address, cfg);
-  if (!conn) return conn.status();
-  auto& engine = *conn->engine;
-  Row row;
-  row.transport = transport_name;
-  row.block = block;
-  if (auto info = engine.session_info(conn->session)) row.lanes = info->transport;
+  return so;
+}
 
+// One batch_read_sync: the source blocks it reads, and where from and to.
+struct Batch {
+  std::vector<uint32_t> src;
+  std::vector<uintptr_t> local, remote;
+  std::vector<size_t> len;
+};
+
+// A few batches of `per_batch` random, distinct blocks of the source's `pool_blocks` (at
+// `remote_base`), each read into `dest`.
+std::vector<Batch> random_batches(uint64_t per_batch, uint64_t pool_blocks, uint64_t block,
+                                  std::byte* dest, uint64_t remote_base) {
+  std::mt19937_64 rng(block);
+  std::vector<uint32_t> order(pool_blocks);
+  std::iota(order.begin(), order.end(), 0);
+  std::vector<Batch> batches(4);
+  for (auto& b : batches) {
+    std::shuffle(order.begin(), order.end(), rng);
+    for (uint64_t i = 0; i < per_batch; ++i) {
+      b.src.push_back(order[i]);
+      b.local.push_back(reinterpret_cast<uintptr_t>(dest) + i * block);
+      b.remote.push_back(remote_base + static_cast<uint64_t>(order[i]) * block);
+      b.len.push_back(block);
+    }
+  }
+  return batches;
+}
+
+// Whether `dest` holds the blocks of `batch` as the source with `seed` wrote them.
+Status check_blocks(const std::byte* dest, const Batch& batch, uint64_t block, uint64_t seed) {
+  for (uint64_t i = 0; i < batch.src.size(); ++i) {
+    if (find_pattern_mismatch(dest + i * block, block,
+                              block_pattern_key(seed, 0, 0, batch.src[i]))) {
+      return internal_error("block " + std::to_string(batch.src[i]) + " arrived corrupted");
+    }
+  }
+  return Status::ok();
+}
+
+// Batches of `per_batch` random source blocks read by the engine into registered memory,
+// against memcpy of the same blocks from a local copy of the source's pool: their GB/s.
+Expected<std::pair<double, double>> measure_engine_and_memcpy(const BenchEngineOptions& o,
+                                                              SourceConnection& conn,
+                                                              pid_t source_pid, uint64_t per_batch,
+                                                              uint64_t block) {
+  auto& engine = *conn.engine;
+  const uint64_t pool_blocks = per_batch * 2;
   // Destination: one batch worth of caller memory, registered; a local copy of the source
   // pool for the memcpy baseline.
   // Both page-aligned, as a KV pool is: memcpy's speed depends on the alignment of its
@@ -203,40 +234,18 @@ Expected<Row> bench_one(const BenchEngineOptions& o, const std::string& transpor
   const uint64_t dest_bytes = per_batch * block;
   AlignedBuffer dest(dest_bytes), local_pool(pool_blocks * block);
   std::memset(dest.data(), 0, dest.size());
-  fill_pool(local_pool.data(), conn->handshake.layout, conn->handshake.seed);
+  fill_pool(local_pool.data(), conn.handshake.layout, conn.handshake.seed);
   RD2H_RETURN_IF_ERROR(engine.register_memory(dest.data(), dest.size()));
 
-  // A few batches of random, distinct source blocks, read in turn.
-  std::mt19937_64 rng(block);
-  std::vector<uint32_t> order(pool_blocks);
-  std::iota(order.begin(), order.end(), 0);
-  struct Batch {
-    std::vector<uint32_t> src;
-    std::vector<uintptr_t> local, remote;
-    std::vector<size_t> len;
-  };
-  std::vector<Batch> batches(4);
-  for (auto& b : batches) {
-    std::shuffle(order.begin(), order.end(), rng);
-    for (uint64_t i = 0; i < per_batch; ++i) {
-      b.src.push_back(order[i]);
-      b.local.push_back(reinterpret_cast<uintptr_t>(dest.data()) + i * block);
-      b.remote.push_back(conn->handshake.base + static_cast<uint64_t>(order[i]) * block);
-      b.len.push_back(block);
-    }
-  }
+  const std::vector<Batch> batches =
+      random_batches(per_batch, pool_blocks, block, dest.data(), conn.handshake.base);
   auto read = [&](uint32_t n) {
     const Batch& b = batches[n % batches.size()];
-    return engine.batch_read_sync(conn->session, b.local, b.remote, b.len);
+    return engine.batch_read_sync(conn.session, b.local, b.remote, b.len);
   };
   // Warm up, then check the bytes once: a benchmark of wrong data measures nothing.
   RD2H_RETURN_IF_ERROR(read(0));
-  for (uint64_t i = 0; i < per_batch; ++i) {
-    if (find_pattern_mismatch(dest.data() + i * block, block,
-                              block_pattern_key(conn->handshake.seed, 0, 0, batches[0].src[i]))) {
-      return internal_error("block " + std::to_string(batches[0].src[i]) + " arrived corrupted");
-    }
-  }
+  RD2H_RETURN_IF_ERROR(check_blocks(dest.data(), batches[0], block, conn.handshake.seed));
   auto copy = [&](uint32_t n) {
     const Batch& b = batches[n % batches.size()];
     for (uint64_t i = 0; i < per_batch; ++i) {
@@ -247,31 +256,56 @@ Expected<Row> bench_one(const BenchEngineOptions& o, const std::string& transpor
   };
   RD2H_RETURN_IF_ERROR(copy(0));
   const bool stop = o.source_load == "stopped";
-  if (stop) ::kill(source.process.pid(), SIGSTOP);
+  if (stop) ::kill(source_pid, SIGSTOP);
   auto gbs = measure_pair(o, dest_bytes, read, copy);
-  if (stop) ::kill(source.process.pid(), SIGCONT);
+  if (stop) ::kill(source_pid, SIGCONT);
   if (!gbs) return gbs.status();
-  row.engine = gbs->first;
-  row.memcpy = gbs->second;
-
   RD2H_RETURN_IF_ERROR(engine.unregister_memory(dest.data()));
-  release_source(*conn, true);
-  (void)source.process.wait(10s);
+  return *gbs;
+}
 
-  // Over shm ucx_perftest re-reads one cache-resident buffer, so it is run only over tcp,
-  // once with UCX's defaults and once with the TCP settings the engine applies.
-  if (perftest && transport_name == "tcp") {
-    auto run = [&](const std::vector<std::string>& env) -> std::optional<double> {
-      auto p = perftest_get(*perftest, env, block, 256ull << 20);
-      if (p) return *p;
-      std::fprintf(stderr, "bench: ucx_perftest tcp %s: %s\n", size_text(block).c_str(),
-                   p.status().to_string().c_str());
-      return std::nullopt;
-    };
-    row.perftest = run({"UCX_TLS=tcp"});
-    row.perftest_tuned = run({"UCX_TLS=tcp", "UCX_TCP_TX_SEG_SIZE=1M", "UCX_TCP_RX_SEG_SIZE=2M",
-                              "UCX_ZCOPY_THRESH=inf"});
-  }
+// Over shm ucx_perftest re-reads one cache-resident buffer, so it is run only over tcp,
+// once with UCX's defaults and once with the TCP settings the engine applies. A run that
+// fails is reported and leaves its column empty.
+void add_perftest(const std::string& exe, uint64_t block, Row& row) {
+  auto run = [&](const std::vector<std::string>& env) -> std::optional<double> {
+    auto p = perftest_get(exe, env, block, 256ull << 20);
+    if (p) return *p;
+    std::fprintf(stderr, "bench: ucx_perftest tcp %s: %s\n", size_text(block).c_str(),
+                 p.status().to_string().c_str());
+    return std::nullopt;
+  };
+  row.perftest = run({"UCX_TLS=tcp"});
+  row.perftest_tuned = run(
+      {"UCX_TLS=tcp", "UCX_TCP_TX_SEG_SIZE=1M", "UCX_TCP_RX_SEG_SIZE=2M", "UCX_ZCOPY_THRESH=inf"});
+}
+
+Expected<Row> bench_one(const BenchEngineOptions& o, const std::string& transport_name,
+                        uint64_t block, const std::optional<std::string>& perftest) {
+  RD2H_TRY(transport, transfer::parse_transport(transport_name));
+  const uint64_t per_batch = std::max<uint64_t>(1, o.batch_bytes / block);
+  const uint64_t pool_blocks = per_batch * 2;
+  if (pool_blocks > UINT32_MAX) return invalid_argument("too many blocks per batch");
+
+  RD2H_TRY(source, spawn_source(source_options(o, transport_name, block, pool_blocks)));
+  RD2H_TRY(read_path, transfer::parse_read_path(o.read_path));
+  transfer::EngineConfig cfg;
+  cfg.transport = transport;
+  cfg.read_path = read_path;
+  cfg.read_timeout = cfg.connect_timeout = std::chrono::milliseconds(o.timeout_ms);
+  RD2H_TRY(conn, connect_to_source(source.address, cfg));
+  Row row;
+  row.transport = transport_name;
+  row.block = block;
+  if (auto info = conn.engine->session_info(conn.session)) row.lanes = info->transport;
+
+  RD2H_TRY(gbs, measure_engine_and_memcpy(o, conn, source.process.pid(), per_batch, block));
+  row.engine = gbs.first;
+  row.memcpy = gbs.second;
+
+  release_source(conn, true);
+  (void)source.process.wait(10s);
+  if (perftest && transport_name == "tcp") add_perftest(*perftest, block, row);
   return row;
 }
 

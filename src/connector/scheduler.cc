@@ -144,6 +144,63 @@ Status Scheduler::update_prefill(Request& request,
   return Status::ok();
 }
 
+Status Scheduler::add_new_blocks(Send& s, const ScheduledRequest& step) const {
+  if (step.new_block_ids.empty()) return Status::ok();
+  if (step.new_block_ids.size() != groups_.size()) {
+    return invalid_argument("request " + s.ext_id + ": new blocks of " +
+                            std::to_string(step.new_block_ids.size()) + " groups, expected " +
+                            std::to_string(groups_.size()));
+  }
+  const auto& m = step.new_block_ids[roles_.main];
+  if (step.resumed) s.main_blocks.clear();  // recomputed into new blocks
+  s.main_blocks.insert(s.main_blocks.end(), m.begin(), m.end());
+  if (roles_.indexer != roles_.main) {
+    const auto& i = step.new_block_ids[roles_.indexer];
+    if (step.resumed) s.indexer_blocks.clear();
+    s.indexer_blocks.insert(s.indexer_blocks.end(), i.begin(), i.end());
+  } else {
+    s.indexer_blocks = s.main_blocks;
+  }
+  return Status::ok();
+}
+
+namespace {
+
+std::vector<int64_t> ids_in(const std::vector<int64_t>& ids, layout::Range r) {
+  return std::vector<int64_t>(ids.begin() + static_cast<long>(r.begin),
+                              ids.begin() + static_cast<long>(r.end));
+}
+
+}  // namespace
+
+Expected<std::optional<prefill::SendRequest>> Scheduler::next_chunk(
+    Send& s, const ScheduledRequest& step) const {
+  const bool final_chunk = step.num_computed_tokens >= s.num_prompt_tokens;
+  const layout::ChunkProgress progress{s.decode.remote_cached_tokens, s.transferred_tokens,
+                                       step.num_computed_tokens, final_chunk};
+  auto main = layout::chunk_slice(progress, groups_[roles_.main].block_size, s.main_blocks.size());
+  if (!main) return main.status().with_context("request " + s.ext_id + ", main blocks");
+  auto indexer =
+      layout::chunk_slice(progress, groups_[roles_.indexer].block_size, s.indexer_blocks.size());
+  if (!indexer) return indexer.status().with_context("request " + s.ext_id + ", indexer blocks");
+  s.transferred_tokens = std::max(s.transferred_tokens, step.num_computed_tokens);
+  if (main->size() == 0 && indexer->size() == 0 && !final_chunk) {
+    return std::optional<prefill::SendRequest>();
+  }
+  prefill::SendRequest out;
+  out.ext_id = s.ext_id;
+  out.d_host = s.decode.remote_host;
+  out.d_base_port = s.decode.remote_port;
+  out.d_public_key = s.decode.remote_public_key;
+  out.d_tp = s.decode.remote_tp_size;
+  out.main_block_ids = ids_in(s.main_blocks, *main);
+  out.indexer_block_ids = ids_in(s.indexer_blocks, *indexer);
+  out.main_start = static_cast<int64_t>(main->begin);
+  out.indexer_start = static_cast<int64_t>(indexer->begin);
+  out.final_chunk = final_chunk;
+  return std::optional<prefill::SendRequest>(std::move(out));
+}
+
 Expected<ConnectorMetadata> Scheduler::build_connector_meta(
     const std::vector<ScheduledRequest>& scheduled) {
   ConnectorMetadata meta;
@@ -151,52 +208,11 @@ Expected<ConnectorMetadata> Scheduler::build_connector_meta(
   for (const auto& step : scheduled) {
     auto it = send_.find(step.request_id);
     if (it == send_.end()) continue;  // not a request this connector publishes
-    Send& s = it->second;
-    if (!step.new_block_ids.empty()) {
-      if (step.new_block_ids.size() != groups_.size()) {
-        return invalid_argument("request " + s.ext_id + ": new blocks of " +
-                                std::to_string(step.new_block_ids.size()) + " groups, expected " +
-                                std::to_string(groups_.size()));
-      }
-      const auto& m = step.new_block_ids[roles_.main];
-      if (step.resumed) s.main_blocks.clear();  // recomputed into new blocks
-      s.main_blocks.insert(s.main_blocks.end(), m.begin(), m.end());
-      if (roles_.indexer != roles_.main) {
-        const auto& i = step.new_block_ids[roles_.indexer];
-        if (step.resumed) s.indexer_blocks.clear();
-        s.indexer_blocks.insert(s.indexer_blocks.end(), i.begin(), i.end());
-      } else {
-        s.indexer_blocks = s.main_blocks;
-      }
-    }
-    const bool final_chunk = step.num_computed_tokens >= s.num_prompt_tokens;
-    const layout::ChunkProgress progress{s.decode.remote_cached_tokens, s.transferred_tokens,
-                                         step.num_computed_tokens, final_chunk};
-    auto main =
-        layout::chunk_slice(progress, groups_[roles_.main].block_size, s.main_blocks.size());
-    if (!main) return main.status().with_context("request " + s.ext_id + ", main blocks");
-    auto indexer =
-        layout::chunk_slice(progress, groups_[roles_.indexer].block_size, s.indexer_blocks.size());
-    if (!indexer) return indexer.status().with_context("request " + s.ext_id + ", indexer blocks");
-    s.transferred_tokens = std::max(s.transferred_tokens, step.num_computed_tokens);
-    if (main->size() == 0 && indexer->size() == 0 && !final_chunk) continue;
-    if (final_chunk) last_out.push_back(it->first);
-    prefill::SendRequest out;
-    out.ext_id = s.ext_id;
-    out.d_host = s.decode.remote_host;
-    out.d_base_port = s.decode.remote_port;
-    out.d_public_key = s.decode.remote_public_key;
-    out.d_tp = s.decode.remote_tp_size;
-    auto slice = [](const std::vector<int64_t>& ids, layout::Range r) {
-      return std::vector<int64_t>(ids.begin() + static_cast<long>(r.begin),
-                                  ids.begin() + static_cast<long>(r.end));
-    };
-    out.main_block_ids = slice(s.main_blocks, *main);
-    out.indexer_block_ids = slice(s.indexer_blocks, *indexer);
-    out.main_start = static_cast<int64_t>(main->begin);
-    out.indexer_start = static_cast<int64_t>(indexer->begin);
-    out.final_chunk = final_chunk;
-    meta.save.push_back(std::move(out));
+    RD2H_RETURN_IF_ERROR(add_new_blocks(it->second, step));
+    RD2H_TRY(chunk, next_chunk(it->second, step));
+    if (!chunk) continue;
+    if (chunk->final_chunk) last_out.push_back(it->first);
+    meta.save.push_back(std::move(*chunk));
   }
   // A request whose last chunk is out is done here: a later schedule of it (a decode
   // step, a recompute) never sends its last partial block again.

@@ -19,64 +19,80 @@ Expected<std::unique_ptr<Worker>> Worker::create(WorkerConfig config,
   }
   if (layers.empty()) return invalid_argument("no KV cache layers to register");
   auto worker = std::unique_ptr<Worker>(new Worker(config, std::move(engine)));
-  std::vector<layout::CacheLayer> sorted;
+  RD2H_TRY(sorted, worker->take_layers(std::move(layers)));
+  RD2H_RETURN_IF_ERROR(worker->index_layers());
+  if (config.register_memory) RD2H_RETURN_IF_ERROR(worker->register_caches(sorted));
+  RD2H_RETURN_IF_ERROR(worker->describe_caches(sorted));
+  RD2H_TRY(sender,
+           Sender::start(config.sender, std::move(context), worker->mf_meta_, worker->engine_));
+  worker->sender_ = std::move(sender);
+  return worker;
+}
+
+Expected<std::vector<layout::CacheLayer>> Worker::take_layers(
+    std::vector<layout::CacheLayer> layers) {
   for (auto& layer : layers) {
     RD2H_TRY(index, layout::layer_index_from_name(layer.name));
     RD2H_TRY(tensors, layout::to_layer_tensors(layer));
-    worker->layers_.push_back({layer.name, index, std::move(tensors)});
+    layers_.push_back({layer.name, index, std::move(tensors)});
   }
   std::vector<size_t> order(layers.size());
   for (size_t i = 0; i < order.size(); ++i) order[i] = i;
-  std::sort(order.begin(), order.end(), [&](size_t a, size_t b) {
-    return worker->layers_[a].index < worker->layers_[b].index;
-  });
+  std::sort(order.begin(), order.end(),
+            [&](size_t a, size_t b) { return layers_[a].index < layers_[b].index; });
   std::vector<Layer> ordered;
+  std::vector<layout::CacheLayer> sorted;
   for (size_t i : order) {
-    ordered.push_back(std::move(worker->layers_[i]));
+    ordered.push_back(std::move(layers_[i]));
     sorted.push_back(std::move(layers[i]));
   }
-  worker->layers_ = std::move(ordered);
+  layers_ = std::move(ordered);
+  return sorted;
+}
 
+Status Worker::index_layers() {
   std::vector<layout::LayerTensors> tensors;
-  worker->min_blocks_ = UINT64_MAX;
-  for (size_t i = 0; i < worker->layers_.size(); ++i) {
-    const Layer& l = worker->layers_[i];
-    if (i > 0 && l.index == worker->layers_[i - 1].index) {
-      return invalid_argument("layers '" + worker->layers_[i - 1].name + "' and '" + l.name +
+  min_blocks_ = UINT64_MAX;
+  for (size_t i = 0; i < layers_.size(); ++i) {
+    const Layer& l = layers_[i];
+    if (i > 0 && l.index == layers_[i - 1].index) {
+      return invalid_argument("layers '" + layers_[i - 1].name + "' and '" + l.name +
                               "' have the same layer index " + std::to_string(l.index));
     }
-    worker->by_name_.emplace(l.name, i);
+    by_name_.emplace(l.name, i);
     tensors.push_back(l.tensors);
-    worker->min_blocks_ = std::min(worker->min_blocks_, l.tensors.num_blocks);
+    min_blocks_ = std::min(min_blocks_, l.tensors.num_blocks);
   }
-  worker->slots_ = layout::StorageSlots::infer(tensors);
-  for (size_t i = 0; i < worker->slots_.main_slot_count(); ++i) {
-    worker->main_gates_.push_back(std::make_unique<SlotGate>());
+  slots_ = layout::StorageSlots::infer(tensors);
+  for (size_t i = 0; i < slots_.main_slot_count(); ++i) {
+    main_gates_.push_back(std::make_unique<SlotGate>());
   }
-  for (size_t i = 0; i < worker->slots_.indexer_slot_count(); ++i) {
-    worker->indexer_gates_.push_back(std::make_unique<SlotGate>());
+  for (size_t i = 0; i < slots_.indexer_slot_count(); ++i) {
+    indexer_gates_.push_back(std::make_unique<SlotGate>());
   }
+  return Status::ok();
+}
 
-  if (config.register_memory) {
-    for (const auto& region : layout::merged_regions(sorted)) {
-      void* addr = reinterpret_cast<void*>(region.addr);
-      RD2H_RETURN_IF_ERROR(worker->engine_->register_memory(addr, region.length)
-                               .with_context("registering the KV caches"));
-      worker->registered_.push_back(addr);
-    }
+Status Worker::register_caches(const std::vector<layout::CacheLayer>& sorted) {
+  for (const auto& region : layout::merged_regions(sorted)) {
+    void* addr = reinterpret_cast<void*>(region.addr);
+    RD2H_RETURN_IF_ERROR(
+        engine_->register_memory(addr, region.length).with_context("registering the KV caches"));
+    registered_.push_back(addr);
   }
-  RD2H_TRY(metadata, worker->engine_->export_metadata());
-  protocol::MfMeta& meta = worker->mf_meta_;
-  meta.p_session = worker->engine_->session_id();
+  return Status::ok();
+}
+
+Status Worker::describe_caches(const std::vector<layout::CacheLayer>& sorted) {
+  RD2H_TRY(metadata, engine_->export_metadata());
+  protocol::MfMeta& meta = mf_meta_;
+  meta.p_session = engine_->session_id();
   for (const auto& layer : sorted) meta.layers.emplace_back(layer.name, to_layer_meta(layer));
   meta.protocol_version = protocol::kProtocolVersion;
   meta.cache_layout_version = protocol::kCacheLayoutVersion;
-  meta.backend_name = std::string(worker->engine_->backend_name());
+  meta.backend_name = std::string(engine_->backend_name());
   meta.backend_metadata = std::move(metadata);
-
-  RD2H_TRY(sender, Sender::start(config.sender, std::move(context), meta, worker->engine_));
-  worker->sender_ = std::move(sender);
-  return worker;
+  return Status::ok();
 }
 
 Worker::Worker(WorkerConfig config, std::shared_ptr<transfer::TransferEngine> engine)

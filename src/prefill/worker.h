@@ -111,6 +111,14 @@ class Worker {
   };
 
   Worker(WorkerConfig config, std::shared_ptr<transfer::TransferEngine> engine);
+  // The steps of create. take_layers fills layers_ in ascending layer index and returns the
+  // caches in that order; index_layers checks the indices are distinct and derives by_name_,
+  // min_blocks_, the storage slots and their gates; register_caches registers the caches'
+  // memory with the engine; describe_caches fills mf_meta_.
+  Expected<std::vector<layout::CacheLayer>> take_layers(std::vector<layout::CacheLayer> layers);
+  Status index_layers();
+  Status register_caches(const std::vector<layout::CacheLayer>& sorted);
+  Status describe_caches(const std::vector<layout::CacheLayer>& sorted);
   Expected<size_t> find_layer(std::string_view name) const;
   // The CURVE key to reach `r`'s Decode with (empty without keys), or why it may not be.
   Expected<std::string> decode_key(const SendRequest& r) const;

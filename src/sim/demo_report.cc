@@ -34,78 +34,110 @@ double hidden_fraction(const std::vector<Interval>& reads, std::vector<Interval>
   return total > 0 ? hidden / total : 0;
 }
 
-DemoSummary summarize(const std::vector<EngineTrace>& engines,
-                      const std::vector<ClientRecord>& client) {
-  DemoSummary s;
+namespace {
+
+// Request -> (Decode instance, rank) -> (start, duration) of its latest read of the last
+// layer there.
+using LastReads = std::map<std::string, std::map<std::pair<int, int>, std::pair<int64_t, int64_t>>>;
+
+// What summarize takes from the engines' events before it reduces them to figures.
+struct Timeline {
   std::vector<Interval> reads, compute;
   std::vector<double> read_us, compute_us;
   std::map<std::string, int64_t> prefill_done, kv_ready, kv_complete;
+  LastReads last_reads;
+  int64_t first_read = INT64_MAX, last_read = 0;
+};
+
+// The highest layer any engine computed, or -1.
+int64_t last_computed_layer(const std::vector<EngineTrace>& engines) {
   int64_t last_layer = -1;
   for (const auto& e : engines) {
     for (const auto& ev : e.events) {
       if (ev.name == "compute") last_layer = std::max(last_layer, ev.layer);
     }
   }
-  // Request -> (start, duration) of the latest read of the last layer on each Decode rank.
-  std::map<std::string, std::map<std::pair<int, int>, std::pair<int64_t, int64_t>>> last_reads;
-  int64_t first_read = INT64_MAX, last_read = 0;
+  return last_layer;
+}
+
+// A Decode read: its interval and size; when it reads the last layer, the latest such read
+// of each request it carries (`ev.request` lists them, comma-separated) on its rank.
+void add_read(const EngineTrace& e, const trace::Event& ev, int64_t last_layer, Timeline& t,
+              DemoSummary& s) {
+  t.reads.push_back({ev.ts_us, ev.ts_us + ev.dur_us});
+  t.read_us.push_back(static_cast<double>(ev.dur_us));
+  s.bytes += ev.bytes;
+  ++s.reads;
+  t.first_read = std::min(t.first_read, ev.ts_us);
+  if (ev.layer == last_layer) {
+    size_t begin = 0;
+    while (begin <= ev.request.size()) {
+      size_t end = ev.request.find(',', begin);
+      if (end == std::string::npos) end = ev.request.size();
+      auto& slot = t.last_reads[ev.request.substr(begin, end - begin)][{e.instance, ev.rank}];
+      if (ev.ts_us >= slot.first) slot = {ev.ts_us, ev.dur_us};
+      begin = end + 1;
+    }
+  }
+  t.last_read = std::max(t.last_read, ev.ts_us + ev.dur_us);
+}
+
+// The engines' events sorted into a Timeline; the read and slot-wait counts go into `s`.
+Timeline collect_timeline(const std::vector<EngineTrace>& engines, DemoSummary& s) {
+  Timeline t;
+  const int64_t last_layer = last_computed_layer(engines);
   for (const auto& e : engines) {
     for (const auto& ev : e.events) {
       if (e.role == "decode" && ev.name == "read") {
-        reads.push_back({ev.ts_us, ev.ts_us + ev.dur_us});
-        read_us.push_back(static_cast<double>(ev.dur_us));
-        s.bytes += ev.bytes;
-        ++s.reads;
-        first_read = std::min(first_read, ev.ts_us);
-        if (ev.layer == last_layer) {
-          size_t begin = 0;
-          while (begin <= ev.request.size()) {
-            size_t end = ev.request.find(',', begin);
-            if (end == std::string::npos) end = ev.request.size();
-            auto& slot = last_reads[ev.request.substr(begin, end - begin)][{e.instance, ev.rank}];
-            if (ev.ts_us >= slot.first) slot = {ev.ts_us, ev.dur_us};
-            begin = end + 1;
-          }
-        }
-        last_read = std::max(last_read, ev.ts_us + ev.dur_us);
+        add_read(e, ev, last_layer, t, s);
       } else if (e.role == "prefill" && ev.name == "compute") {
-        compute.push_back({ev.ts_us, ev.ts_us + ev.dur_us});
-        compute_us.push_back(static_cast<double>(ev.dur_us));
+        t.compute.push_back({ev.ts_us, ev.ts_us + ev.dur_us});
+        t.compute_us.push_back(static_cast<double>(ev.dur_us));
       } else if (e.role == "prefill" && ev.name == "slot wait") {
         ++s.slot_waits;
         s.slot_wait_us += static_cast<double>(ev.dur_us);
       } else if (ev.name == "prefill done") {
-        prefill_done[ev.request] = ev.ts_us;
+        t.prefill_done[ev.request] = ev.ts_us;
       } else if (ev.name == "kv ready") {
-        kv_ready[ev.request] = ev.ts_us;
+        t.kv_ready[ev.request] = ev.ts_us;
       } else if (ev.name == "kv complete") {
-        auto& at = kv_complete[ev.request];
+        auto& at = t.kv_complete[ev.request];
         at = std::max(at, ev.ts_us);  // the last Decode rank
       }
     }
   }
-  s.read_p50_us = quantile(read_us, 0.5);
-  s.read_p99_us = quantile(read_us, 0.99);
-  s.compute_p50_us = quantile(compute_us, 0.5);
+  return t;
+}
+
+// The read times, the bandwidths and the share of the reads hidden behind compute.
+void summarize_transfer(const Timeline& t, DemoSummary& s) {
+  s.read_p50_us = quantile(t.read_us, 0.5);
+  s.read_p99_us = quantile(t.read_us, 0.99);
+  s.compute_p50_us = quantile(t.compute_us, 0.5);
   double busy_us = 0;
-  for (double d : read_us) busy_us += d;
+  for (double d : t.read_us) busy_us += d;
   if (busy_us > 0) s.link_gbps = static_cast<double>(s.bytes) / busy_us / 1e3;
-  if (last_read > first_read) {
+  if (t.last_read > t.first_read) {
     s.aggregate_gbps =
-        static_cast<double>(s.bytes) / static_cast<double>(last_read - first_read) / 1e3;
+        static_cast<double>(s.bytes) / static_cast<double>(t.last_read - t.first_read) / 1e3;
   }
-  s.hidden = hidden_fraction(reads, compute);
+  s.hidden = hidden_fraction(t.reads, t.compute);
+}
+
+// How long after Prefill's last layer each request was ready on Decode, and how that
+// compares with its last-layer read.
+void summarize_readiness(const Timeline& t, DemoSummary& s) {
   std::vector<double> delays, pickups, last_read_us, ratios;
-  for (const auto& [id, done] : prefill_done) {
-    auto it = kv_complete.find(id);
-    if (it == kv_complete.end()) continue;
+  for (const auto& [id, done] : t.prefill_done) {
+    auto it = t.kv_complete.find(id);
+    if (it == t.kv_complete.end()) continue;
     const double delay = static_cast<double>(it->second - done);
     delays.push_back(delay);
-    if (auto ready = kv_ready.find(id); ready != kv_ready.end()) {
+    if (auto ready = t.kv_ready.find(id); ready != t.kv_ready.end()) {
       pickups.push_back(static_cast<double>(ready->second - done));
     }
-    auto reads_of = last_reads.find(id);
-    if (reads_of == last_reads.end()) continue;
+    auto reads_of = t.last_reads.find(id);
+    if (reads_of == t.last_reads.end()) continue;
     int64_t slowest = 0;
     for (const auto& [rank, read] : reads_of->second) slowest = std::max(slowest, read.second);
     if (slowest <= 0) continue;
@@ -120,6 +152,10 @@ DemoSummary summarize(const std::vector<EngineTrace>& engines,
   s.last_layer_read_p50_us = quantile(last_read_us, 0.5);
   s.ready_ratio_p50 = quantile(ratios, 0.5);
   s.ready_ratio_p99 = quantile(ratios, 0.99);
+}
+
+// The client's counts, time to first token and wall time.
+void summarize_client(const std::vector<ClientRecord>& client, DemoSummary& s) {
   std::vector<double> ttft;
   int64_t begin = INT64_MAX, end = 0;
   for (const auto& c : client) {
@@ -136,6 +172,17 @@ DemoSummary summarize(const std::vector<EngineTrace>& engines,
   s.ttft_p50_ms = quantile(ttft, 0.5);
   s.ttft_p99_ms = quantile(ttft, 0.99);
   if (end > begin) s.wall_s = static_cast<double>(end - begin) / 1e6;
+}
+
+}  // namespace
+
+DemoSummary summarize(const std::vector<EngineTrace>& engines,
+                      const std::vector<ClientRecord>& client) {
+  DemoSummary s;
+  const Timeline timeline = collect_timeline(engines, s);
+  summarize_transfer(timeline, s);
+  summarize_readiness(timeline, s);
+  summarize_client(client, s);
   return s;
 }
 
@@ -178,28 +225,32 @@ std::string format_summary(const DemoSummary& s) {
   return out + buf;
 }
 
-std::string chrome_trace(const std::vector<EngineTrace>& engines,
-                         const std::vector<ClientRecord>& client) {
+namespace {
+
+// The earliest timestamp of the run, which the trace counts from (0 for an empty run).
+int64_t trace_origin(const std::vector<EngineTrace>& engines,
+                     const std::vector<ClientRecord>& client) {
   int64_t origin = INT64_MAX;
   for (const auto& e : engines) {
     for (const auto& ev : e.events) origin = std::min(origin, ev.ts_us);
   }
   for (const auto& c : client) origin = std::min(origin, c.start_us);
-  if (origin == INT64_MAX) origin = 0;
-  json events = json::array();
-  auto name_process = [&](int pid, const std::string& name) {
-    events.push_back(
-        {{"ph", "M"}, {"name", "process_name"}, {"pid", pid}, {"args", {{"name", name}}}});
-  };
-  auto name_thread = [&](int pid, int tid, const std::string& name) {
-    events.push_back({{"ph", "M"},
-                      {"name", "thread_name"},
-                      {"pid", pid},
-                      {"tid", tid},
-                      {"args", {{"name", name}}}});
-  };
-  name_process(1, "client");
-  name_thread(1, 0, "requests");
+  return origin == INT64_MAX ? 0 : origin;
+}
+
+json process_name(int pid, const std::string& name) {
+  return {{"ph", "M"}, {"name", "process_name"}, {"pid", pid}, {"args", {{"name", name}}}};
+}
+
+json thread_name(int pid, int tid, const std::string& name) {
+  return {
+      {"ph", "M"}, {"name", "thread_name"}, {"pid", pid}, {"tid", tid}, {"args", {{"name", name}}}};
+}
+
+// The client as process 1, one span per request.
+void add_client(const std::vector<ClientRecord>& client, int64_t origin, json& events) {
+  events.push_back(process_name(1, "client"));
+  events.push_back(thread_name(1, 0, "requests"));
   for (const auto& c : client) {
     json args = {{"prompts", c.prompts}, {"tokens", c.tokens}};
     if (c.first_byte_us > 0)
@@ -214,38 +265,56 @@ std::string chrome_trace(const std::vector<EngineTrace>& engines,
                       {"dur", c.end_us - c.start_us},
                       {"args", args}});
   }
-  const std::vector<std::string> lanes = {"core", "compute", "sender", "reader"};
-  for (const auto& e : engines) {
-    const int pid = (e.role == "prefill" ? 100 : 200) + e.instance;
-    name_process(pid, (e.role == "prefill" ? "Prefill " : "Decode ") + std::to_string(e.instance) +
-                          " (TP " + std::to_string(e.tp) + ")");
-    std::map<int, std::string> threads;
-    for (const auto& ev : e.events) {
-      const auto lane = std::find(lanes.begin(), lanes.end(), ev.lane) - lanes.begin();
-      const int tid = (ev.rank + 1) * 10 + static_cast<int>(lane);
-      threads[tid] =
-          ev.rank < 0 ? "engine core" : "rank " + std::to_string(ev.rank) + " " + ev.lane;
-      json args = json::object();
-      if (ev.layer >= 0) args["layer"] = ev.layer;
-      if (ev.bytes > 0) args["bytes"] = ev.bytes;
-      if (!ev.request.empty()) args["request"] = ev.request;
-      json out = {{"name", ev.layer >= 0 ? ev.name + " L" + std::to_string(ev.layer) : ev.name},
-                  {"cat", ev.lane},
-                  {"pid", pid},
-                  {"tid", tid},
-                  {"ts", ev.ts_us - origin},
-                  {"args", args}};
-      if (ev.dur_us >= 0) {
-        out["ph"] = "X";
-        out["dur"] = ev.dur_us;
-      } else {
-        out["ph"] = "i";
-        out["s"] = "t";
-      }
-      events.push_back(std::move(out));
-    }
-    for (const auto& [tid, name] : threads) name_thread(pid, tid, name);
+}
+
+// One engine event on thread `tid` of process `pid`: a span, or an instant without a
+// duration.
+json engine_event(const trace::Event& ev, int pid, int tid, int64_t origin) {
+  json args = json::object();
+  if (ev.layer >= 0) args["layer"] = ev.layer;
+  if (ev.bytes > 0) args["bytes"] = ev.bytes;
+  if (!ev.request.empty()) args["request"] = ev.request;
+  json out = {{"name", ev.layer >= 0 ? ev.name + " L" + std::to_string(ev.layer) : ev.name},
+              {"cat", ev.lane},
+              {"pid", pid},
+              {"tid", tid},
+              {"ts", ev.ts_us - origin},
+              {"args", args}};
+  if (ev.dur_us >= 0) {
+    out["ph"] = "X";
+    out["dur"] = ev.dur_us;
+  } else {
+    out["ph"] = "i";
+    out["s"] = "t";
   }
+  return out;
+}
+
+// An engine as a process (Prefill from 100, Decode from 200), a thread per rank and lane.
+void add_engine(const EngineTrace& e, int64_t origin, json& events) {
+  const std::vector<std::string> lanes = {"core", "compute", "sender", "reader"};
+  const int pid = (e.role == "prefill" ? 100 : 200) + e.instance;
+  events.push_back(process_name(pid, (e.role == "prefill" ? "Prefill " : "Decode ") +
+                                         std::to_string(e.instance) + " (TP " +
+                                         std::to_string(e.tp) + ")"));
+  std::map<int, std::string> threads;
+  for (const auto& ev : e.events) {
+    const auto lane = std::find(lanes.begin(), lanes.end(), ev.lane) - lanes.begin();
+    const int tid = (ev.rank + 1) * 10 + static_cast<int>(lane);
+    threads[tid] = ev.rank < 0 ? "engine core" : "rank " + std::to_string(ev.rank) + " " + ev.lane;
+    events.push_back(engine_event(ev, pid, tid, origin));
+  }
+  for (const auto& [tid, name] : threads) events.push_back(thread_name(pid, tid, name));
+}
+
+}  // namespace
+
+std::string chrome_trace(const std::vector<EngineTrace>& engines,
+                         const std::vector<ClientRecord>& client) {
+  const int64_t origin = trace_origin(engines, client);
+  json events = json::array();
+  add_client(client, origin, events);
+  for (const auto& e : engines) add_engine(e, origin, events);
   return json{{"traceEvents", events}, {"displayTimeUnit", "ms"}}.dump();
 }
 

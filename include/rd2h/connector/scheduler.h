@@ -22,9 +22,9 @@
 
 #include "rd2h/common/status.h"
 #include "rd2h/connector/config.h"
-#include "rd2h/connector/stats.h"
 #include "rd2h/connector/kv_connector.h"
 #include "rd2h/connector/metadata.h"
+#include "rd2h/connector/stats.h"
 
 namespace rd2h::metaserver {
 class Client;
@@ -107,6 +107,12 @@ class Scheduler final : public KvConnectorScheduler {
             GroupRoles roles);
   Status update_decode(Request& request, const std::vector<std::vector<int64_t>>& block_ids);
   Status update_prefill(Request& request, const std::vector<std::vector<int64_t>>& block_ids);
+  // build_connector_meta's steps for one request: the step's new blocks added to the
+  // request's (replacing them when it resumed), then the chunk the step publishes, or none
+  // when it publishes nothing.
+  Status add_new_blocks(Send& s, const ScheduledRequest& step) const;
+  Expected<std::optional<prefill::SendRequest>> next_chunk(Send& s,
+                                                           const ScheduledRequest& step) const;
 
   ConnectorConfig config_;
   Parallel parallel_;
