@@ -2,12 +2,13 @@
 
 #include <sys/epoll.h>
 #include <ucp/api/ucp.h>
-#include <unistd.h>
 
 #include <chrono>
 
 #include "rd2h/common/deadline.h"
+#include "transfer/ucx_handles.h"
 #include "transfer/ucx_link.h"
+#include "util/unique_fd.h"
 
 namespace rd2h::tools {
 
@@ -15,38 +16,19 @@ namespace {
 constexpr unsigned kAmId = 7;
 constexpr size_t kMessageBytes = 96;  // about a one-request readiness
 using Clock = std::chrono::steady_clock;
-
-Status ucs_failed(const std::string& what, ucs_status_t st) {
-  return transport_error(what + ": " + ucs_status_string(st));
-}
 }  // namespace
 
-// One end: its own UCX context and worker, woken through the worker's event fd.
+// One end: its own UCX context and worker, woken through the worker's event fd. Its
+// members go in reverse: the endpoint (closed on the worker), the epoll fd, the worker,
+// then the context.
 struct UcxAmEcho::Side {
-  ucp_context_h context = nullptr;
-  ucp_worker_h worker = nullptr;
-  ucp_ep_h ep = nullptr;  // to the other end
-  int efd = -1, epfd = -1;
+  transfer::UcxContext context;
+  transfer::UcxWorker worker;
+  int efd = -1;  // the worker's, owned by UCX
+  UniqueFd epfd;
+  transfer::UcxEndpoint ep;  // to the other end
   std::vector<std::byte> address;
   std::atomic<uint64_t> received{0};
-
-  ~Side() {
-    if (ep != nullptr) {
-      ucp_request_param_t p{};
-      p.op_attr_mask = UCP_OP_ATTR_FIELD_FLAGS;
-      p.flags = UCP_EP_CLOSE_FLAG_FORCE;
-      void* req = ucp_ep_close_nbx(ep, &p);
-      const Deadline bound(std::chrono::seconds(1));
-      while (UCS_PTR_IS_PTR(req) && ucp_request_check_status(req) == UCS_INPROGRESS &&
-             !bound.expired()) {
-        ucp_worker_progress(worker);
-      }
-      if (UCS_PTR_IS_PTR(req)) ucp_request_free(req);
-    }
-    if (epfd >= 0) ::close(epfd);
-    if (worker != nullptr) ucp_worker_destroy(worker);
-    if (context != nullptr) ucp_cleanup(context);
-  }
 
   static ucs_status_t on_message(void* arg, const void*, size_t, void*, size_t,
                                  const ucp_am_recv_param_t*) {
@@ -55,42 +37,38 @@ struct UcxAmEcho::Side {
   }
 
   Status init(const std::string& tls) {
-    ucp_config_t* cfg = nullptr;
-    ucs_status_t st = ucp_config_read(nullptr, nullptr, &cfg);
-    if (st != UCS_OK) return ucs_failed("ucp_config_read", st);
-    st = ucp_config_modify(cfg, "TLS", tls.c_str());
-    if (st != UCS_OK) {
-      ucp_config_release(cfg);
-      return ucs_failed("UCX_TLS=" + tls, st);
-    }
+    ucp_config_t* raw_cfg = nullptr;
+    ucs_status_t st = ucp_config_read(nullptr, nullptr, &raw_cfg);
+    if (st != UCS_OK) return transfer::ucs_error("ucp_config_read", st);
+    const transfer::UcxConfig cfg(raw_cfg);
+    st = ucp_config_modify(cfg.get(), "TLS", tls.c_str());
+    if (st != UCS_OK) return transfer::ucs_error("UCX_TLS=" + tls, st);
     ucp_params_t params{};
     params.field_mask = UCP_PARAM_FIELD_FEATURES;
     params.features = UCP_FEATURE_AM | UCP_FEATURE_WAKEUP;
-    st = ucp_init(&params, cfg, &context);
-    ucp_config_release(cfg);
-    if (st != UCS_OK) return ucs_failed("ucp_init", st);
+    ucp_context_h raw_context = nullptr;
+    st = ucp_init(&params, cfg.get(), &raw_context);
+    if (st != UCS_OK) return transfer::ucs_error("ucp_init", st);
+    context.reset(raw_context);
     ucp_worker_params_t wp{};
     wp.field_mask = UCP_WORKER_PARAM_FIELD_THREAD_MODE;
     wp.thread_mode = UCS_THREAD_MODE_SINGLE;
-    st = ucp_worker_create(context, &wp, &worker);
-    if (st != UCS_OK) return ucs_failed("ucp_worker_create", st);
-    RD2H_RETURN_IF_ERROR(transfer::set_am_handler(worker, kAmId, on_message, this));
-    st = ucp_worker_get_efd(worker, &efd);
-    if (st != UCS_OK) return ucs_failed("ucp_worker_get_efd", st);
-    epfd = ::epoll_create1(EPOLL_CLOEXEC);
+    ucp_worker_h raw_worker = nullptr;
+    st = ucp_worker_create(context.get(), &wp, &raw_worker);
+    if (st != UCS_OK) return transfer::ucs_error("ucp_worker_create", st);
+    worker.reset(raw_worker);
+    RD2H_RETURN_IF_ERROR(transfer::set_am_handler(worker.get(), kAmId, on_message, this));
+    st = ucp_worker_get_efd(worker.get(), &efd);
+    if (st != UCS_OK) return transfer::ucs_error("ucp_worker_get_efd", st);
+    epfd.reset(::epoll_create1(EPOLL_CLOEXEC));
     epoll_event ev{};
     ev.events = EPOLLIN;
     ev.data.fd = efd;
-    if (epfd < 0 || ::epoll_ctl(epfd, EPOLL_CTL_ADD, efd, &ev) != 0) {
+    if (!epfd.valid() || ::epoll_ctl(epfd.get(), EPOLL_CTL_ADD, efd, &ev) != 0) {
       return internal_error("cannot watch the UCX worker's event fd");
     }
-    ucp_worker_attr_t attr{};
-    attr.field_mask = UCP_WORKER_ATTR_FIELD_ADDRESS;
-    st = ucp_worker_query(worker, &attr);
-    if (st != UCS_OK) return ucs_failed("ucp_worker_query", st);
-    const auto* a = reinterpret_cast<const std::byte*>(attr.address);
-    address.assign(a, a + attr.address_length);
-    ucp_worker_release_address(worker, attr.address);
+    RD2H_TRY(own_address, transfer::worker_address(worker.get()));
+    address = std::move(own_address);
     return Status::ok();
   }
 
@@ -98,8 +76,11 @@ struct UcxAmEcho::Side {
     ucp_ep_params_t ep_params{};
     ep_params.field_mask = UCP_EP_PARAM_FIELD_REMOTE_ADDRESS;
     ep_params.address = reinterpret_cast<const ucp_address_t*>(peer.data());
-    ucs_status_t st = ucp_ep_create(worker, &ep_params, &ep);
-    if (st != UCS_OK) return ucs_failed("ucp_ep_create", st);
+    ucp_ep_h created = nullptr;
+    ucs_status_t st = ucp_ep_create(worker.get(), &ep_params, &created);
+    if (st != UCS_OK) return transfer::ucs_error("ucp_ep_create", st);
+    // Forced, with a flush of up to a second on this side's worker.
+    ep = transfer::UcxEndpoint(worker.get(), created, /*force=*/true, std::chrono::seconds(1));
     return Status::ok();
   }
 
@@ -107,27 +88,27 @@ struct UcxAmEcho::Side {
   template <typename Done>
   bool wait(Done done, const Deadline& deadline) {
     while (!done()) {
-      if (ucp_worker_progress(worker) != 0) continue;
+      if (ucp_worker_progress(worker.get()) != 0) continue;
       if (done()) break;
-      const ucs_status_t st = ucp_worker_arm(worker);
+      const ucs_status_t st = ucp_worker_arm(worker.get());
       if (st == UCS_ERR_BUSY) continue;
       if (deadline.expired()) return false;
       epoll_event ev;
-      ::epoll_wait(epfd, &ev, 1, std::min(deadline.remaining_ms(), 100));
+      ::epoll_wait(epfd.get(), &ev, 1, std::min(deadline.remaining_ms(), 100));
     }
     return true;
   }
 
   Status send(const std::vector<std::byte>& message, const Deadline& deadline) {
     ucp_request_param_t p{};
-    void* req = ucp_am_send_nbx(ep, kAmId, nullptr, 0, message.data(), message.size(), &p);
-    if (UCS_PTR_IS_ERR(req)) return ucs_failed("ucp_am_send_nbx", UCS_PTR_STATUS(req));
+    void* req = ucp_am_send_nbx(ep.get(), kAmId, nullptr, 0, message.data(), message.size(), &p);
+    if (UCS_PTR_IS_ERR(req)) return transfer::ucs_error("ucp_am_send_nbx", UCS_PTR_STATUS(req));
     if (req == nullptr) return Status::ok();
     const bool sent =
         wait([&] { return ucp_request_check_status(req) != UCS_INPROGRESS; }, deadline);
     const ucs_status_t st = sent ? ucp_request_check_status(req) : UCS_ERR_TIMED_OUT;
     ucp_request_free(req);
-    return st == UCS_OK ? Status::ok() : ucs_failed("an active message", st);
+    return st == UCS_OK ? Status::ok() : transfer::ucs_error("an active message", st);
   }
 };
 

@@ -43,14 +43,13 @@ Expected<std::unique_ptr<Reader>> Reader::start(ReaderConfig config,
     return invalid_argument("Decode rank " + std::to_string(config.d_rank) + " is outside 0.." +
                             std::to_string(config.d_tp - 1));
   }
-  auto router =
-      control::RouterChannel::bind(std::move(context), config.host, config.port, config.security);
-  if (!router) return router.status();
+  RD2H_TRY(router, control::RouterChannel::bind(std::move(context), config.host, config.port,
+                                                config.security));
   auto links = std::make_shared<LinkInbox>();
-  links->fd = ::eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK);
-  if (links->fd < 0) return internal_error("cannot create the reader's wake-up fd");
+  links->fd.reset(::eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK));
+  if (!links->fd.valid()) return internal_error("cannot create the reader's wake-up fd");
   auto reader = std::unique_ptr<Reader>(
-      new Reader(std::move(config), std::move(engine), std::move(layout), std::move(*router)));
+      new Reader(std::move(config), std::move(engine), std::move(layout), std::move(router)));
   reader->links_ = std::move(links);
   reader->thread_ = std::thread([r = reader.get()] { r->run(); });
   return reader;
@@ -62,10 +61,6 @@ Reader::Reader(ReaderConfig config, std::shared_ptr<transfer::TransferEngine> en
       engine_(std::move(engine)),
       layout_(std::move(layout)),
       router_(std::move(router)) {}
-
-Reader::LinkInbox::~LinkInbox() {
-  if (fd >= 0) ::close(fd);
-}
 
 Reader::~Reader() {
   stopping_.store(true);
@@ -144,7 +139,7 @@ void Reader::run() {
   // a readiness on a link wakes it directly.
   const int link_fd = config_.control_link && engine_->supports_links() ? engine_->link_fd() : -1;
   if (link_fd >= 0) engine_->drive_links(true);
-  const int wake_fds[] = {links_->fd, link_fd};
+  const int wake_fds[] = {links_->fd.get(), link_fd};
   while (!stopping_.load()) {
     const bool armed = link_fd < 0 || engine_->progress_links();
     drain_links();
@@ -229,7 +224,7 @@ void Reader::drain_links() {
     messages.swap(links_->messages);
     closed.swap(links_->closed);
     uint64_t count;
-    [[maybe_unused]] auto n = ::read(links_->fd, &count, sizeof(count));
+    [[maybe_unused]] auto n = ::read(links_->fd.get(), &count, sizeof(count));
   }
   for (auto& [token, payload] : messages) {
     auto peer = link_peer_.find(token);
@@ -265,7 +260,7 @@ void Reader::open_link(const std::string& identity, const Peer& peer, uint64_t t
           return;
         }
         uint64_t one = 1;
-        [[maybe_unused]] auto n = ::write(inbox->fd, &one, sizeof(one));
+        [[maybe_unused]] auto n = ::write(inbox->fd.get(), &one, sizeof(one));
       });
   if (!st) {
     // The connection stays on ZeroMQ: slower, not wrong.

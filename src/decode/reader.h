@@ -29,6 +29,7 @@
 #include "rd2h/common/status.h"
 #include "rd2h/transfer/transfer_engine.h"
 #include "util/metrics.h"
+#include "util/unique_fd.h"
 
 namespace rd2h::decode {
 
@@ -116,8 +117,7 @@ class Reader {
     std::mutex mu;
     std::deque<std::pair<uint64_t, std::vector<std::byte>>> messages;  // by link token
     std::vector<uint64_t> closed;
-    int fd = -1;
-    ~LinkInbox();
+    UniqueFd fd;  // an eventfd, signalled when something came
   };
   struct PeerLink {
     uint64_t token = 0;

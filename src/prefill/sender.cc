@@ -17,32 +17,31 @@ Expected<std::unique_ptr<Sender>> Sender::start(SenderConfig config,
                                                 std::shared_ptr<control::Context> context,
                                                 protocol::MfMeta meta,
                                                 std::shared_ptr<transfer::TransferEngine> engine) {
-  const int fd = ::eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK);
-  if (fd < 0) return internal_error("cannot create the sender's wakeup fd");
-  const int driver_fd = ::eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK);
-  if (driver_fd < 0) {
-    ::close(fd);
+  UniqueFd fd(::eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK));
+  UniqueFd driver_fd(::eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK));
+  if (!fd.valid() || !driver_fd.valid()) {
     return internal_error("cannot create the sender's wakeup fd");
   }
-  auto sender = std::unique_ptr<Sender>(
-      new Sender(config, std::move(context), std::move(meta), std::move(engine), fd, driver_fd));
+  auto sender =
+      std::unique_ptr<Sender>(new Sender(config, std::move(context), std::move(meta),
+                                         std::move(engine), std::move(fd), std::move(driver_fd)));
   sender->thread_ = std::thread([s = sender.get()] { s->run(); });
   return sender;
 }
 
 Sender::Sender(SenderConfig config, std::shared_ptr<control::Context> context,
-               protocol::MfMeta meta, std::shared_ptr<transfer::TransferEngine> engine, int wake_fd,
-               int driver_fd)
+               protocol::MfMeta meta, std::shared_ptr<transfer::TransferEngine> engine,
+               UniqueFd wake_fd, UniqueFd driver_fd)
     : config_(config),
       context_(std::move(context)),
       meta_(std::move(meta)),
       mf_meta_(protocol::encode(meta_)),
       engine_(std::move(engine)),
-      wake_fd_(wake_fd),
-      driver_fd_(driver_fd),
+      wake_fd_(std::move(wake_fd)),
+      driver_fd_(std::move(driver_fd)),
       waker_(std::make_shared<Waker>()) {
-  waker_->fd = wake_fd;
-  waker_->driver_fd = driver_fd;
+  waker_->fd = wake_fd_.get();
+  waker_->driver_fd = driver_fd_.get();
   waker_->sender = this;
 }
 
@@ -109,12 +108,11 @@ Sender::~Sender() {
   waker_->wake();
   if (thread_.joinable()) thread_.join();
   {
-    // An event completing later (its host may keep it) finds no fd to write.
+    // An event completing later (its host may keep it) finds no fd to write: the fds
+    // themselves close with this.
     std::lock_guard lock(waker_->mu);
     waker_->fd = waker_->driver_fd = -1;
   }
-  ::close(wake_fd_);
-  ::close(driver_fd_);
 }
 
 void Sender::send(const std::string& url, const protocol::ReadReadyBatch& ready,
@@ -169,7 +167,7 @@ bool Sender::serve_until(const std::function<bool()>& done, const Deadline& dead
     serve();
     if ((reached = done()) || deadline.expired() || stopping_.load()) break;
     fds.clear();
-    fds.push_back({driver_fd_, POLLIN, 0});
+    fds.push_back({driver_fd_.get(), POLLIN, 0});
     bool links = false;
     for (const auto& [url, ep] : endpoints_) {
       if (ep.dealer) fds.push_back({ep.dealer->notify_fd(), POLLIN, 0});
@@ -185,7 +183,7 @@ bool Sender::serve_until(const std::function<bool()>& done, const Deadline& dead
     if (link_fd >= 0 && !engine_->progress_links()) timeout = 0;
     ::poll(fds.data(), fds.size(), timeout);
     lock.lock();
-    drain_fd(driver_fd_);
+    drain_fd(driver_fd_.get());
   }
   --waker_->drivers;
   return reached;
@@ -217,7 +215,7 @@ void Sender::run() {
   while (!stopping_.load()) {
     serve();
     // Someone waiting in serve_until polls without the lock: tell it something changed.
-    if (waker_->drivers.load() > 0) signal_fd(driver_fd_);
+    if (waker_->drivers.load() > 0) signal_fd(driver_fd_.get());
     // A write event that cannot notify is waited on here, without the lock.
     if (!queued_.empty() && queued_.front().written && !queued_.front().notifies &&
         !queued_.front().written->done.load()) {
@@ -235,7 +233,7 @@ void Sender::run() {
     // a new connection, stop) and connections waiting for their ACK. Answers are read by
     // whoever waits for them, or at the latest here, every slice.
     fds.clear();
-    fds.push_back({wake_fd_, POLLIN, 0});
+    fds.push_back({wake_fd_.get(), POLLIN, 0});
     for (const auto& [url, ep] : endpoints_) {
       if (ep.dealer && !ep.acked) fds.push_back({ep.dealer->notify_fd(), POLLIN, 0});
     }
@@ -243,7 +241,7 @@ void Sender::run() {
     lock.unlock();
     ::poll(fds.data(), fds.size(), timeout);
     lock.lock();
-    drain_fd(wake_fd_);
+    drain_fd(wake_fd_.get());
   }
   const std::string stopped = "the Prefill sender stopped";
   for (auto& [url, ep] : endpoints_) fail_endpoint(url, ep, stopped);

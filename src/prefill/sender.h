@@ -36,6 +36,7 @@
 #include "rd2h/common/status.h"
 #include "rd2h/prefill/write_event.h"
 #include "rd2h/transfer/transfer_engine.h"
+#include "util/unique_fd.h"
 
 namespace rd2h::prefill {
 
@@ -152,7 +153,7 @@ class Sender {
   };
 
   Sender(SenderConfig config, std::shared_ptr<control::Context> context, protocol::MfMeta meta,
-         std::shared_ptr<transfer::TransferEngine> engine, int wake_fd, int driver_fd);
+         std::shared_ptr<transfer::TransferEngine> engine, UniqueFd wake_fd, UniqueFd driver_fd);
   void run();
   // The rest, with mu_ held. serve(): sends what became ready, reads every answer that is
   // in (after the sends, which can consume a socket's notification), drops closed
@@ -195,9 +196,10 @@ class Sender {
   protocol::MfMeta meta_;
   std::vector<std::byte> mf_meta_;  // without a link
   std::shared_ptr<transfer::TransferEngine> engine_;
-  // eventfds, both signalled by the waker (a write completed, a new connection, stop):
-  int wake_fd_ = -1;    // drained by the sender thread only
-  int driver_fd_ = -1;  // drained in serve_until only; also: the sender thread served
+  // eventfds, both signalled by the waker (a write completed, a new connection, stop);
+  // they go after the waker let them go (see ~Sender):
+  UniqueFd wake_fd_;    // drained by the sender thread only
+  UniqueFd driver_fd_;  // drained in serve_until only; also: the sender thread served
   std::shared_ptr<Waker> waker_;
 
   std::mutex mu_;  // the sockets and everything below

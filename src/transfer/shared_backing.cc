@@ -68,12 +68,11 @@ Expected<SharedBacking> share_in_place(void* addr, size_t length) {
   if (std::string why = why_not_private_anonymous(start, end); !why.empty()) {
     return failed_precondition("range " + range + " stays private: " + why);
   }
-  const int fd = ::memfd_create("rd2h-kv", MFD_CLOEXEC);
-  if (fd < 0) return internal_error("memfd_create for " + range + ": " + errno_text());
+  UniqueFd memfd(::memfd_create("rd2h-kv", MFD_CLOEXEC));
+  if (!memfd.valid()) return internal_error("memfd_create for " + range + ": " + errno_text());
+  const int fd = memfd.get();
   auto fail = [&](const std::string& what) -> Expected<SharedBacking> {
-    Status st = internal_error(what + " for " + range + ": " + errno_text());
-    ::close(fd);
-    return st;
+    return internal_error(what + " for " + range + ": " + errno_text());
   };
   const uint64_t total = end - start;
   // The pages, then the page of the live word.
@@ -98,7 +97,7 @@ Expected<SharedBacking> share_in_place(void* addr, size_t length) {
   void* live =
       ::mmap(nullptr, page, PROT_READ | PROT_WRITE, MAP_SHARED, fd, static_cast<off_t>(total));
   if (live == MAP_FAILED) return fail("mapping the memfd's live word");
-  SharedBacking b(fd, static_cast<uint64_t>(st.st_ino), start, total, total,
+  SharedBacking b(std::move(memfd), static_cast<uint64_t>(st.st_ino), start, total, total,
                   static_cast<uint64_t*>(live));
   __atomic_store_n(b.live, uint64_t{1}, __ATOMIC_RELEASE);
   return b;
@@ -107,7 +106,7 @@ Expected<SharedBacking> share_in_place(void* addr, size_t length) {
 SharedBacking& SharedBacking::operator=(SharedBacking&& o) noexcept {
   if (this != &o) {
     release();
-    fd = std::exchange(o.fd, -1);
+    fd = std::move(o.fd);
     inode = o.inode;
     base = o.base;
     length = o.length;
@@ -123,8 +122,7 @@ void SharedBacking::release() {
     ::munmap(live, page_size());
     live = nullptr;
   }
-  if (fd >= 0) ::close(fd);
-  fd = -1;
+  fd.reset();
 }
 
 PeerMapping::~PeerMapping() {
@@ -158,18 +156,16 @@ bool PeerMapping::live() const {
 Expected<PeerMapping> PeerMapping::map(pid_t pid, int fd, uint64_t inode, uint64_t offset,
                                        uint64_t length, uint64_t live_offset) {
   const std::string path = "/proc/" + std::to_string(pid) + "/fd/" + std::to_string(fd);
-  const int own = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
-  if (own < 0) return unreachable("cannot open " + path + ": " + errno_text());
+  const UniqueFd file(::open(path.c_str(), O_RDONLY | O_CLOEXEC));
+  const int own = file.get();
+  if (!file.valid()) return unreachable("cannot open " + path + ": " + errno_text());
   struct stat st {};
   const bool same = ::fstat(own, &st) == 0 && S_ISREG(st.st_mode) &&
                     static_cast<uint64_t>(st.st_ino) == inode && offset + length >= offset &&
                     static_cast<uint64_t>(st.st_size) >= offset + length &&
                     live_offset % page_size() == 0 &&
                     static_cast<uint64_t>(st.st_size) >= live_offset + page_size();
-  if (!same) {
-    ::close(own);
-    return unreachable(path + " is no longer the memory the peer exported");
-  }
+  if (!same) return unreachable(path + " is no longer the memory the peer exported");
   const uintptr_t page = page_size();
   const uint64_t aligned = offset & ~static_cast<uint64_t>(page - 1);
   const size_t map_length = static_cast<size_t>(offset + length - aligned);
@@ -183,7 +179,6 @@ Expected<PeerMapping> PeerMapping::map(pid_t pid, int fd, uint64_t inode, uint64
     ::munmap(p, map_length);
     p = MAP_FAILED;
   }
-  ::close(own);
   if (p == MAP_FAILED) return unreachable("cannot map " + path + ": " + std::strerror(saved));
 #ifdef MADV_POPULATE_READ
   // Advisory: the pages fault in now, at connect, rather than on the first reads.

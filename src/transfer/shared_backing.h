@@ -19,6 +19,7 @@
 #include <utility>
 
 #include "rd2h/common/status.h"
+#include "util/unique_fd.h"
 
 namespace rd2h::transfer {
 
@@ -26,16 +27,21 @@ namespace rd2h::transfer {
 // file let go) when this goes, or earlier by release().
 struct SharedBacking {
   SharedBacking() = default;
-  SharedBacking(int fd, uint64_t inode, uintptr_t base, uint64_t length, uint64_t live_offset,
+  SharedBacking(UniqueFd fd, uint64_t inode, uintptr_t base, uint64_t length, uint64_t live_offset,
                 uint64_t* live)
-      : fd(fd), inode(inode), base(base), length(length), live_offset(live_offset), live(live) {}
+      : fd(std::move(fd)),
+        inode(inode),
+        base(base),
+        length(length),
+        live_offset(live_offset),
+        live(live) {}
   SharedBacking(SharedBacking&& o) noexcept { *this = std::move(o); }
   SharedBacking& operator=(SharedBacking&& o) noexcept;
   SharedBacking(const SharedBacking&) = delete;
   SharedBacking& operator=(const SharedBacking&) = delete;
   ~SharedBacking() { release(); }
 
-  int fd = -1;          // the memfd now holding the pages
+  UniqueFd fd;          // the memfd now holding the pages
   uint64_t inode = 0;   // its identity, checked by readers against fd reuse
   uintptr_t base = 0;   // the address offset 0 of the file is mapped at (page aligned)
   uint64_t length = 0;  // whole pages covering the range

@@ -12,9 +12,11 @@ void UcxEndpoint::close() {
   p.op_attr_mask = UCP_OP_ATTR_FIELD_FLAGS;
   p.flags = force_ ? UCP_EP_CLOSE_FLAG_FORCE : 0;
   void* req = ucp_ep_close_nbx(ep_, &p);
-  Deadline d(std::chrono::milliseconds(100));
-  while (UCS_PTR_IS_PTR(req) && ucp_request_check_status(req) == UCS_INPROGRESS && !d.expired()) {
-    ucp_worker_progress(worker_);
+  if (flush_ > std::chrono::milliseconds::zero()) {
+    Deadline d(flush_);
+    while (UCS_PTR_IS_PTR(req) && ucp_request_check_status(req) == UCS_INPROGRESS && !d.expired()) {
+      ucp_worker_progress(worker_);
+    }
   }
   if (UCS_PTR_IS_PTR(req)) ucp_request_free(req);
   ep_ = nullptr;

@@ -5,6 +5,7 @@
 
 #include <ucp/api/ucp.h>
 
+#include <chrono>
 #include <cstddef>
 #include <memory>
 #include <string>
@@ -76,21 +77,31 @@ class UcxMemory {
 };
 
 // An endpoint, closed when this goes: forced where it has peer error handling, otherwise
-// gracefully with a short bounded flush on its worker (a graceful close to a dead peer may
-// never finish; the worker's destruction discards the rest).
+// gracefully. By default the close is flushed for a short bound on its worker (a graceful
+// close to a dead peer may never finish; the worker's destruction discards the rest). An
+// owner whose worker must not be progressed inside the close (its handlers would run
+// there) asks for no flush: the close request is left to UCX, which frees it when it
+// completes or with the worker. Either way the worker must still be there when this closes.
 class UcxEndpoint {
  public:
+  static constexpr std::chrono::milliseconds kDefaultFlush{100};
+
   UcxEndpoint() = default;
-  UcxEndpoint(ucp_worker_h worker, ucp_ep_h ep, bool force)
-      : worker_(worker), ep_(ep), force_(force) {}
+  UcxEndpoint(ucp_worker_h worker, ucp_ep_h ep, bool force,
+              std::chrono::milliseconds flush = kDefaultFlush)
+      : worker_(worker), ep_(ep), force_(force), flush_(flush) {}
   UcxEndpoint(UcxEndpoint&& o) noexcept
-      : worker_(o.worker_), ep_(std::exchange(o.ep_, nullptr)), force_(o.force_) {}
+      : worker_(o.worker_),
+        ep_(std::exchange(o.ep_, nullptr)),
+        force_(o.force_),
+        flush_(o.flush_) {}
   UcxEndpoint& operator=(UcxEndpoint&& o) noexcept {
     if (this != &o) {
       close();
       worker_ = o.worker_;
       ep_ = std::exchange(o.ep_, nullptr);
       force_ = o.force_;
+      flush_ = o.flush_;
     }
     return *this;
   }
@@ -106,6 +117,7 @@ class UcxEndpoint {
   ucp_worker_h worker_ = nullptr;
   ucp_ep_h ep_ = nullptr;
   bool force_ = false;
+  std::chrono::milliseconds flush_ = kDefaultFlush;  // zero: no flush, the worker is not progressed
 };
 
 // A worker of `context` for one thread at a time (UCS_THREAD_MODE_SERIALIZED).

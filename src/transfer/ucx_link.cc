@@ -1,5 +1,6 @@
 #include "transfer/ucx_link.h"
 
+#include <chrono>
 #include <cstring>
 #include <string>
 
@@ -11,10 +12,7 @@ bool acceptable_link_message(size_t length, const ucp_am_recv_param_t* param) {
 
 void ServedLinks::close_all() {
   std::lock_guard lock(mu);
-  for (auto& [token, link] : links_) {
-    if (link.ep != nullptr) close_endpoint(link.ep, link.network);
-    link.ep = nullptr;
-  }
+  for (auto& [token, link] : links_) link.ep.close();
 }
 
 Status set_am_handler(ucp_worker_h worker, uint16_t id, ucp_am_recv_callback_t cb, void* arg) {
@@ -53,20 +51,11 @@ void ServedLinks::close(uint64_t token) {
   std::lock_guard lock(mu);
   auto it = links_.find(token);
   if (it == links_.end()) return;
-  if (it->second.ep != nullptr) close_endpoint(it->second.ep, it->second.network);
+  Link& link = it->second;
+  link.ep.close();
   // An endpoint with an error handler may still name its owner until the worker goes.
-  if (it->second.owner && it->second.network) retired_.push_back(std::move(it->second.owner));
+  if (link.owner && link.network) retired_.push_back(std::move(link.owner));
   links_.erase(it);
-}
-
-void ServedLinks::close_endpoint(ucp_ep_h ep, bool network) {
-  ucp_request_param_t p{};
-  p.op_attr_mask = UCP_OP_ATTR_FIELD_FLAGS;
-  // A graceful close to a peer that is gone may never finish: the request is left to UCX,
-  // which frees it when it completes or with the worker.
-  p.flags = network ? UCP_EP_CLOSE_FLAG_FORCE : 0;
-  void* req = ucp_ep_close_nbx(ep, &p);
-  if (UCS_PTR_IS_PTR(req)) ucp_request_free(req);
 }
 
 void ServedLinks::fail(Link& link) {
@@ -89,7 +78,7 @@ Status ServedLinks::send(uint64_t token, std::span<const std::byte> message) {
   }
   send_queued();  // what was queued before goes first
   auto it = links_.find(token);
-  if (it == links_.end() || it->second.ep == nullptr || it->second.closed) {
+  if (it == links_.end() || !it->second.ep || it->second.closed) {
     return failed_precondition("link " + std::to_string(token) + " is not open");
   }
   return post(it->second, token, message);
@@ -104,7 +93,7 @@ void ServedLinks::send_queued() {
   for (auto& [token, bytes] : queued) {
     auto it = links_.find(token);
     if (it == links_.end()) continue;  // closed meanwhile
-    if (it->second.ep == nullptr || it->second.closed) {
+    if (!it->second.ep || it->second.closed) {
       fail(it->second);  // its sender learns the message went nowhere
       continue;
     }
@@ -126,8 +115,8 @@ Status ServedLinks::post(Link& link, uint64_t token, std::span<const std::byte> 
     ucp_request_free(request);
   };
   p.user_data = &m;
-  void* req = ucp_am_send_nbx(link.ep, kAmLinkMessage, &m.header, sizeof(m.header), m.bytes.data(),
-                              m.bytes.size(), &p);
+  void* req = ucp_am_send_nbx(link.ep.get(), kAmLinkMessage, &m.header, sizeof(m.header),
+                              m.bytes.data(), m.bytes.size(), &p);
   if (req == nullptr) {
     in_flight_.pop_back();
     return Status::ok();
@@ -160,10 +149,13 @@ void ServedLinks::after_progress() {
       ep.err_handler.cb = on_endpoint_error;
       ep.err_handler.arg = link.owner.get();
     }
-    if (ucp_ep_create(worker_, &ep, &link.ep) != UCS_OK) {
-      link.ep = nullptr;
+    ucp_ep_h created = nullptr;
+    if (ucp_ep_create(worker_, &ep, &created) != UCS_OK) {
       fail(link);
+      continue;
     }
+    // A graceful close to a peer that is gone may never finish: it is not waited for.
+    link.ep = UcxEndpoint(worker_, created, o.network, std::chrono::milliseconds::zero());
   }
   opening_.clear();
   send_queued();
@@ -181,8 +173,7 @@ ucs_status_t ServedLinks::on_open(void* arg, const void* header, size_t header_l
   std::memcpy(&h, header, sizeof(h));
   auto it = self->links_.find(h.token);
   // Only an expected link opens, and only once.
-  if (it == self->links_.end() || it->second.ep != nullptr || it->second.opening ||
-      it->second.closed) {
+  if (it == self->links_.end() || it->second.ep || it->second.opening || it->second.closed) {
     return UCS_OK;
   }
   it->second.opening = true;
@@ -201,8 +192,7 @@ ucs_status_t ServedLinks::on_message(void* arg, const void* header, size_t heade
   if (header_length != sizeof(h) || !acceptable_link_message(length, param)) return UCS_OK;
   std::memcpy(&h, header, sizeof(h));
   auto it = self->links_.find(h.token);
-  if (it == self->links_.end() || it->second.closed ||
-      (it->second.ep == nullptr && !it->second.opening)) {
+  if (it == self->links_.end() || it->second.closed || (!it->second.ep && !it->second.opening)) {
     return UCS_OK;
   }
   it->second.handler(LinkEvent::kMessage, {static_cast<const std::byte*>(data), length});

@@ -24,6 +24,7 @@
 
 #include "rd2h/common/status.h"
 #include "rd2h/transfer/transfer_engine.h"
+#include "transfer/ucx_handles.h"
 
 namespace rd2h::transfer {
 
@@ -68,7 +69,7 @@ class ServedLinks {
   Status send(uint64_t token, std::span<const std::byte> message);
   void close(uint64_t token);
   // Once the worker's progress stopped, before the worker is destroyed (which cancels what
-  // is still in flight; this object goes after it).
+  // is still in flight; this object goes after it, its endpoints closed already).
   void close_all();
   // After each progress of the worker (mu held): connects the links opened meanwhile (an
   // endpoint is not created inside a handler) and frees sends that completed.
@@ -82,11 +83,13 @@ class ServedLinks {
   };
   struct Link {
     LinkHandler handler;
-    ucp_ep_h ep = nullptr;
     bool opening = false;  // an open is waiting for after_progress
     bool closed = false;   // kClosed was delivered
     bool network = false;  // the endpoint has peer error handling
     std::unique_ptr<EndpointOwner> owner;
+    // Closed (forced when `network`) without progressing the worker, whose handlers would
+    // run inside the close: UCX finishes it. Declared after `owner`, so it goes first.
+    UcxEndpoint ep;
   };
   struct Opening {
     uint64_t token;
@@ -108,7 +111,6 @@ class ServedLinks {
   void fail(Link& link);
   Status post(Link& link, uint64_t token, std::span<const std::byte> message);
   void send_queued();  // mu held
-  static void close_endpoint(ucp_ep_h ep, bool network);
 
   ucp_worker_h worker_;
   std::unordered_map<uint64_t, Link> links_;

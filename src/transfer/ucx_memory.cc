@@ -67,7 +67,7 @@ Expected<MemoryRegion> Registrations::add(void* addr, size_t length, bool alloca
     return internal_error("allocated memory " + range_text(actual, length) +
                           " overlaps an existing registration");
   }
-  if (reg.shared.fd >= 0) reg.file_offset = actual - reg.shared.base;
+  if (reg.shared.fd.valid()) reg.file_offset = actual - reg.shared.base;
   regs_.emplace(actual, std::move(reg));
   return MemoryRegion{reinterpret_cast<void*>(actual), length};
 }
@@ -136,7 +136,7 @@ std::vector<ExportedRegion> Registrations::exported() const {
   std::vector<ExportedRegion> regions;
   std::shared_lock lock(mu_);
   for (const auto& [base, reg] : regs_) {
-    regions.push_back({base, reg.length, reg.packed_rkey, reg.shared.fd, reg.shared.inode,
+    regions.push_back({base, reg.length, reg.packed_rkey, reg.shared.fd.get(), reg.shared.inode,
                        reg.file_offset, reg.shared.live_offset});
   }
   return regions;

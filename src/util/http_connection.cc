@@ -51,7 +51,10 @@ class ConnectionThreads final : public httplib::TaskQueue {
 }  // namespace
 
 HttpServer::Server::Server(const HttpServerConfig& config) : config_(config) {
-  if (::pipe2(wake_, O_CLOEXEC) != 0) wake_[0] = wake_[1] = -1;
+  if (int wake[2]; ::pipe2(wake, O_CLOEXEC) == 0) {
+    wake_read_.reset(wake[0]);
+    wake_write_.reset(wake[1]);
+  }
   new_task_queue = [this] { return new ConnectionThreads(config_.max_connections); };
   set_payload_max_length(config_.max_body_bytes);
   set_keep_alive_timeout(std::max<time_t>(
@@ -84,17 +87,13 @@ HttpServer::Server::Server(const HttpServerConfig& config) : config_(config) {
       }));
 }
 
-HttpServer::Server::~Server() {
-  for (int fd : wake_) {
-    if (fd >= 0) ::close(fd);
-  }
-}
+HttpServer::Server::~Server() = default;
 
 void HttpServer::Server::wake_all() {
   stopping_ = true;
-  if (wake_[1] >= 0) {
+  if (wake_write_.valid()) {
     const char b = 1;
-    [[maybe_unused]] ssize_t n = ::write(wake_[1], &b, 1);
+    [[maybe_unused]] ssize_t n = ::write(wake_write_.get(), &b, 1);
   }
 }
 
@@ -112,8 +111,8 @@ bool HttpServer::Server::wait(int sock, short events, Clock::time_point deadline
     const auto left =
         std::chrono::duration_cast<std::chrono::milliseconds>(deadline - Clock::now()).count();
     if (left <= 0) return false;
-    pollfd fds[2] = {{sock, events, 0}, {wake_[0], POLLIN, 0}};
-    const int n = ::poll(fds, wake_[0] >= 0 ? 2 : 1,
+    pollfd fds[2] = {{sock, events, 0}, {wake_read_.get(), POLLIN, 0}};
+    const int n = ::poll(fds, wake_read_.valid() ? 2 : 1,
                          static_cast<int>(std::min<long long>(left, 1000 * 60 * 60)));
     if (n < 0 && errno == EINTR) continue;
     if (n < 0) return false;

@@ -13,6 +13,7 @@
 #include <mutex>
 
 #include "util/http_server.h"
+#include "util/unique_fd.h"
 
 namespace rd2h::http {
 
@@ -60,7 +61,8 @@ class HttpServer::Server final : public httplib::Server {
   bool wait(int sock, short events, Clock::time_point deadline) const;
 
   const HttpServerConfig& config_;
-  int wake_[2] = {-1, -1};
+  // The wake pipe: stop() writes its end, every wait polls the other (none if no pipe).
+  UniqueFd wake_read_, wake_write_;
   std::atomic<bool> stopping_{false};
   std::atomic<uint64_t> rejected_{0};
   std::mutex active_mu_;

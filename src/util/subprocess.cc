@@ -35,40 +35,76 @@ bool die_with_parent_if_asked() {
   return ::getppid() != 1;  // reparented: the parent died before the request was made
 }
 
-Expected<Subprocess> Subprocess::spawn(const std::vector<std::string>& argv,
-                                       const Options& options) {
-  const bool inherit_stdout = options.inherit_stdout;
-  const auto& extra_env = options.extra_env;
-  if (argv.empty()) return invalid_argument("spawn: empty argv");
-  int in_pipe[2], out_pipe[2] = {-1, -1};
-  if (::pipe2(in_pipe, O_CLOEXEC) != 0) return internal_error("pipe2 failed");
-  if (!inherit_stdout && ::pipe2(out_pipe, O_CLOEXEC) != 0) {
-    ::close(in_pipe[0]);
-    ::close(in_pipe[1]);
-    return internal_error("pipe2 failed");
-  }
-  posix_spawn_file_actions_t actions;
-  posix_spawn_file_actions_init(&actions);
-  posix_spawn_file_actions_adddup2(&actions, in_pipe[0], STDIN_FILENO);
-  if (!inherit_stdout) posix_spawn_file_actions_adddup2(&actions, out_pipe[1], STDOUT_FILENO);
-  if (options.merge_stderr)
-    posix_spawn_file_actions_adddup2(&actions, STDOUT_FILENO, STDERR_FILENO);
+namespace {
 
-  std::vector<char*> args;
-  for (const auto& a : argv) args.push_back(const_cast<char*>(a.c_str()));
-  args.push_back(nullptr);
-  std::vector<std::string> own_env = extra_env;
-  if (options.die_with_parent) own_env.push_back(std::string(kDieWithParent) + "=1");
+// The pipes a child is started with: the child's ends, closed here once it started, and
+// this process's.
+struct ChildPipes {
+  UniqueFd stdin_read;    // the child's stdin
+  UniqueFd stdin_write;   // this process writes it
+  UniqueFd stdout_read;   // this process reads the child's stdout (none when inherited)
+  UniqueFd stdout_write;  // the child's stdout (none when inherited)
+};
+
+// A child's stdin pipe, and its stdout pipe if `pipe_stdout`.
+Expected<ChildPipes> open_child_pipes(bool pipe_stdout) {
+  ChildPipes pipes;
+  int fds[2];
+  if (::pipe2(fds, O_CLOEXEC) != 0) return internal_error("pipe2 failed");
+  pipes.stdin_read.reset(fds[0]);
+  pipes.stdin_write.reset(fds[1]);
+  if (pipe_stdout) {
+    if (::pipe2(fds, O_CLOEXEC) != 0) return internal_error("pipe2 failed");
+    pipes.stdout_read.reset(fds[0]);
+    pipes.stdout_write.reset(fds[1]);
+  }
+  return pipes;
+}
+
+// `strings` as exec takes them: pointers into them, then a null.
+std::vector<char*> c_strings(const std::vector<std::string>& strings) {
+  std::vector<char*> out;
+  out.reserve(strings.size() + 1);
+  for (const auto& s : strings) out.push_back(const_cast<char*>(s.c_str()));
+  out.push_back(nullptr);
+  return out;
+}
+
+// The variables the child gets besides this process's: the extra ones, and the request
+// to die with its parent if asked.
+std::vector<std::string> own_environment(const Subprocess::Options& options) {
+  std::vector<std::string> own = options.extra_env;
+  if (options.die_with_parent) own.push_back(std::string(kDieWithParent) + "=1");
+  return own;
+}
+
+// The child's environment: `own`, then this process's variables that `own` does not
+// override; pointers into both, then a null.
+std::vector<char*> child_environment(const std::vector<std::string>& own) {
   std::vector<char*> env;
-  for (const auto& e : own_env) env.push_back(const_cast<char*>(e.c_str()));
+  for (const auto& e : own) env.push_back(const_cast<char*>(e.c_str()));
   for (char** e = environ; *e != nullptr; ++e) {
     std::string_view var(*e);
     auto name = var.substr(0, var.find('=') + 1);
-    bool overridden = std::any_of(own_env.begin(), own_env.end(),
+    bool overridden = std::any_of(own.begin(), own.end(),
                                   [&](const std::string& x) { return x.rfind(name, 0) == 0; });
     if (!overridden) env.push_back(*e);
   }
   env.push_back(nullptr);
+  return env;
+}
+
+// Starts argv[0] with the pipes' child ends as its stdin (and stdout, and stderr if
+// merged) and no signal blocked; posix_spawn's error number, 0 once it started.
+int start_child(const std::vector<std::string>& argv, char* const* env, const ChildPipes& pipes,
+                bool merge_stderr, pid_t& pid) {
+  posix_spawn_file_actions_t actions;
+  posix_spawn_file_actions_init(&actions);
+  posix_spawn_file_actions_adddup2(&actions, pipes.stdin_read.get(), STDIN_FILENO);
+  if (pipes.stdout_write.valid()) {
+    posix_spawn_file_actions_adddup2(&actions, pipes.stdout_write.get(), STDOUT_FILENO);
+  }
+  if (merge_stderr) posix_spawn_file_actions_adddup2(&actions, STDOUT_FILENO, STDERR_FILENO);
   // The child starts with no signal blocked, whatever this thread blocks (a server blocks
   // SIGINT and SIGTERM to wait for them).
   posix_spawnattr_t attr;
@@ -77,21 +113,30 @@ Expected<Subprocess> Subprocess::spawn(const std::vector<std::string>& argv,
   sigemptyset(&none);
   posix_spawnattr_setsigmask(&attr, &none);
   posix_spawnattr_setflags(&attr, POSIX_SPAWN_SETSIGMASK);
-  pid_t pid = -1;
-  int rc = ::posix_spawn(&pid, argv[0].c_str(), &actions, &attr, args.data(), env.data());
+  const std::vector<char*> args = c_strings(argv);
+  const int rc = ::posix_spawn(&pid, argv[0].c_str(), &actions, &attr, args.data(), env);
   posix_spawnattr_destroy(&attr);
   posix_spawn_file_actions_destroy(&actions);
-  ::close(in_pipe[0]);
-  if (out_pipe[1] >= 0) ::close(out_pipe[1]);
-  if (rc != 0) {
-    ::close(in_pipe[1]);
-    if (out_pipe[0] >= 0) ::close(out_pipe[0]);
-    return internal_error("cannot start " + argv[0] + ": " + std::strerror(rc));
-  }
+  return rc;
+}
+
+}  // namespace
+
+Expected<Subprocess> Subprocess::spawn(const std::vector<std::string>& argv,
+                                       const Options& options) {
+  if (argv.empty()) return invalid_argument("spawn: empty argv");
+  RD2H_TRY(pipes, open_child_pipes(!options.inherit_stdout));
+  const std::vector<std::string> own_env = own_environment(options);
+  const std::vector<char*> env = child_environment(own_env);
+  pid_t pid = -1;
+  const int rc = start_child(argv, env.data(), pipes, options.merge_stderr, pid);
+  pipes.stdin_read.reset();  // the child's ends are the child's
+  pipes.stdout_write.reset();
+  if (rc != 0) return internal_error("cannot start " + argv[0] + ": " + std::strerror(rc));
   Subprocess p;
   p.pid_ = pid;
-  p.stdin_fd_ = in_pipe[1];
-  p.stdout_fd_ = out_pipe[0];
+  p.stdin_fd_ = std::move(pipes.stdin_write);
+  p.stdout_fd_ = std::move(pipes.stdout_read);
   // The child is not reaped before this, so its pid cannot name another process yet.
   p.pidfd_.reset(static_cast<int>(::syscall(SYS_pidfd_open, pid, 0)));
   if (!p.pidfd_.valid()) {
@@ -109,8 +154,8 @@ Subprocess& Subprocess::operator=(Subprocess&& other) noexcept {
     reset();
     pid_ = std::exchange(other.pid_, -1);
     pidfd_ = std::move(other.pidfd_);
-    stdin_fd_ = std::exchange(other.stdin_fd_, -1);
-    stdout_fd_ = std::exchange(other.stdout_fd_, -1);
+    stdin_fd_ = std::move(other.stdin_fd_);
+    stdout_fd_ = std::move(other.stdout_fd_);
     buffered_ = std::move(other.buffered_);
     exit_status_ = std::exchange(other.exit_status_, std::nullopt);
   }
@@ -127,22 +172,22 @@ void Subprocess::reset() {
     int status = 0;
     ::waitpid(pid_, &status, 0);  // SIGKILL cannot be ignored: this returns promptly
   }
-  if (stdin_fd_ >= 0) ::close(stdin_fd_);
-  if (stdout_fd_ >= 0) ::close(stdout_fd_);
-  pid_ = stdin_fd_ = stdout_fd_ = -1;
+  stdin_fd_.reset();
+  stdout_fd_.reset();
+  pid_ = -1;
   pidfd_.reset();
   exit_status_.reset();
 }
 
 Expected<bool> Subprocess::read_more(const Deadline& deadline) {
-  if (stdout_fd_ < 0) return failed_precondition("child stdout is not piped");
+  if (!stdout_fd_.valid()) return failed_precondition("child stdout is not piped");
   for (;;) {
-    pollfd p{stdout_fd_, POLLIN, 0};
+    pollfd p{stdout_fd_.get(), POLLIN, 0};
     int r = ::poll(&p, 1, deadline.remaining_ms());
     if (r < 0 && errno == EINTR) continue;
     if (r == 0) return timeout_error("child " + std::to_string(pid_) + " wrote nothing in time");
     char buf[4096];
-    ssize_t n = ::read(stdout_fd_, buf, sizeof(buf));
+    ssize_t n = ::read(stdout_fd_.get(), buf, sizeof(buf));
     if (n < 0 && errno == EINTR) continue;
     if (n <= 0) return false;
     buffered_.append(buf, static_cast<size_t>(n));
@@ -173,7 +218,7 @@ Expected<std::string> Subprocess::read_all(std::chrono::milliseconds timeout) {
 }
 
 Status Subprocess::write_line(const std::string& line) {
-  if (stdin_fd_ < 0) return failed_precondition("child stdin is closed");
+  if (!stdin_fd_.valid()) return failed_precondition("child stdin is closed");
   // A child that exited makes the write raise SIGPIPE, which would end this process: block
   // it for this thread and consume it if it came, so the write fails with EPIPE instead.
   sigset_t pipe_set, old_set;
@@ -184,7 +229,7 @@ Status Subprocess::write_line(const std::string& line) {
   size_t done = 0;
   bool closed = false;
   while (done < data.size()) {
-    ssize_t n = ::write(stdin_fd_, data.data() + done, data.size() - done);
+    ssize_t n = ::write(stdin_fd_.get(), data.data() + done, data.size() - done);
     if (n < 0 && errno == EINTR) continue;
     if (n <= 0) {
       closed = true;
@@ -203,8 +248,7 @@ Status Subprocess::write_line(const std::string& line) {
 }
 
 void Subprocess::close_stdin() {
-  if (stdin_fd_ >= 0) ::close(stdin_fd_);
-  stdin_fd_ = -1;
+  stdin_fd_.reset();
 }
 
 void Subprocess::kill(int signal) {

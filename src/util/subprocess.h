@@ -61,9 +61,9 @@ class Subprocess {
   Expected<bool> read_more(const Deadline& deadline);
 
   pid_t pid_ = -1;
-  UniqueFd pidfd_;  // readable once the child exits
-  int stdin_fd_ = -1;
-  int stdout_fd_ = -1;
+  UniqueFd pidfd_;      // readable once the child exits
+  UniqueFd stdin_fd_;   // this process's end of the child's stdin
+  UniqueFd stdout_fd_;  // this process's end of the child's stdout, if piped
   std::string buffered_;
   std::optional<int> exit_status_;
 };
