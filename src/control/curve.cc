@@ -13,6 +13,8 @@
 #include <regex>
 #include <sstream>
 
+#include "util/unique_fd.h"
+
 namespace rd2h::control {
 
 namespace {
@@ -45,25 +47,24 @@ std::optional<std::string> setting(const std::string& line, std::string_view nam
 }
 
 Status write_private(const std::string& path, const std::string& text, mode_t mode) {
-  const int fd = ::open(path.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, mode);
-  if (fd < 0 && errno == EEXIST) {
+  UniqueFd file(::open(path.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, mode));
+  if (!file.valid() && errno == EEXIST) {
     return already_exists(path + " exists; a key file is never overwritten");
   }
-  if (fd < 0) {
+  if (!file.valid()) {
     return failed_precondition("cannot create " + path + ": " + std::strerror(errno));
   }
   size_t done = 0;
   while (done < text.size()) {
-    const ssize_t n = ::write(fd, text.data() + done, text.size() - done);
+    const ssize_t n = ::write(file.get(), text.data() + done, text.size() - done);
     if (n < 0 && errno == EINTR) continue;
-    if (n <= 0) {
-      const std::string why = std::strerror(errno);
-      ::close(fd);
-      return internal_error("cannot write " + path + ": " + why);
-    }
+    if (n <= 0) return internal_error("cannot write " + path + ": " + std::strerror(errno));
     done += static_cast<size_t>(n);
   }
-  if (::close(fd) != 0) return internal_error("cannot write " + path + ": " + std::strerror(errno));
+  // Closed here, not by the owner: a write the kernel deferred may fail only now.
+  if (::close(file.release()) != 0) {
+    return internal_error("cannot write " + path + ": " + std::strerror(errno));
+  }
   return Status::ok();
 }
 
