@@ -161,8 +161,9 @@ void fill_pool(std::byte* base, const KvPoolLayout& layout, uint64_t seed) {
 }
 
 std::vector<std::byte> encode_handshake(const SourceHandshake& h) {
-  msgpack::sbuffer buffer;
-  msgpack::packer<msgpack::sbuffer> pk(buffer);
+  std::vector<std::byte> out;
+  msgpack_util::ByteSink sink{out};
+  msgpack::packer<msgpack_util::ByteSink> pk(sink);
   auto str = [&](std::string_view s) { msgpack_util::pack_str(pk, s); };
   pk.pack_map(kFieldCount);
   str(kFieldNames[kFormat]);
@@ -179,8 +180,7 @@ std::vector<std::byte> encode_handshake(const SourceHandshake& h) {
   pk.pack(h.base);
   str(kFieldNames[kEngineMetadata]);
   msgpack_util::pack_bin(pk, std::span<const std::byte>(h.engine_metadata));
-  const auto* p = reinterpret_cast<const std::byte*>(buffer.data());
-  return {p, p + buffer.size()};
+  return out;
 }
 
 Expected<SourceHandshake> decode_handshake(std::span<const std::byte> bytes) {

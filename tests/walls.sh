@@ -7,6 +7,11 @@ src=${1:?usage: walls.sh <src directory>}
 cd "$src" || exit 2
 status=0
 
+# A module that is not there would pass every check below: refuse it instead.
+for m in common util protocol topology layout transfer control decode prefill metaserver connector sim; do
+  [ -d "$m" ] || { echo "walls.sh: $src has no module $m"; status=1; }
+done
+
 # The includes of module $1 that match the extended regex $2, as "file:line: include".
 includes_matching() {
   grep -rnE "^#include [\"<]($2)" "$1" --include='*.h' --include='*.cc' 2>/dev/null

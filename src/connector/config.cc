@@ -70,8 +70,10 @@ ExtraReader into(Field ConnectorConfig::*field) {
       return read_bool(value, where, c.*field);
     else if constexpr (std::is_same_v<Field, std::string>)
       return read_string(value, where, c.*field);
-    else
+    else if constexpr (std::is_same_v<Field, std::chrono::milliseconds>)
       return read_ms(value, where, c.*field);
+    else
+      static_assert(sizeof(Field) == 0, "into() reads switches, strings and durations");
   };
 }
 

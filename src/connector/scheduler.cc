@@ -144,7 +144,7 @@ Status Scheduler::update_prefill(Request& request,
   return Status::ok();
 }
 
-Status Scheduler::add_new_blocks(Send& s, const ScheduledRequest& step) const {
+Status Scheduler::add_new_blocks(Send& s, const ScheduledRequest& step) {
   if (step.new_block_ids.empty()) return Status::ok();
   if (step.new_block_ids.size() != groups_.size()) {
     return invalid_argument("request " + s.ext_id + ": new blocks of " +
@@ -173,8 +173,8 @@ std::vector<int64_t> ids_in(const std::vector<int64_t>& ids, layout::Range r) {
 
 }  // namespace
 
-Expected<std::optional<prefill::SendRequest>> Scheduler::next_chunk(
-    Send& s, const ScheduledRequest& step) const {
+Expected<std::optional<prefill::SendRequest>> Scheduler::next_chunk(Send& s,
+                                                                    const ScheduledRequest& step) {
   const bool final_chunk = step.num_computed_tokens >= s.num_prompt_tokens;
   const layout::ChunkProgress progress{s.decode.remote_cached_tokens, s.transferred_tokens,
                                        step.num_computed_tokens, final_chunk};

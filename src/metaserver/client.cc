@@ -24,7 +24,7 @@ Expected<Url> parse_url(const std::string& url) {
   return u;
 }
 
-Client::Client(ClientConfig config) : config_(config), pool_(std::max<size_t>(1, config.threads)) {
+Client::Client(ClientConfig config) : config_(config), pool_(config.threads) {
   if (config_.threads == 0) config_.threads = 1;
   if (config_.attempts < 1) config_.attempts = 1;
   for (size_t i = 0; i < config_.threads; ++i) pool_.run([this] { run(); });

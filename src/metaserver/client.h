@@ -15,8 +15,6 @@
 #include <mutex>
 #include <set>
 #include <string>
-#include <thread>
-#include <vector>
 
 #include "rd2h/common/status.h"
 #include "util/thread_pool.h"

@@ -41,7 +41,7 @@ void Proxy::Impl::make_servers() {
   client.max_connections = config.max_concurrent == 0 ? 1 : config.max_concurrent;
   client.token = config.token;
   client.api_key = config.api_key;
-  client.metrics = &http;
+  client.metrics = &http_metrics;
   http::HttpServerConfig meta = client;
   meta.port = config.metaserver_port;
   meta.name = "metaserver";

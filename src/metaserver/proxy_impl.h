@@ -12,7 +12,6 @@
 #include <cstdio>
 #include <deque>
 #include <functional>
-#include <list>
 #include <map>
 #include <mutex>
 #include <nlohmann/json.hpp>
@@ -159,7 +158,7 @@ struct Proxy::Impl {
   ProxyConfig config;
   // GET /metrics on the client API.
   metrics::Registry registry;
-  http::HttpMetrics http{registry};
+  http::HttpMetrics http_metrics{registry};
   metrics::Family<metrics::Histogram>& ttft = registry.histogram(
       "rd2h_proxy_time_to_first_token_seconds",
       "Streamed requests: from the request to its first event forwarded to the client", {},

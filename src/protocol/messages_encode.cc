@@ -10,7 +10,7 @@ namespace rd2h::protocol {
 
 namespace {
 
-using Packer = msgpack::packer<msgpack::sbuffer>;
+using Packer = msgpack::packer<msgpack_util::ByteSink>;
 
 using msgpack_util::pack_bin;
 using msgpack_util::pack_str;
@@ -26,46 +26,41 @@ void pack_ints(Packer& pk, const std::vector<T>& v) {
   }
 }
 
-std::vector<std::byte> bytes_of(const msgpack::sbuffer& buf) {
-  const auto* p = reinterpret_cast<const std::byte*>(buf.data());
-  return {p, p + buf.size()};
-}
-
 // Runs `body` on a fresh packer and returns what it packed.
 template <typename F>
 std::vector<std::byte> packed(F&& body) {
-  msgpack::sbuffer buf;
-  Packer pk(&buf);
+  std::vector<std::byte> out;
+  msgpack_util::ByteSink sink{out};
+  Packer pk(sink);
   body(pk);
-  return bytes_of(buf);
+  return out;
 }
 
 std::vector<std::byte> encode_layer_map(
     const std::vector<std::pair<std::string, LayerMeta>>& layers) {
-  msgpack::sbuffer buf;
-  Packer pk(&buf);
-  pk.pack_map(static_cast<uint32_t>(layers.size()));
-  for (const auto& [name, meta] : layers) {
-    pack_str(pk, name);
-    pk.pack_map(6);
-    pack_str(pk, "base_addrs");
-    pack_ints(pk, meta.base_addrs);
-    pack_str(pk, "block_len");
-    pack_ints(pk, meta.block_len);
-    pack_str(pk, "block_size_scale");
-    pack_ints(pk, meta.block_size_scale);
-    pack_str(pk, "tensor_group_idx");
-    pack_ints(pk, meta.tensor_group_idx);
-    pack_str(pk, "main_tensor_count");
-    pk.pack_uint64(meta.main_tensor_count);
-    pack_str(pk, "has_indexer");
-    if (meta.has_indexer) {
-      pk.pack_true();
-    } else {
-      pk.pack_false();
+  return packed([&](Packer& pk) {
+    pk.pack_map(static_cast<uint32_t>(layers.size()));
+    for (const auto& [name, meta] : layers) {
+      pack_str(pk, name);
+      pk.pack_map(6);
+      pack_str(pk, "base_addrs");
+      pack_ints(pk, meta.base_addrs);
+      pack_str(pk, "block_len");
+      pack_ints(pk, meta.block_len);
+      pack_str(pk, "block_size_scale");
+      pack_ints(pk, meta.block_size_scale);
+      pack_str(pk, "tensor_group_idx");
+      pack_ints(pk, meta.tensor_group_idx);
+      pack_str(pk, "main_tensor_count");
+      pk.pack_uint64(meta.main_tensor_count);
+      pack_str(pk, "has_indexer");
+      if (meta.has_indexer) {
+        pk.pack_true();
+      } else {
+        pk.pack_false();
+      }
     }
-  }
-  return bytes_of(buf);
+  });
 }
 
 }  // namespace
@@ -90,14 +85,16 @@ std::vector<std::byte> encode(const ReadReadyBatch& m) {
 
 std::vector<std::byte> encode_readiness(int64_t layer_idx, std::string_view layer_name,
                                         std::span<const std::byte> body) {
-  msgpack::sbuffer buf(64 + layer_name.size() + body.size());
-  Packer pk(&buf);
+  std::vector<std::byte> out;
+  out.reserve(32 + layer_name.size() + body.size());
+  msgpack_util::ByteSink sink{out};
+  Packer pk(sink);
   pk.pack_array(7);
   pack_bin(pk, kTagReadReadyBatch);
   pk.pack_int64(layer_idx);
   pack_str(pk, layer_name);
-  buf.write(reinterpret_cast<const char*>(body.data()), body.size());
-  return bytes_of(buf);
+  out.insert(out.end(), body.begin(), body.end());
+  return out;
 }
 
 std::vector<std::byte> encode_readiness_body(const ReadReadyBatch& m) {

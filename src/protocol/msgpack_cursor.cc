@@ -1,5 +1,6 @@
 #include "protocol/msgpack_cursor.h"
 
+#include <array>
 #include <vector>
 
 #include "protocol/messages.h"
@@ -25,7 +26,7 @@ struct Follows {
 };
 
 // 0xc0 to 0xdf; 0xc1 is never used.
-Follows follows(uint8_t b) {
+constexpr Follows follows(uint8_t b) {
   const auto pow2 = [](int k) { return static_cast<uint8_t>(1u << k); };
   if (b >= 0xc4 && b <= 0xc6) return {Header::kBin, Follows::kLength, pow2(b - 0xc4)};
   if (b >= 0xc7 && b <= 0xc9) return {Header::kExt, Follows::kExtLength, pow2(b - 0xc7)};
@@ -44,6 +45,13 @@ Follows follows(uint8_t b) {
   if (b == 0xc2 || b == 0xc3) return {Header::kBool, Follows::kNothing, 0};
   return {Header::kInvalid, Follows::kNothing, 0};
 }
+
+// follows() for every byte from 0xc0 to 0xdf, worked out at compile time: one load a header.
+constexpr std::array<Follows, 32> kFollows = [] {
+  std::array<Follows, 32> table{};
+  for (int b = 0xc0; b <= 0xdf; ++b) table[b - 0xc0] = follows(static_cast<uint8_t>(b));
+  return table;
+}();
 
 void set_signed(Header& h, int64_t v) {
   h.kind = Header::kInt;
@@ -89,7 +97,7 @@ bool Cursor::header(Header& h) {
   h = Header{};
   h.format = b;
   if (fix_format(b, h)) return true;
-  const Follows f = follows(b);
+  const Follows f = kFollows[b - 0xc0];  // fix_format took every byte outside 0xc0..0xdf
   h.kind = f.kind;
   uint64_t v = 0;
   switch (f.what) {

@@ -101,12 +101,12 @@ Expected<std::unique_ptr<Engine>> Engine::start(EngineConfig config) {
   api.max_body_bytes = p->config.max_body_bytes;
   api.token = p->config.token;
   api.metrics = &p->http_metrics;
-  p->http = std::make_unique<http::HttpServer>(api);
+  p->server = std::make_unique<http::HttpServer>(api);
   p->add_routes();
   p->add_metrics();
   // The core first: the destructor joins it before it stops HTTP.
   p->core = std::thread([p] { p->run_core(); });
-  if (Status st = p->http->start(); !st) {
+  if (Status st = p->server->start(); !st) {
     {
       std::lock_guard lock(p->mu);
       p->stopping = true;
@@ -116,17 +116,17 @@ Expected<std::unique_ptr<Engine>> Engine::start(EngineConfig config) {
     p->ranks->stop(std::chrono::seconds(10));
     return st;
   }
-  p->http_port = p->http->port();
+  p->http_port = p->server->port();
   return std::unique_ptr<Engine>(new Engine(std::move(impl)));
 }
 
 void Engine::Impl::add_routes() {
   using Auth = http::HttpServer::Auth;
-  http->post("/v1/completions", Auth::kToken,
+  server->post("/v1/completions", Auth::kToken,
              [this](const httplib::Request& q, httplib::Response& s) { serve(q, s, false); });
-  http->post("/v1/chat/completions", Auth::kToken,
+  server->post("/v1/chat/completions", Auth::kToken,
              [this](const httplib::Request& q, httplib::Response& s) { serve(q, s, true); });
-  http->get("/v1/models", Auth::kToken, [this](const httplib::Request&, httplib::Response& s) {
+  server->get("/v1/models", Auth::kToken, [this](const httplib::Request&, httplib::Response& s) {
     const json model = {{"id", config.served_model_name},
                         {"object", "model"},
                         {"created", started_at},
@@ -135,24 +135,24 @@ void Engine::Impl::add_routes() {
     s.set_content(json{{"object", "list"}, {"data", {model}}}.dump(), "application/json");
   });
   // Nothing to drop: the pretend local prefix cache is a setting, not a cache.
-  http->post("/reset_prefix_cache", Auth::kToken,
+  server->post("/reset_prefix_cache", Auth::kToken,
              [](const httplib::Request&, httplib::Response& s) {
                s.set_content(R"({"status":"ok"})", "application/json");
              });
   // Probes take no token, as load balancers and orchestrators send none.
-  http->get("/health", Auth::kNone, [this](const httplib::Request&, httplib::Response& s) {
+  server->get("/health", Auth::kNone, [this](const httplib::Request&, httplib::Response& s) {
     std::lock_guard lock(mu);
     if (stopping) return http::set_api_error(s, 503, "the engine is stopping");
     s.set_content(json{{"status", "ok"}, {"role", prefill ? "prefill" : "decode"}}.dump(),
                   "application/json");
   });
-  http->get("/metrics", Auth::kNone, [this](const httplib::Request&, httplib::Response& s) {
+  server->get("/metrics", Auth::kNone, [this](const httplib::Request&, httplib::Response& s) {
     s.set_content(registry.render(), metrics::kContentType);
   });
-  http->get("/version", Auth::kNone, [](const httplib::Request&, httplib::Response& s) {
+  server->get("/version", Auth::kNone, [](const httplib::Request&, httplib::Response& s) {
     s.set_content(json{{"version", rd2h::version()}}.dump(), "application/json");
   });
-  http->get("/rd2h/report", Auth::kToken,
+  server->get("/rd2h/report", Auth::kToken,
             [this](const httplib::Request&, httplib::Response& s) { report(s); });
 }
 
@@ -191,7 +191,7 @@ Engine::~Engine() {
   }
   p.cv.notify_all();
   p.core.join();  // answers what is pending, so the HTTP handlers return
-  p.http->stop();
+  p.server->stop();
   p.ranks->stop(std::chrono::seconds(10));
 }
 

@@ -138,7 +138,7 @@ struct Engine::Impl {
   bool corrupt_pending = false;
   uint64_t checksum = 0;  // Decode's reads of its pool while decoding
 
-  std::unique_ptr<http::HttpServer> http;
+  std::unique_ptr<http::HttpServer> server;
   int http_port = 0;
 
   std::mutex mu;

@@ -157,10 +157,9 @@ Expected<PeerMapping> PeerMapping::map(pid_t pid, int fd, uint64_t inode, uint64
                                        uint64_t length, uint64_t live_offset) {
   const std::string path = "/proc/" + std::to_string(pid) + "/fd/" + std::to_string(fd);
   const UniqueFd file(::open(path.c_str(), O_RDONLY | O_CLOEXEC));
-  const int own = file.get();
   if (!file.valid()) return unreachable("cannot open " + path + ": " + errno_text());
   struct stat st {};
-  const bool same = ::fstat(own, &st) == 0 && S_ISREG(st.st_mode) &&
+  const bool same = ::fstat(file.get(), &st) == 0 && S_ISREG(st.st_mode) &&
                     static_cast<uint64_t>(st.st_ino) == inode && offset + length >= offset &&
                     static_cast<uint64_t>(st.st_size) >= offset + length &&
                     live_offset % page_size() == 0 &&
@@ -169,10 +168,11 @@ Expected<PeerMapping> PeerMapping::map(pid_t pid, int fd, uint64_t inode, uint64
   const uintptr_t page = page_size();
   const uint64_t aligned = offset & ~static_cast<uint64_t>(page - 1);
   const size_t map_length = static_cast<size_t>(offset + length - aligned);
-  void* p = ::mmap(nullptr, map_length, PROT_READ, MAP_SHARED, own, static_cast<off_t>(aligned));
+  void* p =
+      ::mmap(nullptr, map_length, PROT_READ, MAP_SHARED, file.get(), static_cast<off_t>(aligned));
   int saved = errno;
   void* live = p == MAP_FAILED ? MAP_FAILED
-                               : ::mmap(nullptr, page, PROT_READ, MAP_SHARED, own,
+                               : ::mmap(nullptr, page, PROT_READ, MAP_SHARED, file.get(),
                                         static_cast<off_t>(live_offset));
   if (p != MAP_FAILED && live == MAP_FAILED) {
     saved = errno;

@@ -264,9 +264,7 @@ class Core:
             r.seen = False  # ask again later, like vLLM when blocks run out
             return None
         r.num_external_computed_tokens = ext
-        for b in hit_blocks:
-            self.pool.take_block(b)
-        self.pool.blocks[r.request_id] = list(hit_blocks)
+        self.pool.take_hits(r.request_id, hit_blocks)
         if load_async:
             self.pool.allocate(r.request_id, local + ext)
             self.connector.update_state_after_alloc(r, self.kv_blocks(r), ext)
@@ -361,7 +359,7 @@ class Core:
         self.connector.shutdown()
 
 
-# ---- HTTP front ---------------------------------------------------------------------------
+# ---- command line and main ------------------------------------------------------------------
 
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)

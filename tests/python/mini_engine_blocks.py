@@ -44,6 +44,12 @@ class BlockPool:
             del self.free[b]
         self.ref[b] += 1
 
+    def take_hits(self, req_id: str, hits: list[int]) -> None:
+        """A request starts out holding the cached blocks its prompt hit."""
+        for b in hits:
+            self.take_block(b)
+        self.blocks[req_id] = list(hits)
+
     def allocate(self, req_id: str, tokens: int) -> Optional[list[int]]:
         """The blocks added so that the request holds `tokens`; None if too few are free."""
         have = self.blocks.setdefault(req_id, [])

@@ -1,6 +1,7 @@
-"""The mini engine's requests and its OpenAI-style HTTP front: /v1/completions (a prompt or a
-list of them, each an EngineRequest the core schedules, answered once every one is done) and
-/abort_requests. The core is handed in by make_handler; the front only adds and aborts."""
+"""The mini engine's requests and its OpenAI-style HTTP front: POST /v1/completions (a prompt
+or a list of them, each an EngineRequest the core schedules, answered once every one is done)
+and POST /abort; GET /health and /stats. The core is handed in by make_handler; the front only
+adds, aborts and reads."""
 
 from __future__ import annotations
 

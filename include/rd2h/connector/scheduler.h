@@ -110,9 +110,8 @@ class Scheduler final : public KvConnectorScheduler {
   // build_connector_meta's steps for one request: the step's new blocks added to the
   // request's (replacing them when it resumed), then the chunk the step publishes, or none
   // when it publishes nothing.
-  Status add_new_blocks(Send& s, const ScheduledRequest& step) const;
-  Expected<std::optional<prefill::SendRequest>> next_chunk(Send& s,
-                                                           const ScheduledRequest& step) const;
+  Status add_new_blocks(Send& s, const ScheduledRequest& step);
+  Expected<std::optional<prefill::SendRequest>> next_chunk(Send& s, const ScheduledRequest& step);
 
   ConnectorConfig config_;
   Parallel parallel_;
