@@ -68,14 +68,16 @@ TEST(ThreadPool, TryRunRefusesWorkBeyondTheBoundAndTakesItOnceAThreadIsFree) {
     ASSERT_TRUE(pool.try_run(job));
   }
   ASSERT_TRUE(gate.reached(2));
-  bool ran = false;
-  std::function<void()> third = [&] { ran = true; };
+  std::atomic<int> ran = 0;
+  std::function<void()> third = [&] { ++ran; };
   EXPECT_FALSE(pool.try_run(third)) << "a third job was taken by a pool of two busy threads";
   EXPECT_TRUE(third) << "a refused job was consumed";
   EXPECT_EQ(pool.threads(), 2u);
   gate.open();
+  ASSERT_TRUE(testing::eventually([&] { return pool.idle() == 2; }));
+  EXPECT_TRUE(pool.try_run(third)) << "a free thread refused the job";
   pool.stop();
-  EXPECT_FALSE(ran);
+  EXPECT_EQ(ran, 1) << "the refused job ran too, or the taken one did not";
 }
 
 TEST(ThreadPool, RunQueuesBeyondTheBoundAndStopRunsEveryQueuedJobInOrder) {
