@@ -31,6 +31,20 @@ TEST(UniqueFd, ClosesWhenItsOwnerGoesOrReplacesIt) {
   EXPECT_FALSE(is_open(b)) << "the last owner closed it when it went";
 }
 
+TEST(UniqueFd, AnOwnerMovedOntoClosesWhatItHeld) {
+  const int a = ::eventfd(0, EFD_CLOEXEC);
+  const int b = ::eventfd(0, EFD_CLOEXEC);
+  ASSERT_GE(a, 0);
+  ASSERT_GE(b, 0);
+  UniqueFd first(a);
+  UniqueFd second(b);
+  first = std::move(second);
+  EXPECT_FALSE(is_open(a)) << "the fd an owner held before a move onto it stays open";
+  EXPECT_EQ(first.get(), b);
+  EXPECT_TRUE(is_open(b));
+  EXPECT_FALSE(second.valid());
+}
+
 TEST(UniqueFd, ReleaseHandsTheFdToTheCallerUnclosed) {
   const int a = ::eventfd(0, EFD_CLOEXEC);
   ASSERT_GE(a, 0);
