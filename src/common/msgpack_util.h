@@ -20,6 +20,7 @@ struct ByteSink {
   // Grown and then copied into, rather than vector::insert, which GCC 12 at -O3 wrongly
   // reports as an overflow once inlined into a packer of a fresh vector.
   void write(const char* p, size_t n) {
+    if (n == 0) return;  // an empty str or bin body: `p` may be null, which memcpy must not get
     const size_t at = out.size();
     out.resize(at + n);
     std::memcpy(out.data() + at, p, n);
