@@ -27,7 +27,9 @@ from __future__ import annotations
 import importlib.util
 import inspect
 import json
+import os
 import re
+import time
 from typing import Any, Iterable, Optional
 
 import rd2h
@@ -71,18 +73,89 @@ def is_indexer_layer(name: str) -> bool:
     return "indexer" in name.lower()
 
 
-class Rd2hConnectorMetadata(KVConnectorMetadata):
-    """One step's connector metadata: the bytes rd2h's scheduler encoded (picklable)."""
+def _dense(shape: tuple, strides: tuple, dims: list) -> int:
+    """The elements dims span if they pack densely (innermost stride 1), else 0."""
+    span = 1
+    for d in sorted(dims, key=lambda d: strides[d]):
+        if strides[d] != span:
+            return 0
+        span *= shape[d]
+    return span
 
-    def __init__(self, data: bytes):
+
+def block_runs(name: str, tensor: Any, num_blocks: int) -> list:
+    """A layer's KV cache tensor as views of ``[num_blocks, block_elems]``, one per run of blocks.
+
+    The block dimension is the one of ``num_blocks`` entries with the largest stride, found
+    from the tensor's own shape and strides (the attention backend's layout, as allocated).
+    Each block must be one dense run of memory; a dimension outside the block (K and V of a
+    ``[2, num_blocks, ...]`` layout) gives a view per entry. Anything else is refused by name.
+    """
+    if not hasattr(tensor, "stride"):  # a plain buffer: blocks along its first dimension
+        return [tensor]
+    shape, strides = tuple(tensor.shape), tuple(tensor.stride())
+    dims = [d for d, n in enumerate(shape) if n == num_blocks]
+    if not dims:
+        raise rd2h.InvalidArgument(
+            f"KV cache layer {name!r}: no dimension of {num_blocks} blocks in shape {shape}"
+        )
+    b = max(dims, key=lambda d: strides[d])
+    live = [d for d in range(len(shape)) if d != b and shape[d] > 1]
+    inner = [d for d in live if strides[d] < strides[b]]
+    outer = sorted((d for d in live if strides[d] >= strides[b]), key=lambda d: -strides[d])
+    block_elems = _dense(shape, strides, inner)
+    if block_elems == 0 or block_elems != strides[b]:
+        raise rd2h.InvalidArgument(
+            f"KV cache layer {name!r}: a block is not one contiguous run of memory "
+            f"(shape {shape}, strides {strides}); rd2h reads each block as one range"
+        )
+    if outer:
+        d = outer[0]
+        return [v for i in range(shape[d]) for v in block_runs(name, tensor.select(d, i), num_blocks)]
+    return [tensor.as_strided((num_blocks, block_elems), (strides[b], 1))]
+
+
+def _check_layout(name: Optional[str]) -> None:
+    """Refuses a vLLM KV cache layout whose per-layer blocks are not outermost."""
+    if name is None or not USING_VLLM:
+        return
+    from vllm.v1.kv_cache_layout import KVCacheLayout  # type: ignore
+
+    layout = KVCacheLayout[name]
+    if layout.value[:2] != (0, 1):  # [L, B, ...]: a layer's blocks, each one run
+        raise rd2h.InvalidArgument(
+            f"KV cache layout {name} interleaves layers within a block; rd2h reads one "
+            "layer's blocks as ranges: use a layout with the layer, then the block, "
+            "outermost (VLLM_KV_CACHE_LAYOUT=LBHNC or LBNHC)"
+        )
+
+
+class Rd2hConnectorMetadata(KVConnectorMetadata):
+    """One step's connector metadata: the bytes rd2h's scheduler encoded (picklable).
+
+    ``corrupt`` is for tests only (``TEST_CORRUPT_SETTING``): request id -> the block of it
+    the Decode worker overwrites once the request's KV arrived.
+    """
+
+    def __init__(self, data: bytes, corrupt: Optional[dict] = None, num_requests: int = 0):
         self.data = data
+        self.corrupt = corrupt or {}
+        self.num_requests = num_requests  # scheduled in the step
 
     def __reduce__(self):
-        return (Rd2hConnectorMetadata, (self.data,))
+        return (Rd2hConnectorMetadata, (self.data, self.corrupt, self.num_requests))
+
+
+# A test-only setting of kv_connector_extra_config: a Decode worker negates one block of the
+# first layer's KV (the first block it pulled) of each request whose KV arrived, before the
+# request is reported finished. It exists to show that a check of the answers sees wrong
+# KV; it is never for serving.
+TEST_CORRUPT_SETTING = "test_corrupt_pulled_block"
 
 
 def _kv_transfer_config_json(ktc: Any) -> str:
-    extra = getattr(ktc, "kv_connector_extra_config", None) or {}
+    extra = dict(getattr(ktc, "kv_connector_extra_config", None) or {})
+    extra.pop(TEST_CORRUPT_SETTING, None)
     config = {
         "kv_connector": ktc.kv_connector,
         "kv_role": ktc.kv_role,
@@ -108,6 +181,47 @@ def _params_json(params: Optional[dict]) -> Optional[str]:
     return None if params is None else json.dumps(params)
 
 
+# For benchmarks: a directory into which each worker appends, per step, the step's number of
+# requests and the nanoseconds its per-layer calls (wait_for_layer_load + save_kv_layer) took
+# for each layer: what the connector adds to a layer of a forward pass inside vLLM.
+LAYER_TIMES_ENV = "RD2H_VLLM_LAYER_TIMES"
+
+
+def _time_layers(connector: "Rd2hConnector", directory: str) -> None:
+    """Wraps the connector's per-layer calls (on the instance only) to record their time."""
+    log = open(os.path.join(directory, f"layer-times-{os.getpid()}.txt"), "a")
+    load, save = connector.wait_for_layer_load, connector.save_kv_layer
+    bind, clear = connector.bind_connector_metadata, connector.clear_connector_metadata
+    per_layer: dict[str, int] = {}
+    step = {"requests": 0}
+
+    def timed_bind(metadata: Any) -> None:
+        step["requests"] = getattr(metadata, "num_requests", 0)
+        bind(metadata)
+
+    def timed_load(layer_name: str) -> None:
+        t0 = time.perf_counter_ns()
+        load(layer_name)
+        per_layer[layer_name] = per_layer.get(layer_name, 0) + time.perf_counter_ns() - t0
+
+    def timed_save(layer_name: str, kv_layer: Any, attn_metadata: Any, **kwargs: Any) -> None:
+        t0 = time.perf_counter_ns()
+        save(layer_name, kv_layer, attn_metadata, **kwargs)
+        per_layer[layer_name] = per_layer.get(layer_name, 0) + time.perf_counter_ns() - t0
+
+    def timed_clear() -> None:
+        if per_layer and step["requests"]:
+            log.write(f"{step['requests']} {' '.join(map(str, per_layer.values()))}\n")
+            log.flush()
+        per_layer.clear()
+        clear()
+
+    connector.bind_connector_metadata = timed_bind  # type: ignore[method-assign]
+    connector.wait_for_layer_load = timed_load  # type: ignore[method-assign]
+    connector.save_kv_layer = timed_save  # type: ignore[method-assign]
+    connector.clear_connector_metadata = timed_clear  # type: ignore[method-assign]
+
+
 class Rd2hConnector(KVConnectorBase_V1, SupportsHMA):
     """rd2h's KV Connector V1: the scheduler role or the worker role, per ``role``."""
 
@@ -124,6 +238,17 @@ class Rd2hConnector(KVConnectorBase_V1, SupportsHMA):
         self._scheduler: Optional[rd2h.Scheduler] = None
         self._worker: Optional[rd2h.Worker] = None
         self._main_layers: set[str] = set()
+        extra = getattr(ktc, "kv_connector_extra_config", None) or {}
+        self._test_corrupt = bool(extra.get(TEST_CORRUPT_SETTING, False))
+        if self._test_corrupt and self._config.role != rd2h.KvRole.CONSUMER:
+            raise rd2h.InvalidArgument(
+                f"kv_connector_extra_config.{TEST_CORRUPT_SETTING} is for a Decode (kv_consumer)"
+            )
+        self._corrupt_next: dict[str, int] = {}  # scheduler: for the next metadata
+        self._corrupt_pending: dict[str, int] = {}  # worker: until the KV arrived
+        self._corrupt_target: list = []  # worker: the first layer's block runs
+        self._block_size = int(vllm_config.cache_config.block_size)
+        self._stats_reported: dict = {}  # worker: the transfer counters last reported
         if role == KVConnectorRole.SCHEDULER:
             self._scheduler = rd2h.Scheduler(
                 self._config, self._parallel, self._groups(vllm_config, kv_cache_config)
@@ -131,6 +256,9 @@ class Rd2hConnector(KVConnectorBase_V1, SupportsHMA):
         else:
             self._tp_rank = self._find_tp_rank(vllm_config)
             self._worker = rd2h.Worker(self._config, self._parallel, self._tp_rank)
+            times = os.environ.get(LAYER_TIMES_ENV)
+            if times:
+                _time_layers(self, times)
 
     # ---- configuration -------------------------------------------------------------------
 
@@ -180,6 +308,9 @@ class Rd2hConnector(KVConnectorBase_V1, SupportsHMA):
             block_ids,
             num_external_tokens,
         )
+        if self._test_corrupt and num_external_tokens > 0 and block_ids and block_ids[0]:
+            first_pulled = request.num_computed_tokens // self._block_size
+            self._corrupt_next[request.request_id] = block_ids[0][first_pulled]
         # Decode sets up the pull once: a second call (or a recompute after a failed load)
         # must not pull again.
         if params is not None and params.get("do_remote_prefill") and not still_remote:
@@ -204,7 +335,9 @@ class Rd2hConnector(KVConnectorBase_V1, SupportsHMA):
             groups = [list(g) for g in new_blocks] if new_blocks else []
             computed = cached.num_computed_tokens[i] + counts.get(req_id, 0)
             scheduled.append((req_id, groups, computed, req_id in resumed))
-        return Rd2hConnectorMetadata(self._scheduler.build_connector_meta(scheduled))
+        corrupt, self._corrupt_next = self._corrupt_next, {}
+        return Rd2hConnectorMetadata(self._scheduler.build_connector_meta(scheduled), corrupt,
+                                     len(scheduled))
 
     def request_finished(
         self, request: Any, block_ids: list[int]
@@ -237,24 +370,24 @@ class Rd2hConnector(KVConnectorBase_V1, SupportsHMA):
         assert self._worker is not None, "a worker-role call on the scheduler role"
         group_of = self._group_of_layer()
         num_blocks = getattr(self._kv_cache_config, "num_blocks", None)
+        _check_layout(getattr(self._kv_cache_config, "kv_cache_layout", None))
         main: dict[int, tuple[str, list]] = {}
         indexer: dict[int, list] = {}
+        first_runs: dict[int, list] = {}  # layer -> its main tensors' block runs
         for name, value in kv_caches.items():
             n = layer_index(name)
             if n is None:
                 raise rd2h.InvalidArgument(
                     f"KV cache layer {name!r} has no 'layers.<n>' to take its index from"
                 )
-            tensors = list(value) if isinstance(value, (tuple, list)) else [value]
+            given = list(value) if isinstance(value, (tuple, list)) else [value]
             g = group_of.get(name, 0)
-            for t in tensors:
-                first = tuple(getattr(t, "shape", ()))[:1]
-                if num_blocks is not None and first != (num_blocks,):
-                    raise rd2h.InvalidArgument(
-                        f"KV cache layer {name!r}: blocks must lie along the first dimension "
-                        f"({num_blocks} blocks), the tensor's shape is {tuple(t.shape)}"
-                    )
+            tensors = []
+            for t in given:
+                tensors += block_runs(name, t, num_blocks) if num_blocks is not None else [t]
             wrapped = [rd2h.CacheTensor(t, num_blocks=num_blocks, group_idx=g) for t in tensors]
+            if not is_indexer_layer(name):
+                first_runs[n] = tensors
             if is_indexer_layer(name):
                 if n in indexer:
                     raise rd2h.InvalidArgument(f"layer {n} has two indexer caches ({name!r})")
@@ -290,11 +423,15 @@ class Rd2hConnector(KVConnectorBase_V1, SupportsHMA):
             )
         self._worker.register_kv_caches(layers)
         self._main_layers = {name for name, _ in main.values()}
+        if self._test_corrupt and main:
+            self._corrupt_target = first_runs[min(main)]
 
     def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
         assert self._worker is not None, "a worker-role call on the scheduler role"
         super().bind_connector_metadata(connector_metadata)
         self._worker.bind_connector_metadata(connector_metadata.data)
+        if self._test_corrupt:
+            self._corrupt_pending.update(getattr(connector_metadata, "corrupt", {}))
 
     def clear_connector_metadata(self) -> None:
         super().clear_connector_metadata()
@@ -330,7 +467,44 @@ class Rd2hConnector(KVConnectorBase_V1, SupportsHMA):
     ) -> tuple[Optional[set[str]], Optional[set[str]]]:
         assert self._worker is not None, "a worker-role call on the scheduler role"
         sending, recving = self._worker.get_finished(self._all_gather_fn())
+        if self._test_corrupt:
+            self._corrupt_arrived(recving)
         return (set(sending) or None), (set(recving) or None)
+
+    def _corrupt_arrived(self, recving: Iterable[str]) -> None:
+        """TEST_CORRUPT_SETTING: negates one pulled block of each arrived request."""
+        for req_id in recving:
+            block = self._corrupt_pending.pop(req_id, None)
+            if block is None:
+                continue
+            for run in self._corrupt_target:
+                if run.is_floating_point():
+                    run[block].neg_()
+                else:
+                    run[block].bitwise_not_()
+
+    def get_kv_connector_stats(self) -> Any:
+        """What this Decode rank's reads did since the last call (None if nothing)."""
+        if self._worker is None or self._config.role != rd2h.KvRole.CONSUMER or not USING_VLLM:
+            return None
+        from rd2h._vllm_stats import since
+
+        now = self._worker.transfer_stats()
+        stats, self._stats_reported = since(now, self._stats_reported), now
+        return None if stats.is_empty() else stats
+
+    @classmethod
+    def build_kv_connector_stats(cls, data: Optional[dict] = None) -> Any:
+        from rd2h._vllm_stats import Rd2hKVConnectorStats
+
+        return Rd2hKVConnectorStats(data=dict(data or {}))
+
+    @classmethod
+    def build_prom_metrics(cls, vllm_config: Any, metric_types: dict, labelnames: list,
+                           per_engine_labelvalues: dict) -> Any:
+        from rd2h._vllm_stats import Rd2hPromMetrics
+
+        return Rd2hPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         if self._worker is None:

@@ -16,6 +16,7 @@
 
 #include "native.h"
 #include "rd2h/connector/config.h"
+#include "rd2h/connector/stats.h"
 #include "rd2h/decode/all_gather.h"
 #include "rd2h/prefill/write_event.h"
 
@@ -147,6 +148,15 @@ class Worker {
     });
     return out;
   }
+  // What this rank's reads did so far (Decode): cumulative counters.
+  connector::TransferStats transfer_stats() {
+    connector::TransferStats out;
+    call([&](connector::ConnectorWorker& w) {
+      out = w.transfer_stats();
+      return Status::ok();
+    });
+    return out;
+  }
   std::vector<int64_t> get_block_ids_with_load_errors() {
     std::vector<int64_t> out;
     call([&](connector::ConnectorWorker& w) {
@@ -203,6 +213,20 @@ void bind_worker(py::module_& m) {
       .def("wait_for_save", &Worker::wait_for_save)
       .def("get_finished", &Worker::get_finished, py::arg("all_gather") = py::none())
       .def("get_block_ids_with_load_errors", &Worker::get_block_ids_with_load_errors)
+      .def(
+          "transfer_stats",
+          [](Worker& w) {
+            const connector::TransferStats s = w.transfer_stats();
+            py::dict d;
+            d["layers_done"] = s.layers_done;
+            d["layers_failed"] = s.layers_failed;
+            d["reads"] = s.reads;
+            d["bytes_read"] = s.bytes_read;
+            d["read_seconds"] = s.read_seconds_sum;
+            return d;
+          },
+          "This rank's reads so far (Decode), cumulative: layers_done, layers_failed, reads, "
+          "bytes_read, read_seconds.")
       .def("shutdown", &Worker::shutdown)
       .def("_time_layer_loop", &Worker::time_layer_loop, py::arg("metadata"), py::arg("layers"),
            py::arg("steps"));

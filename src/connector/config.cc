@@ -134,6 +134,11 @@ const std::map<std::string, ExtraReader>& extra_readers() {
       {"control_link", into(&ConnectorConfig::control_link)},
       {"insecure", into(&ConnectorConfig::insecure)},
       {"metaserver_token_file", into(&ConnectorConfig::metaserver_token_file)},
+      // vLLM 0.32's KVTransferConfig has no kv_ip field: there it is an extra setting.
+      {"kv_ip",
+       [](const json& value, const std::string& where, ConnectorConfig& c) {
+         return read_string(value, where, c.host);
+       }},
   };
   return readers;
 }
@@ -185,7 +190,14 @@ Expected<ConnectorConfig> ConnectorConfig::from_json(std::string_view text) {
     RD2H_RETURN_IF_ERROR(read_string(j["kv_ip"], "kv_ip", c.host));
   }
   if (j.contains("kv_connector_extra_config") && !j["kv_connector_extra_config"].is_null()) {
-    RD2H_RETURN_IF_ERROR(read_extra(j["kv_connector_extra_config"], c));
+    const json& extra = j["kv_connector_extra_config"];
+    if (extra.is_object() && extra.contains("kv_ip") && j.contains("kv_ip") &&
+        !j["kv_ip"].is_null() && extra["kv_ip"] != j["kv_ip"]) {
+      return bad("kv_connector_extra_config.kv_ip",
+                 "is " + extra["kv_ip"].dump() + " but kv_ip is " + j["kv_ip"].dump() +
+                     ": give one");
+    }
+    RD2H_RETURN_IF_ERROR(read_extra(extra, c));
   }
   if (!c.curve.secret_key_file.empty() || !c.curve.trusted_keys_file.empty()) {
     RD2H_RETURN_IF_ERROR(c.load_curve_keys(c.curve.secret_key_file, c.curve.trusted_keys_file));

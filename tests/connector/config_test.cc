@@ -119,6 +119,31 @@ TEST(ConnectorConfig, BadConfigsAreRefusedNamingTheKey) {
   }
 }
 
+TEST(ConnectorConfig, KvIpMayBeAnExtraSettingAsVllmHasNoKvIpField) {
+  const auto config = [](const std::string& top, const std::string& extra) {
+    return ConnectorConfig::from_json(
+        R"({"kv_connector": "Rd2hConnector", "kv_role": "kv_consumer", "kv_port": 30000)" + top +
+        R"(, "kv_connector_extra_config": {)" + extra + "}}");
+  };
+  auto extra = config("", R"("kv_ip": "127.0.0.2")");
+  ASSERT_TRUE(extra) << extra.status().to_string();
+  EXPECT_EQ(extra->host, "127.0.0.2");
+  auto both = config(R"(, "kv_ip": "127.0.0.2")", R"("kv_ip": "127.0.0.2")");
+  ASSERT_TRUE(both) << both.status().to_string();
+  EXPECT_EQ(both->host, "127.0.0.2");
+  auto differ = config(R"(, "kv_ip": "127.0.0.3")", R"("kv_ip": "127.0.0.2")");
+  ASSERT_FALSE(differ);
+  EXPECT_NE(differ.status().message().find("kv_connector_extra_config.kv_ip"), std::string::npos)
+      << differ.status().message();
+  auto open = config("", R"("kv_ip": "10.1.2.3")");
+  ASSERT_FALSE(open) << "a non-loopback kv_ip without keys, from the extra config too";
+  EXPECT_NE(open.status().message().find("insecure"), std::string::npos);
+  auto wrong = config("", R"("kv_ip": 7)");
+  ASSERT_FALSE(wrong);
+  EXPECT_NE(wrong.status().message().find("kv_connector_extra_config.kv_ip"), std::string::npos)
+      << wrong.status().message();
+}
+
 TEST(ConnectorConfig, WithoutKeysOnlyLoopbackRunsUnlessInsecure) {
   const auto config = [](const std::string& ip, const std::string& extra) {
     return ConnectorConfig::from_json(R"({"kv_connector": "rd2h", "kv_role": "kv_consumer",

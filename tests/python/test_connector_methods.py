@@ -195,15 +195,37 @@ def test_errors_are_python_exceptions_naming_what_was_wrong():
         c.shutdown()
 
 
-def test_kv_caches_with_blocks_off_the_first_dimension_are_refused():
+def test_kv_caches_are_split_into_block_runs_from_their_strides():
+    from rd2h.vllm import block_runs
+
+    # K and V in one tensor, [2, num_blocks, heads, block_size, head_size]: a run each.
+    kv = torch.zeros(2, 6, 2, 4, 8)
+    k, v = block_runs("model.layers.0.self_attn", kv, 6)
+    assert k.shape == v.shape == (6, 64)
+    assert k.data_ptr() == kv.data_ptr()
+    assert v.data_ptr() == kv.data_ptr() + 6 * 64 * kv.element_size()
+    # Blocks outermost with a permuted interior (heads and tokens swapped): one run.
+    nhc = torch.zeros(6, 4, 2, 8).permute(0, 2, 1, 3)
+    (run,) = block_runs("model.layers.0.self_attn", nhc, 6)
+    assert run.shape == (6, 64) and run.data_ptr() == nhc.data_ptr()
+    # MLA's latent cache, [num_blocks, block_size, 576]: itself.
+    (mla,) = block_runs("model.layers.0.self_attn", torch.zeros(6, 16, 576), 6)
+    assert mla.shape == (6, 16 * 576)
+
+
+def test_kv_caches_whose_blocks_are_not_one_run_are_refused():
     from rd2h.vllm import KVConnectorRole
 
     c = load(kv_config("kv_producer", free_ports(1)), KVConnectorRole.WORKER)
     try:
         kv = caches()
-        kv[main_name(1)] = torch.zeros(2, M.num_blocks, M.block_size, M.main_bytes // 2,
-                                       dtype=torch.uint8)  # K/V first: [2, num_blocks, ...]
-        with pytest.raises(rd2h.InvalidArgument, match="first dimension"):
+        # Padding inside each block (a slice of a wider cache): a block is not one range.
+        kv[main_name(1)] = torch.zeros(M.num_blocks, M.block_size, 2 * M.main_bytes,
+                                       dtype=torch.uint8)[:, :, : M.main_bytes]
+        with pytest.raises(rd2h.InvalidArgument, match="not one contiguous run"):
+            c.register_kv_caches(kv)
+        kv[main_name(1)] = torch.zeros(3, 5, dtype=torch.uint8)
+        with pytest.raises(rd2h.InvalidArgument, match=f"no dimension of {M.num_blocks} blocks"):
             c.register_kv_caches(kv)
     finally:
         c.shutdown()

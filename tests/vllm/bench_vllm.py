@@ -1,0 +1,140 @@
+"""Figures of rd2h inside real vLLM, measured in one run on this machine:
+
+- time to first token and end-to-end latency of the same prompts through PD (Prefill and
+  Decode vLLM engines, rd2h, `rd2h proxy`) and from a single vLLM instance;
+- what the Python connector adds per layer inside vLLM (wait_for_layer_load + save_kv_layer
+  on Prefill, timed on the connector instance by RD2H_VLLM_LAYER_TIMES), for steps of 1
+  request and of 32;
+- KV bytes Decode read per prompt token, against what the model's layers hold per token.
+
+    RD2H_BINARY=build/python/apps/rd2h "$(scripts/vllm-venv)/bin/python" tests/vllm/bench_vllm.py
+
+Engines run one at a time where they are compared (the single instance is stopped before
+the PD pair starts), so that two cores are not shared between the things compared.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import random
+import sys
+import tempfile
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+
+import conftest as c  # noqa: E402
+import make_model  # noqa: E402
+import openai  # noqa: E402
+
+PROMPT_LENGTHS = [100, 200, 400, 800] * 4
+OUTPUT_TOKENS = 32
+
+
+def quantile(xs: list, q: float) -> float:
+    """Nearest rank, as rd2h's other benches."""
+    xs = sorted(xs)
+    return xs[max(0, math.ceil(q * len(xs)) - 1)]
+
+
+def timed_stream(url: str, prompt: str) -> tuple:
+    cl = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=600)
+    t0 = time.perf_counter()
+    first = None
+    n = 0
+    for ev in cl.completions.create(model=c.MODEL_NAME, prompt=prompt, max_tokens=OUTPUT_TOKENS,
+                                    temperature=0, stream=True):
+        for ch in ev.choices:
+            if ch.text and first is None:
+                first = time.perf_counter() - t0
+            n += len(ch.text)
+    return first, time.perf_counter() - t0, n
+
+
+def latencies(url: str, prompts: list) -> tuple:
+    timed_stream(url, prompts[0])  # warm-up
+    runs = [timed_stream(url, p) for p in prompts]
+    return [r[0] for r in runs], [r[1] for r in runs]
+
+
+def layer_times(directory: Path) -> dict:
+    """requests in the step -> per-layer nanoseconds."""
+    out: dict = {}
+    for f in directory.glob("layer-times-*.txt"):
+        for line in f.read_text().splitlines():
+            requests, *ns = map(int, line.split())
+            out.setdefault(requests, []).extend(ns)
+    return out
+
+
+def main() -> None:
+    work = Path(tempfile.mkdtemp(prefix="rd2h-bench-vllm-"))
+    logs = work / "logs"
+    logs.mkdir()
+    model = work / "model"
+    model.mkdir()
+    make_model.make_tokenizer(model)
+    make_model.make_model(model, seed=20261203, arch="llama")
+    rng = random.Random(3)
+    prompts = ["".join(rng.choice(make_model.ALPHABET) for _ in range(n)) for n in PROMPT_LENGTHS]
+
+    single = c.Engine("single", model, logs)
+    try:
+        s_ttft, s_e2e = latencies(single.url, prompts)
+    finally:
+        single.stop()
+
+    times = work / "layer-times"
+    times.mkdir()
+    os.environ["RD2H_VLLM_LAYER_TIMES"] = str(times)
+    prefill = c.Engine("prefill", model, logs, c.kv_transfer_config("kv_producer", c.free_port()))
+    del os.environ["RD2H_VLLM_LAYER_TIMES"]
+    decode = c.Engine("decode", model, logs, c.kv_transfer_config("kv_consumer", c.free_port()))
+    proxy = c.Proxy("proxy", logs, [prefill], [decode])
+    try:
+        before = decode.metrics()
+        pd_ttft, pd_e2e = latencies(proxy.url, prompts)
+        after = decode.metrics()
+        read = (c.metric(after, "rd2h_kv_bytes_read_total")
+                - c.metric(before, "rd2h_kv_bytes_read_total"))
+        pulled = sum(c.metric(t, "vllm:prompt_tokens_by_source_total",
+                              source="external_kv_transfer") * sign
+                     for t, sign in ((after, 1), (before, -1)))
+        # 32 requests of 6 tokens at once: Prefill takes them in one step where they
+        # arrive together (192 tokens, within the token budget).
+        short = ["".join(rng.choice(make_model.ALPHABET) for _ in range(6)) for _ in range(32)]
+        for _ in range(5):
+            with ThreadPoolExecutor(32) as pool:
+                list(pool.map(lambda p: timed_stream(proxy.url, p), short))
+    finally:
+        proxy.stop()
+        decode.stop()
+        prefill.stop()
+
+    per_token = make_model.kv_bytes_per_token()
+    print(f"vLLM {__import__('vllm').__version__}, tiny Llama ({make_model.NUM_LAYERS} layers, "
+          f"fp32, block {c.BLOCK_SIZE}), {len(prompts)} prompts of {min(PROMPT_LENGTHS)}-"
+          f"{max(PROMPT_LENGTHS)} tokens, {OUTPUT_TOKENS} tokens out, one at a time")
+    for name, pd, single_ in (("TTFT", pd_ttft, s_ttft), ("end to end", pd_e2e, s_e2e)):
+        p50, s50 = quantile(pd, 0.5), quantile(single_, 0.5)
+        p99, s99 = quantile(pd, 0.99), quantile(single_, 0.99)
+        print(f"  {name}: PD p50 {p50 * 1e3:.1f} ms, p99 {p99 * 1e3:.1f} ms; single p50 "
+              f"{s50 * 1e3:.1f} ms, p99 {s99 * 1e3:.1f} ms; PD/single p50 {p50 / s50:.2f}x")
+    print(f"  KV read per pulled prompt token: {read / pulled:.0f} bytes; the model's layers "
+          f"hold {per_token} bytes per token ({read / pulled / per_token:.3f}x)")
+    by_size = layer_times(times)
+    for requests in sorted(by_size):
+        ns = by_size[requests]
+        if requests == 1 or requests == max(by_size):
+            print(f"  connector per layer, {requests} request(s) in the step: p50 "
+                  f"{quantile(ns, 0.5) / 1e3:.1f} us, p99 {quantile(ns, 0.99) / 1e3:.1f} us "
+                  f"({len(ns)} layers)")
+    print(f"  (engine logs in {logs})")
+
+
+if __name__ == "__main__":
+    main()
