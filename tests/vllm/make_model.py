@@ -1,19 +1,21 @@
-"""Makes the tiny DeepSeek-V2 (MLA) model the vLLM suite serves, from a fixed seed.
+"""Makes the tiny model the vLLM suite serves, from a fixed seed.
 
-    python make_model.py DIR [--seed N]
+    python make_model.py DIR [--seed N] [--arch llama|deepseek_v2]
 
 Nothing comes from a model hub: the config is written here, the weights are drawn from a
 seeded generator and saved with `save_pretrained`, and the tokenizer is built offline.
 
-- Architecture: `DeepseekV2ForCausalLM`, MLA attention (kv_lora_rank 512 + rope 64: the
-  576-wide latent the CPU MLA kernel takes), dense MLPs (no MoE layer), 4 layers.
+- Architecture: `LlamaForCausalLM` (4 layers, hidden 256, 4 heads, 2 KV heads of 64), the
+  one the suite serves; or `DeepseekV2ForCausalLM` with MLA attention (kv_lora_rank 512 +
+  rope 64: the 576-wide latent the CPU MLA kernel takes) and dense MLPs, 4 layers.
 - Tokenizer: one token per character of a fixed alphabet of 400 CJK characters, plus
   role markers and </s>. Text and token ids map one to one, so a test reads token ids
   back from any answer's text (`text_to_ids`), whichever way the text was streamed.
 - Weights: drawn at a scale at which each answer depends strongly on the KV it attends
-  to (large attention outputs against a small residual) and the top two logits are far
-  apart at temperature 0 (a wide output projection), so a single instance and a PD pair
-  agree token by token unless the KV differs.
+  to (large value and output projections against the residual; changing one early prompt
+  token changes 16 of 20 answers) and logits are wide (a large output projection). With
+  the Llama model vLLM's CPU prefill and decode paths give identical log-probabilities, so
+  a single instance and a PD pair agree token by token unless the KV differs.
 """
 
 from __future__ import annotations
@@ -65,18 +67,15 @@ def make_tokenizer(out: Path) -> None:
     fast.save_pretrained(out)
 
 
-def llama_config():
-    from transformers import LlamaConfig
-
+def common_config() -> dict:
+    """What both architectures share: the vocabulary, the width, the depth, rope."""
     v = vocab()
-    return LlamaConfig(
+    return dict(
         vocab_size=len(v),
         hidden_size=256,
         intermediate_size=512,
         num_hidden_layers=NUM_LAYERS,
         num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=64,
         max_position_embeddings=4096,
         bos_token_id=v["<s>"],
         eos_token_id=v["</s>"],
@@ -86,18 +85,19 @@ def llama_config():
     )
 
 
+def llama_config():
+    from transformers import LlamaConfig
+
+    return LlamaConfig(**common_config(), num_key_value_heads=2, head_dim=64)
+
+
 def deepseek_v2_config():
     from transformers import DeepseekV2Config
 
-    v = vocab()
     return DeepseekV2Config(
-        vocab_size=len(v),
-        hidden_size=256,
-        intermediate_size=512,
-        num_hidden_layers=NUM_LAYERS,
-        num_attention_heads=4,
+        **common_config(),
         num_key_value_heads=4,
-        kv_lora_rank=512,
+        kv_lora_rank=512,  # + qk_rope_head_dim: the 576-wide latent of the CPU MLA kernel
         q_lora_rank=None,
         qk_nope_head_dim=32,
         qk_rope_head_dim=64,
@@ -107,12 +107,6 @@ def deepseek_v2_config():
         n_shared_experts=1,
         num_experts_per_tok=2,
         moe_intermediate_size=256,
-        max_position_embeddings=4096,
-        bos_token_id=v["<s>"],
-        eos_token_id=v["</s>"],
-        pad_token_id=v["<unk>"],
-        tie_word_embeddings=False,
-        rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
     )
 
 
