@@ -21,7 +21,6 @@ import random
 import sys
 import tempfile
 import time
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
@@ -104,12 +103,15 @@ def main() -> None:
         pulled = sum(c.metric(t, "vllm:prompt_tokens_by_source_total",
                               source="external_kv_transfer") * sign
                      for t, sign in ((after, 1), (before, -1)))
-        # 32 requests of 6 tokens at once: Prefill takes them in one step where they
-        # arrive together (192 tokens, within the token budget).
-        short = ["".join(rng.choice(make_model.ALPHABET) for _ in range(6)) for _ in range(32)]
+        # A prompt list of 32 prompts of 6 tokens: the proxy hands Prefill the 32 at once,
+        # and Prefill computes them in one step (192 tokens, within the token budget).
+        cl = openai.OpenAI(base_url=proxy.url + "/v1", api_key="unused", max_retries=0,
+                           timeout=600)
         for _ in range(5):
-            with ThreadPoolExecutor(32) as pool:
-                list(pool.map(lambda p: timed_stream(proxy.url, p), short))
+            batch = ["".join(rng.choice(make_model.ALPHABET) for _ in range(6))
+                     for _ in range(32)]
+            cl.completions.create(model=c.MODEL_NAME, prompt=batch, max_tokens=2,
+                                  temperature=0)
     finally:
         proxy.stop()
         decode.stop()

@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import os
 import queue
+import re
 import signal
 import socket
 import subprocess
@@ -127,7 +128,7 @@ class Engine(Process):
                "--host", "127.0.0.1", "--port", str(self.port),
                "--dtype", "float32", "--max-model-len", "2048", "--enforce-eager",
                "--block-size", str(BLOCK_SIZE), "--max-num-batched-tokens", str(TOKEN_BUDGET),
-               "--max-num-seqs", "16", "--seed", "0"]
+               "--max-num-seqs", "64", "--seed", "0"]
         if ktc is not None:
             cmd += ["--kv-transfer-config", json.dumps(ktc)]
         env = {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": "nobind",
@@ -166,10 +167,30 @@ def metric(text: str, name: str, **labels: str) -> float:
     return sum(s.value for s in samples)
 
 
+LOG_DIRS: list = []  # where this session's engines and proxies log
+ERROR_LINE = re.compile(r"ERROR|Error|\[(warning|error|critical)\]|UCX")
+
+
+def pytest_terminal_summary(terminalreporter, exitstatus, config):
+    """After a failure: the engines' and proxies' error lines, so that CI's output says what
+    an engine raised (the whole logs stay in the log directory)."""
+    if exitstatus == 0:
+        return
+    for d in LOG_DIRS:
+        for log in sorted(Path(d).glob("*.log")):
+            lines = [l for l in log.read_text(errors="replace").splitlines()
+                     if ERROR_LINE.search(l)]
+            if lines:
+                terminalreporter.write_line(f"---- {log} (errors, last 30)")
+                for l in lines[-30:]:
+                    terminalreporter.write_line(l[:400])
+
+
 @pytest.fixture(scope="session")
 def logs(tmp_path_factory) -> Path:
     d = Path(os.environ.get("RD2H_VLLM_LOGS") or tmp_path_factory.mktemp("logs"))
     d.mkdir(parents=True, exist_ok=True)
+    LOG_DIRS.append(d)
     return d
 
 
