@@ -373,7 +373,7 @@ class Rd2hConnector(KVConnectorBase_V1, SupportsHMA):
         _check_layout(getattr(self._kv_cache_config, "kv_cache_layout", None))
         main: dict[int, tuple[str, list]] = {}
         indexer: dict[int, list] = {}
-        first_runs: dict[int, list] = {}  # layer -> its main tensors' block runs
+        main_runs: dict[int, list] = {}  # layer -> its main tensors' block runs
         for name, value in kv_caches.items():
             n = layer_index(name)
             if n is None:
@@ -386,8 +386,6 @@ class Rd2hConnector(KVConnectorBase_V1, SupportsHMA):
             for t in given:
                 tensors += block_runs(name, t, num_blocks) if num_blocks is not None else [t]
             wrapped = [rd2h.CacheTensor(t, num_blocks=num_blocks, group_idx=g) for t in tensors]
-            if not is_indexer_layer(name):
-                first_runs[n] = tensors
             if is_indexer_layer(name):
                 if n in indexer:
                     raise rd2h.InvalidArgument(f"layer {n} has two indexer caches ({name!r})")
@@ -398,6 +396,7 @@ class Rd2hConnector(KVConnectorBase_V1, SupportsHMA):
                 )
             else:
                 main[n] = (name, wrapped)
+                main_runs[n] = tensors
         orphans = sorted(set(indexer) - set(main))
         if orphans:
             raise rd2h.InvalidArgument(f"indexer caches of layers {orphans} have no attention layer")
@@ -424,7 +423,7 @@ class Rd2hConnector(KVConnectorBase_V1, SupportsHMA):
         self._worker.register_kv_caches(layers)
         self._main_layers = {name for name, _ in main.values()}
         if self._test_corrupt and main:
-            self._corrupt_target = first_runs[min(main)]
+            self._corrupt_target = main_runs[min(main)]
 
     def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
         assert self._worker is not None, "a worker-role call on the scheduler role"
