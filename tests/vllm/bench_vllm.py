@@ -15,7 +15,6 @@ the PD pair starts), so that two cores are not shared between the things compare
 
 from __future__ import annotations
 
-import math
 import os
 import random
 import sys
@@ -29,15 +28,10 @@ sys.path.insert(0, str(HERE))
 import conftest as c  # noqa: E402
 import make_model  # noqa: E402
 import openai  # noqa: E402
+from rd2h.bench import quantile  # noqa: E402  (nearest rank, as every rd2h bench)
 
 PROMPT_LENGTHS = [100, 200, 400, 800] * 4
 OUTPUT_TOKENS = 32
-
-
-def quantile(xs: list, q: float) -> float:
-    """Nearest rank, as rd2h's other benches."""
-    xs = sorted(xs)
-    return xs[max(0, math.ceil(q * len(xs)) - 1)]
 
 
 def timed_stream(url: str, prompt: str) -> tuple:
