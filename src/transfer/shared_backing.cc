@@ -180,10 +180,7 @@ Expected<PeerMapping> PeerMapping::map(pid_t pid, int fd, uint64_t inode, uint64
     p = MAP_FAILED;
   }
   if (p == MAP_FAILED) return unreachable("cannot map " + path + ": " + std::strerror(saved));
-#ifdef MADV_POPULATE_READ
-  // Advisory: the pages fault in now, at connect, rather than on the first reads.
-  (void)::madvise(p, map_length, MADV_POPULATE_READ);
-#endif
+  // Not populated: the pages fault in as reads touch them (see map_region in ucx_session.cc).
   PeerMapping m;
   m.map_ = p;
   m.map_length_ = map_length;

@@ -72,7 +72,7 @@ class PeerMapping {
 
   // Maps `length` bytes at `offset` of the file that process `pid` holds open as `fd`,
   // which must be the memfd `inode` and hold them, and its live word at `live_offset`.
-  // Its pages are faulted in now.
+  // Its pages fault in as they are read.
   static Expected<PeerMapping> map(pid_t pid, int fd, uint64_t inode, uint64_t offset,
                                    uint64_t length, uint64_t live_offset);
   // The mapped bytes (offset of the file at data()).

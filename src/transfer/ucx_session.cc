@@ -1,6 +1,5 @@
 #include "transfer/ucx_session.h"
 
-#include <sys/mman.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -15,18 +14,14 @@ namespace rd2h::transfer {
 namespace {
 
 // The local address of a co-located peer's region, when UCX can map it (memory the peer's
-// engine allocated, over shared memory). Its pages are faulted in now, at connect, so the
-// first reads do not pay for them.
+// engine allocated, over shared memory). Its pages are not populated at connect: they fault
+// in as reads touch them. A peer's region is its whole KV cache (GiBs), most of which a
+// reader never reads: populating a vLLM Prefill's 1 GiB cache at connect took seconds of
+// kernel time on a 2-vCPU host, stalled every process on it meanwhile, and ran past the
+// connect deadline.
 const std::byte* map_region(ucp_rkey_h rkey, const ExportedRegion& region) {
   void* ptr = nullptr;
   if (ucp_rkey_ptr(rkey, region.base, &ptr) != UCS_OK || ptr == nullptr) return nullptr;
-#ifdef MADV_POPULATE_READ
-  const uintptr_t page = static_cast<uintptr_t>(::sysconf(_SC_PAGESIZE));
-  const uintptr_t start = reinterpret_cast<uintptr_t>(ptr) & ~(page - 1);
-  const uintptr_t end = reinterpret_cast<uintptr_t>(ptr) + region.length;
-  // Advisory: an older kernel refuses it and the pages fault in on first read instead.
-  (void)::madvise(reinterpret_cast<void*>(start), end - start, MADV_POPULATE_READ);
-#endif
   return static_cast<const std::byte*>(ptr);
 }
 

@@ -6,6 +6,9 @@
 
 #include <condition_variable>
 #include <cstdlib>
+#include <cstring>
+#include <fstream>
+#include <string>
 #include <thread>
 
 #include "rd2h/common/deadline.h"
@@ -385,6 +388,38 @@ TEST_F(SharedRegistration, MemoryAlreadySharedStaysAsItWasAndIsServedByThePeer) 
   EXPECT_FALSE(find_pattern_mismatch(dst.base, kBytes, 94));
   ASSERT_TRUE(prefill_->unregister_memory(kv).is_ok());
   ::munmap(shared, 4 * 4096);
+}
+
+// This process's shared memory pages mapped (RssShmem), in bytes: a page mapped at two
+// addresses counts twice.
+size_t mapped_shared_bytes() {
+  std::ifstream in("/proc/self/status");
+  std::string line;
+  while (std::getline(in, line)) {
+    if (line.rfind("RssShmem:", 0) == 0) return std::stoull(line.substr(9)) * 1024;
+  }
+  ADD_FAILURE() << "/proc/self/status has no RssShmem";
+  return 0;
+}
+
+TEST_F(SharedRegistration, AReaderMapsOnlyThePagesItReads) {
+  // A KV cache the reader reads little of: connecting maps none of its pages (a whole
+  // cache faulted in at connect costs seconds per GiB on a small host), and a read maps
+  // the pages it touches.
+  constexpr size_t kCache = 128 << 20;
+  auto* kv = static_cast<std::byte*>(std::aligned_alloc(4096, kCache));
+  fill_pattern(kv, kCache, 96);
+  ASSERT_TRUE(prefill_->register_memory(kv, kCache).is_ok());
+  const size_t before = mapped_shared_bytes();
+  Destination dst(*reader_, kBytes, false);
+  EXPECT_NE(read_all(kv + kCache / 2, dst).find("+mapped"), std::string::npos);
+  EXPECT_EQ(std::memcmp(dst.base, kv + kCache / 2, kBytes), 0);
+  const size_t grown = mapped_shared_bytes() - before;
+  // UCX's own shared segments of a new connection (FIFOs) are a few MiB of it.
+  EXPECT_LT(grown, kCache / 8) << "connecting and one read mapped " << grown
+                                    << " bytes of a " << kCache << "-byte cache";
+  ASSERT_TRUE(prefill_->unregister_memory(kv).is_ok());
+  std::free(kv);
 }
 
 TEST_F(SharedRegistration, WithTheOptOutMemoryStaysPrivate) {
