@@ -182,8 +182,9 @@ def _params_json(params: Optional[dict]) -> Optional[str]:
 
 
 # For benchmarks: a directory into which each worker appends, per step, the step's number of
-# requests and the nanoseconds its per-layer calls (wait_for_layer_load + save_kv_layer) took
-# for each layer: what the connector adds to a layer of a forward pass inside vLLM.
+# requests and, for each layer, the nanoseconds its per-layer calls (wait_for_layer_load +
+# save_kv_layer) took, as "wall/cpu": wall-clock time, and the calling thread's CPU time (what
+# the connector itself costs, without the time the thread was preempted by other processes).
 LAYER_TIMES_ENV = "RD2H_VLLM_LAYER_TIMES"
 
 
@@ -192,26 +193,32 @@ def _time_layers(connector: "Rd2hConnector", directory: str) -> None:
     log = open(os.path.join(directory, f"layer-times-{os.getpid()}.txt"), "a")
     load, save = connector.wait_for_layer_load, connector.save_kv_layer
     bind, clear = connector.bind_connector_metadata, connector.clear_connector_metadata
-    per_layer: dict[str, int] = {}
+    per_layer: dict[str, list[int]] = {}
     step = {"requests": 0}
+
+    def add(layer_name: str, wall: int, cpu: int) -> None:
+        times = per_layer.setdefault(layer_name, [0, 0])
+        times[0] += wall
+        times[1] += cpu
 
     def timed_bind(metadata: Any) -> None:
         step["requests"] = getattr(metadata, "num_requests", 0)
         bind(metadata)
 
     def timed_load(layer_name: str) -> None:
-        t0 = time.perf_counter_ns()
+        t0, c0 = time.perf_counter_ns(), time.thread_time_ns()
         load(layer_name)
-        per_layer[layer_name] = per_layer.get(layer_name, 0) + time.perf_counter_ns() - t0
+        add(layer_name, time.perf_counter_ns() - t0, time.thread_time_ns() - c0)
 
     def timed_save(layer_name: str, kv_layer: Any, attn_metadata: Any, **kwargs: Any) -> None:
-        t0 = time.perf_counter_ns()
+        t0, c0 = time.perf_counter_ns(), time.thread_time_ns()
         save(layer_name, kv_layer, attn_metadata, **kwargs)
-        per_layer[layer_name] = per_layer.get(layer_name, 0) + time.perf_counter_ns() - t0
+        add(layer_name, time.perf_counter_ns() - t0, time.thread_time_ns() - c0)
 
     def timed_clear() -> None:
         if per_layer and step["requests"]:
-            log.write(f"{step['requests']} {' '.join(map(str, per_layer.values()))}\n")
+            log.write(f"{step['requests']} "
+                      f"{' '.join(f'{w}/{c}' for w, c in per_layer.values())}\n")
             log.flush()
         per_layer.clear()
         clear()

@@ -10,13 +10,17 @@
     RD2H_BINARY=build/python/apps/rd2h "$(scripts/vllm-venv)/bin/python" tests/vllm/bench_vllm.py
 
 Engines run one at a time where they are compared (the single instance is stopped before
-the PD pair starts), so that two cores are not shared between the things compared.
+the PD pair starts), and each engine has a CPU of its own (the single instance and Prefill
+the first, Decode the second), as engines on separate hosts would: on two shared cores,
+vLLM's busy-waiting processes of two engines and the Decode's reads preempt each other.
+The per-layer time is given as wall-clock time and as the calling thread's CPU time.
 """
 
 from __future__ import annotations
 
 import os
 import random
+import socket
 import sys
 import tempfile
 import time
@@ -55,12 +59,43 @@ def latencies(url: str, prompts: list) -> tuple:
 
 
 def layer_times(directory: Path) -> dict:
-    """requests in the step -> per-layer nanoseconds."""
+    """requests in the step -> ([per-layer wall ns], [per-layer CPU ns])."""
     out: dict = {}
     for f in directory.glob("layer-times-*.txt"):
         for line in f.read_text().splitlines():
-            requests, *ns = map(int, line.split())
-            out.setdefault(requests, []).extend(ns)
+            requests, *layers = line.split()
+            wall, cpu = out.setdefault(int(requests), ([], []))
+            for layer in layers:
+                w, c = layer.split("/")
+                wall.append(int(w))
+                cpu.append(int(c))
+    return out
+
+
+def wake_cost(samples: int = 2000) -> list:
+    """CPU nanoseconds of one message that wakes a process sleeping on the other CPU (a
+    Unix datagram, as UCX's shared-memory transport signals a sleeping peer): the least a
+    per-layer notification to a sleeping Decode costs the sender on this host."""
+    a, b = socket.socketpair(socket.AF_UNIX, socket.SOCK_DGRAM)
+    reader = os.fork()
+    if reader == 0:  # pragma: no cover (the child)
+        os.sched_setaffinity(0, {1})
+        while b.recv(16) != b"q":
+            pass
+        os._exit(0)
+    mask = os.sched_getaffinity(0)
+    os.sched_setaffinity(0, {0})
+    out = []
+    try:
+        for _ in range(samples):
+            time.sleep(0.001)  # the reader is asleep again
+            c0 = time.thread_time_ns()
+            a.send(b"x")
+            out.append(time.thread_time_ns() - c0)
+    finally:
+        os.sched_setaffinity(0, mask)
+        a.send(b"q")
+        os.waitpid(reader, 0)
     return out
 
 
@@ -75,7 +110,9 @@ def main() -> None:
     rng = random.Random(3)
     prompts = ["".join(rng.choice(make_model.ALPHABET) for _ in range(n)) for n in PROMPT_LENGTHS]
 
-    single = c.Engine("single", model, logs)
+    # One CPU per engine: the single instance on the first, Prefill on the first and Decode
+    # on the second, as on separate hosts (the proxy and the client run where they may).
+    single = c.Engine("single", model, logs, cpus="0")
     try:
         s_ttft, s_e2e = latencies(single.url, prompts)
     finally:
@@ -84,9 +121,11 @@ def main() -> None:
     times = work / "layer-times"
     times.mkdir()
     os.environ["RD2H_VLLM_LAYER_TIMES"] = str(times)
-    prefill = c.Engine("prefill", model, logs, c.kv_transfer_config("kv_producer", c.free_port()))
+    prefill = c.Engine("prefill", model, logs, c.kv_transfer_config("kv_producer", c.free_port()),
+                       cpus="0")
     del os.environ["RD2H_VLLM_LAYER_TIMES"]
-    decode = c.Engine("decode", model, logs, c.kv_transfer_config("kv_consumer", c.free_port()))
+    decode = c.Engine("decode", model, logs, c.kv_transfer_config("kv_consumer", c.free_port()),
+                      cpus="1")
     proxy = c.Proxy("proxy", logs, [prefill], [decode])
     try:
         before = decode.metrics()
@@ -111,6 +150,7 @@ def main() -> None:
         decode.stop()
         prefill.stop()
 
+    wake = quantile(wake_cost(), 0.5)
     per_token = make_model.kv_bytes_per_token()
     print(f"vLLM {__import__('vllm').__version__}, tiny Llama ({make_model.NUM_LAYERS} layers, "
           f"fp32, block {c.BLOCK_SIZE}), {len(prompts)} prompts of {min(PROMPT_LENGTHS)}-"
@@ -124,11 +164,15 @@ def main() -> None:
           f"hold {per_token} bytes per token ({read / pulled / per_token:.3f}x)")
     by_size = layer_times(times)
     for requests in sorted(by_size):
-        ns = by_size[requests]
+        wall, cpu = by_size[requests]
         if requests == 1 or requests == max(by_size):
-            print(f"  connector per layer, {requests} request(s) in the step: p50 "
-                  f"{quantile(ns, 0.5) / 1e3:.1f} us, p99 {quantile(ns, 0.99) / 1e3:.1f} us "
-                  f"({len(ns)} layers)")
+            print(f"  connector per layer, {requests} request(s) in the step ({len(wall)} layers):"
+                  f" wall p50 {quantile(wall, 0.5) / 1e3:.1f} us, p99 "
+                  f"{quantile(wall, 0.99) / 1e3:.1f} us; on the thread's CPU p50 "
+                  f"{quantile(cpu, 0.5) / 1e3:.1f} us ({quantile(cpu, 0.5) / wake:.1f}x a wake),"
+                  f" p99 {quantile(cpu, 0.99) / 1e3:.1f} us")
+    print(f"  a wake: one message to a process asleep on the other CPU costs its sender "
+          f"{wake / 1e3:.1f} us of CPU (p50)")
     print(f"  (engine logs in {logs})")
 
 

@@ -120,7 +120,9 @@ def kv_transfer_config(role: str, kv_port: int, **extra) -> dict:
 class Engine(Process):
     """`vllm serve` of the tiny model, with a kv_transfer_config or without."""
 
-    def __init__(self, name: str, model: Path, logs: Path, ktc: Optional[dict] = None):
+    def __init__(self, name: str, model: Path, logs: Path, ktc: Optional[dict] = None,
+                 cpus: Optional[str] = None):
+        """`cpus`: the CPUs the engine's processes may run on (taskset's list), else all."""
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server",
@@ -131,6 +133,8 @@ class Engine(Process):
                "--max-num-seqs", "64", "--seed", "0"]
         if ktc is not None:
             cmd += ["--kv-transfer-config", json.dumps(ktc)]
+        if cpus is not None:
+            cmd = ["taskset", "--cpu-list", cpus] + cmd
         env = {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": "nobind",
                "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
                "VLLM_NO_USAGE_STATS": "1", "VLLM_DO_NOT_TRACK": "1"}
