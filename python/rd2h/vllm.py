@@ -24,6 +24,7 @@ are, without copies.
 
 from __future__ import annotations
 
+import hashlib
 import importlib.util
 import inspect
 import json
@@ -134,16 +135,20 @@ class Rd2hConnectorMetadata(KVConnectorMetadata):
     """One step's connector metadata: the bytes rd2h's scheduler encoded (picklable).
 
     ``corrupt`` is for tests only (``TEST_CORRUPT_SETTING``): request id -> the block of it
-    the Decode worker overwrites once the request's KV arrived.
+    the Decode worker overwrites once the request's KV arrived. ``digests`` is for tests
+    only (``TEST_DIGEST_SETTING``): request id -> (prompt key, the prompt's block ids).
     """
 
-    def __init__(self, data: bytes, corrupt: Optional[dict] = None, num_requests: int = 0):
+    def __init__(self, data: bytes, corrupt: Optional[dict] = None, num_requests: int = 0,
+                 digests: Optional[dict] = None):
         self.data = data
         self.corrupt = corrupt or {}
         self.num_requests = num_requests  # scheduled in the step
+        self.digests = digests or {}
 
     def __reduce__(self):
-        return (Rd2hConnectorMetadata, (self.data, self.corrupt, self.num_requests))
+        return (Rd2hConnectorMetadata,
+                (self.data, self.corrupt, self.num_requests, self.digests))
 
 
 # A test-only setting of kv_connector_extra_config: a Decode worker negates one block of the
@@ -152,10 +157,27 @@ class Rd2hConnectorMetadata(KVConnectorMetadata):
 # KV; it is never for serving.
 TEST_CORRUPT_SETTING = "test_corrupt_pulled_block"
 
+# A test-only setting of kv_connector_extra_config: a directory into which the worker writes,
+# per request, the SHA-256 of its prompt's KV blocks (every main layer in layer order, every
+# tensor run of the layer, every block of the prompt in order) in "<prefill|decode>-<key>",
+# the key being the SHA-256 of the prompt's token ids. Prefill writes it when the step that
+# computes the prompt's last token saves its last layer (before any Decode is told of that
+# layer, so the file is there before the request can finish); Decode once the KV arrived.
+# Equal files on both sides say Decode holds the bytes Prefill computed, where the answers
+# cannot be compared with a single instance's (vLLM's CPU MLA). Never for serving.
+TEST_DIGEST_SETTING = "test_kv_digest_dir"
+TEST_SETTINGS = (TEST_CORRUPT_SETTING, TEST_DIGEST_SETTING)
+
+
+def prompt_key(token_ids: Iterable[int]) -> str:
+    """The name a prompt's KV digest is filed under (TEST_DIGEST_SETTING)."""
+    return hashlib.sha256(json.dumps(list(token_ids)).encode()).hexdigest()[:32]
+
 
 def _kv_transfer_config_json(ktc: Any) -> str:
     extra = dict(getattr(ktc, "kv_connector_extra_config", None) or {})
-    extra.pop(TEST_CORRUPT_SETTING, None)
+    for setting in TEST_SETTINGS:
+        extra.pop(setting, None)
     config = {
         "kv_connector": ktc.kv_connector,
         "kv_role": ktc.kv_role,
@@ -251,6 +273,14 @@ class Rd2hConnector(KVConnectorBase_V1, SupportsHMA):
             raise rd2h.InvalidArgument(
                 f"kv_connector_extra_config.{TEST_CORRUPT_SETTING} is for a Decode (kv_consumer)"
             )
+        self._digest_dir = extra.get(TEST_DIGEST_SETTING) or None
+        if self._digest_dir:
+            os.makedirs(self._digest_dir, exist_ok=True)
+        self._digest_next: dict[str, tuple] = {}  # scheduler: for the next metadata
+        self._digest_blocks: dict[str, tuple] = {}  # scheduler (Prefill): key, tokens, blocks
+        self._digest_pending: dict[str, tuple] = {}  # worker: until the KV is complete
+        self._main_runs: list = []  # worker: each main layer's block runs, in layer order
+        self._last_main_layer: Optional[str] = None
         self._corrupt_next: dict[str, int] = {}  # scheduler: for the next metadata
         self._corrupt_pending: dict[str, int] = {}  # worker: until the KV arrived
         self._corrupt_target: list = []  # worker: the first layer's block runs
@@ -318,6 +348,11 @@ class Rd2hConnector(KVConnectorBase_V1, SupportsHMA):
         if self._test_corrupt and num_external_tokens > 0 and block_ids and block_ids[0]:
             first_pulled = request.num_computed_tokens // self._block_size
             self._corrupt_next[request.request_id] = block_ids[0][first_pulled]
+        if self._digest_dir and num_external_tokens > 0 and block_ids and block_ids[0]:
+            self._digest_next[request.request_id] = (
+                prompt_key(request.prompt_token_ids),
+                block_ids[0][: self._prompt_blocks(request.num_prompt_tokens)],
+            )
         # Decode sets up the pull once: a second call (or a recompute after a failed load)
         # must not pull again.
         if params is not None and params.get("do_remote_prefill") and not still_remote:
@@ -342,9 +377,34 @@ class Rd2hConnector(KVConnectorBase_V1, SupportsHMA):
             groups = [list(g) for g in new_blocks] if new_blocks else []
             computed = cached.num_computed_tokens[i] + counts.get(req_id, 0)
             scheduled.append((req_id, groups, computed, req_id in resumed))
+        if self._digest_dir and self._config.role == rd2h.KvRole.PRODUCER:
+            self._track_prompt_blocks(scheduler_output, scheduled)
         corrupt, self._corrupt_next = self._corrupt_next, {}
+        digests, self._digest_next = self._digest_next, {}
         return Rd2hConnectorMetadata(self._scheduler.build_connector_meta(scheduled), corrupt,
-                                     len(scheduled))
+                                     len(scheduled), digests)
+
+    def _prompt_blocks(self, num_prompt_tokens: int) -> int:
+        return -(-num_prompt_tokens // self._block_size)
+
+    def _track_prompt_blocks(self, scheduler_output: Any, scheduled: list) -> None:
+        """TEST_DIGEST_SETTING on Prefill: each request's blocks, until the step that computes
+        its prompt's last token, whose metadata asks the worker for the digest."""
+        for r in scheduler_output.scheduled_new_reqs:
+            groups = r.block_ids or ([],)
+            self._digest_blocks[r.req_id] = (
+                prompt_key(r.prompt_token_ids), len(r.prompt_token_ids), list(groups[0]))
+        for req_id, groups, computed, resumed in scheduled:
+            known = self._digest_blocks.get(req_id)
+            if known is None:
+                continue
+            key, prompt_tokens, blocks = known
+            if groups:
+                blocks = list(groups[0]) if resumed else blocks + list(groups[0])
+                self._digest_blocks[req_id] = (key, prompt_tokens, blocks)
+            if computed >= prompt_tokens:
+                self._digest_next[req_id] = (key, blocks[: self._prompt_blocks(prompt_tokens)])
+                del self._digest_blocks[req_id]
 
     def request_finished(
         self, request: Any, block_ids: list[int]
@@ -429,6 +489,8 @@ class Rd2hConnector(KVConnectorBase_V1, SupportsHMA):
             )
         self._worker.register_kv_caches(layers)
         self._main_layers = {name for name, _ in main.values()}
+        self._main_runs = [main_runs[n] for n in sorted(main)]
+        self._last_main_layer = main[max(main)][0] if main else None
         if self._test_corrupt and main:
             self._corrupt_target = main_runs[min(main)]
 
@@ -438,6 +500,8 @@ class Rd2hConnector(KVConnectorBase_V1, SupportsHMA):
         self._worker.bind_connector_metadata(connector_metadata.data)
         if self._test_corrupt:
             self._corrupt_pending.update(getattr(connector_metadata, "corrupt", {}))
+        if self._digest_dir:
+            self._digest_pending.update(getattr(connector_metadata, "digests", {}))
 
     def clear_connector_metadata(self) -> None:
         super().clear_connector_metadata()
@@ -458,6 +522,10 @@ class Rd2hConnector(KVConnectorBase_V1, SupportsHMA):
         # An indexer cache is published with its layer's attention cache.
         if not self.has_connector_metadata() or layer_name not in self._main_layers:
             return
+        if (self._digest_dir and self._config.role == rd2h.KvRole.PRODUCER
+                and layer_name == self._last_main_layer):
+            # Every layer of the step is written, and no Decode has the last one yet.
+            self._write_digests(list(self._digest_pending))
         self._worker.save_kv_layer(layer_name)
 
     def wait_for_layer_send(self, layer_name: str) -> None:
@@ -475,7 +543,29 @@ class Rd2hConnector(KVConnectorBase_V1, SupportsHMA):
         sending, recving = self._worker.get_finished(self._all_gather_fn())
         if self._test_corrupt:
             self._corrupt_arrived(recving)
+        if self._digest_dir:
+            self._write_digests(recving)
         return (set(sending) or None), (set(recving) or None)
+
+    def _write_digests(self, req_ids: Iterable[str]) -> None:
+        """TEST_DIGEST_SETTING: files the digest of each request's prompt KV."""
+        import torch
+
+        role = "prefill" if self._config.role == rd2h.KvRole.PRODUCER else "decode"
+        for req_id in req_ids:
+            entry = self._digest_pending.pop(req_id, None)
+            if entry is None:
+                continue
+            key, blocks = entry
+            h = hashlib.sha256()
+            for runs in self._main_runs:
+                for run in runs:
+                    for block in blocks:
+                        h.update(run[block].contiguous().view(-1).view(torch.uint8).numpy())
+            path = os.path.join(self._digest_dir, f"{role}-{key}")
+            with open(path + ".tmp", "w") as f:
+                f.write(f"{len(blocks)} {h.hexdigest()}\n")
+            os.replace(path + ".tmp", path)
 
     def _corrupt_arrived(self, recving: Iterable[str]) -> None:
         """TEST_CORRUPT_SETTING: negates one pulled block of each arrived request."""

@@ -21,6 +21,7 @@ Expected<std::unique_ptr<ConnectorWorker>> ConnectorWorker::create(
     ec.device_id = tp_rank;
     ec.transport = config.transport;
     ec.read_timeout = config.read_timeout;
+    ec.connect_timeout = config.connect_timeout;
     ec.listen_host = config.host;
     ec.share_registered = config.share_registered_memory;
     RD2H_TRY(bound, transfer::bind_process_engine(ec));

@@ -105,8 +105,7 @@ def main() -> None:
     logs.mkdir()
     model = work / "model"
     model.mkdir()
-    make_model.make_tokenizer(model)
-    make_model.make_model(model, seed=20261203, arch="llama")
+    c.made_model(model)
     rng = random.Random(3)
     prompts = ["".join(rng.choice(make_model.ALPHABET) for _ in range(n)) for n in PROMPT_LENGTHS]
 

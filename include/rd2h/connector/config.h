@@ -52,6 +52,7 @@ struct ConnectorConfig {
   std::chrono::milliseconds reply_timeout{30000};
   std::chrono::milliseconds send_timeout{60000};         // Prefill's waits for its layers
   std::chrono::milliseconds read_timeout{5000};          // one batched engine read
+  std::chrono::milliseconds connect_timeout{5000};       // Decode's connect to a Prefill
   std::chrono::milliseconds hold_timeout{5000};          // readiness held for unseeded requests
   std::chrono::milliseconds kv_arrival_timeout{120000};  // a Decode request's KV must arrive
   std::chrono::milliseconds metaserver_timeout{5000};    // one metaserver POST

@@ -1,0 +1,106 @@
+"""Real vLLM with an MLA model (DeepSeek-V2 attention, the single 576-wide latent cache) through
+rd2h: a Prefill and a Decode `vllm serve`, `rd2h proxy` in front.
+
+vLLM's CPU MLA backend computes a prompt's next token differently in its prefill path and in
+its decode kernel, so a single instance is no reference for the answers of a Decode that
+computes from pulled KV (see the README). The check here is on the KV itself: each side files
+the SHA-256 of every prompt's latent blocks (the test-only `test_kv_digest_dir` setting),
+Prefill once it saved them and Decode once they arrived, and the two must be equal for every
+prompt.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import random
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import openai
+import pytest
+
+import make_model
+from conftest import MODEL_NAME, Engine, Proxy, free_port, kv_transfer_config, made_model
+from rd2h.vllm import prompt_key
+
+MLA_BLOCK_SIZE = 16  # vLLM's CPU MLA backend requires it (it overrides --block-size)
+
+
+@pytest.fixture(scope="module")
+def mla_model(tmp_path_factory) -> Path:
+    return made_model(tmp_path_factory.mktemp("mla-model"), arch="deepseek_v2")
+
+
+@pytest.fixture(scope="module")
+def digests(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("kv-digests")
+
+
+@pytest.fixture(scope="module")
+def mla_proxy(mla_model, digests, logs):
+    prefill = Engine("mla-prefill", mla_model, logs,
+                     kv_transfer_config("kv_producer", free_port(),
+                                        test_kv_digest_dir=str(digests)))
+    try:
+        decode = Engine("mla-decode", mla_model, logs,
+                        kv_transfer_config("kv_consumer", free_port(),
+                                           test_kv_digest_dir=str(digests)))
+    except BaseException:
+        prefill.stop()
+        raise
+    proxy = Proxy("mla-proxy", logs, [prefill], [decode])
+    yield proxy
+    proxy.stop()
+    decode.stop()
+    prefill.stop()
+
+
+def filed(digests: Path, side: str) -> dict:
+    """prompt key -> (blocks, digest) as one side filed them."""
+    out = {}
+    for f in digests.glob(f"{side}-*"):
+        blocks, digest = f.read_text().split()
+        out[f.name[len(side) + 1:]] = (int(blocks), digest)
+    return out
+
+
+def test_decode_holds_the_latent_kv_prefill_computed(mla_proxy, digests):
+    rng = random.Random(16)
+    cl = openai.OpenAI(base_url=mla_proxy.url + "/v1", api_key="unused", max_retries=0,
+                       timeout=600)
+    lengths = [1, MLA_BLOCK_SIZE - 1, MLA_BLOCK_SIZE, MLA_BLOCK_SIZE + 1, 100, 300]
+    prompts = ["".join(rng.choice(make_model.ALPHABET) for _ in range(n)) for n in lengths]
+    singles = {}  # prompt key -> its blocks
+    for p in prompts:
+        r = cl.completions.create(model=MODEL_NAME, prompt=p, max_tokens=4, temperature=0)
+        assert r.choices[0].text, f"no answer to a prompt of {len(p)} characters"
+        ids = make_model.text_to_ids(p)
+        assert r.usage.prompt_tokens == len(ids), "the tokenizer is one token per character"
+        singles[prompt_key(ids)] = math.ceil(len(ids) / MLA_BLOCK_SIZE)
+    # A prompt list and concurrent requests: several prompts' blocks in one step.
+    listed = ["".join(rng.choice(make_model.ALPHABET) for _ in range(n)) for n in (20, 40, 70)]
+    r = cl.completions.create(model=MODEL_NAME, prompt=listed, max_tokens=2, temperature=0)
+    assert len(r.choices) == 3 and all(ch.text for ch in r.choices)
+    together = ["".join(rng.choice(make_model.ALPHABET) for _ in range(rng.randrange(10, 120)))
+                for _ in range(4)]
+    with ThreadPoolExecutor(4) as pool:
+        answers = list(pool.map(
+            lambda p: cl.completions.create(model=MODEL_NAME, prompt=p, max_tokens=3,
+                                            temperature=0), together))
+    assert all(a.choices[0].text for a in answers)
+
+    prefill, decode = filed(digests, "prefill"), filed(digests, "decode")
+    expected = len(prompts) + len(listed) + len(together)
+    assert len(decode) == expected, f"Decode filed {len(decode)} prompts' KV, not {expected}"
+    for key, (n, digest) in decode.items():
+        assert key in prefill, f"Decode pulled KV of prompt {key}, which Prefill never saved"
+        assert (n, digest) == prefill[key], (
+            f"prompt {key}: Decode's {n} latent blocks differ from Prefill's {prefill[key][0]}")
+    for key, n in singles.items():
+        assert decode.get(key, (None,))[0] == n, (
+            f"a prompt of {n} blocks was filed as {decode.get(key)}")
+    # What scripts/test reports.
+    (Path(os.environ.get("RD2H_VLLM_LOGS", "/tmp")) / "mla.json").write_text(
+        json.dumps({"prompts": len(decode)}))
