@@ -416,8 +416,8 @@ TEST_F(SharedRegistration, AReaderMapsOnlyThePagesItReads) {
   EXPECT_EQ(std::memcmp(dst.base, kv + kCache / 2, kBytes), 0);
   const size_t grown = mapped_shared_bytes() - before;
   // UCX's own shared segments of a new connection (FIFOs) are a few MiB of it.
-  EXPECT_LT(grown, kCache / 8) << "connecting and one read mapped " << grown
-                                    << " bytes of a " << kCache << "-byte cache";
+  EXPECT_LT(grown, kCache / 8) << "connecting and one read mapped " << grown << " bytes of a "
+                               << kCache << "-byte cache";
   ASSERT_TRUE(prefill_->unregister_memory(kv).is_ok());
   std::free(kv);
 }

@@ -107,7 +107,7 @@ def main() -> None:
     model.mkdir()
     c.made_model(model)
     rng = random.Random(3)
-    prompts = ["".join(rng.choice(make_model.ALPHABET) for _ in range(n)) for n in PROMPT_LENGTHS]
+    prompts = [c.prompt(rng, n) for n in PROMPT_LENGTHS]
 
     # One CPU per engine: the single instance on the first, Prefill on the first and Decode
     # on the second, as on separate hosts (the proxy and the client run where they may).
@@ -140,8 +140,7 @@ def main() -> None:
         cl = openai.OpenAI(base_url=proxy.url + "/v1", api_key="unused", max_retries=0,
                            timeout=600)
         for _ in range(5):
-            batch = ["".join(rng.choice(make_model.ALPHABET) for _ in range(6))
-                     for _ in range(32)]
+            batch = [c.prompt(rng, 6) for _ in range(32)]
             cl.completions.create(model=c.MODEL_NAME, prompt=batch, max_tokens=2,
                                   temperature=0)
     finally:

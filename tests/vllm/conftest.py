@@ -211,6 +211,11 @@ def logs(tmp_path_factory) -> Path:
 MODEL_SEED = 20261203
 
 
+def prompt(rng, n: int) -> str:
+    """A prompt of `n` tokens drawn by `rng` (one token per character)."""
+    return "".join(rng.choice(make_model.ALPHABET) for _ in range(n))
+
+
 def made_model(out: Path, arch: str = "llama") -> Path:
     """The suite's tiny model of `arch`, with its tokenizer, made in `out`."""
     make_model.make_tokenizer(out)

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import random
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -22,7 +21,8 @@ import openai
 import pytest
 
 import make_model
-from conftest import MODEL_NAME, Engine, Proxy, free_port, kv_transfer_config, made_model
+from conftest import (MODEL_NAME, Engine, Proxy, free_port, kv_transfer_config, made_model,
+                      prompt)
 from rd2h.vllm import prompt_key
 
 MLA_BLOCK_SIZE = 16  # vLLM's CPU MLA backend requires it (it overrides --block-size)
@@ -39,22 +39,26 @@ def digests(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="module")
-def mla_proxy(mla_model, digests, logs):
-    prefill = Engine("mla-prefill", mla_model, logs,
-                     kv_transfer_config("kv_producer", free_port(),
-                                        test_kv_digest_dir=str(digests)))
-    try:
-        decode = Engine("mla-decode", mla_model, logs,
-                        kv_transfer_config("kv_consumer", free_port(),
-                                           test_kv_digest_dir=str(digests)))
-    except BaseException:
-        prefill.stop()
-        raise
-    proxy = Proxy("mla-proxy", logs, [prefill], [decode])
-    yield proxy
-    proxy.stop()
-    decode.stop()
-    prefill.stop()
+def mla_prefill(mla_model, digests, logs):
+    e = Engine("mla-prefill", mla_model, logs,
+               kv_transfer_config("kv_producer", free_port(), test_kv_digest_dir=str(digests)))
+    yield e
+    e.stop()
+
+
+@pytest.fixture(scope="module")
+def mla_decode(mla_model, digests, logs):
+    e = Engine("mla-decode", mla_model, logs,
+               kv_transfer_config("kv_consumer", free_port(), test_kv_digest_dir=str(digests)))
+    yield e
+    e.stop()
+
+
+@pytest.fixture(scope="module")
+def mla_proxy(mla_prefill, mla_decode, logs):
+    p = Proxy("mla-proxy", logs, [mla_prefill], [mla_decode])
+    yield p
+    p.stop()
 
 
 def filed(digests: Path, side: str) -> dict:
@@ -66,12 +70,12 @@ def filed(digests: Path, side: str) -> dict:
     return out
 
 
-def test_decode_holds_the_latent_kv_prefill_computed(mla_proxy, digests):
+def test_decode_holds_the_latent_kv_prefill_computed(mla_proxy, digests, logs):
     rng = random.Random(16)
     cl = openai.OpenAI(base_url=mla_proxy.url + "/v1", api_key="unused", max_retries=0,
                        timeout=600)
     lengths = [1, MLA_BLOCK_SIZE - 1, MLA_BLOCK_SIZE, MLA_BLOCK_SIZE + 1, 100, 300]
-    prompts = ["".join(rng.choice(make_model.ALPHABET) for _ in range(n)) for n in lengths]
+    prompts = [prompt(rng, n) for n in lengths]
     singles = {}  # prompt key -> its blocks
     for p in prompts:
         r = cl.completions.create(model=MODEL_NAME, prompt=p, max_tokens=4, temperature=0)
@@ -80,11 +84,10 @@ def test_decode_holds_the_latent_kv_prefill_computed(mla_proxy, digests):
         assert r.usage.prompt_tokens == len(ids), "the tokenizer is one token per character"
         singles[prompt_key(ids)] = math.ceil(len(ids) / MLA_BLOCK_SIZE)
     # A prompt list and concurrent requests: several prompts' blocks in one step.
-    listed = ["".join(rng.choice(make_model.ALPHABET) for _ in range(n)) for n in (20, 40, 70)]
+    listed = [prompt(rng, n) for n in (20, 40, 70)]
     r = cl.completions.create(model=MODEL_NAME, prompt=listed, max_tokens=2, temperature=0)
     assert len(r.choices) == 3 and all(ch.text for ch in r.choices)
-    together = ["".join(rng.choice(make_model.ALPHABET) for _ in range(rng.randrange(10, 120)))
-                for _ in range(4)]
+    together = [prompt(rng, rng.randrange(10, 120)) for _ in range(4)]
     with ThreadPoolExecutor(4) as pool:
         answers = list(pool.map(
             lambda p: cl.completions.create(model=MODEL_NAME, prompt=p, max_tokens=3,
@@ -102,5 +105,4 @@ def test_decode_holds_the_latent_kv_prefill_computed(mla_proxy, digests):
         assert decode.get(key, (None,))[0] == n, (
             f"a prompt of {n} blocks was filed as {decode.get(key)}")
     # What scripts/test reports.
-    (Path(os.environ.get("RD2H_VLLM_LOGS", "/tmp")) / "mla.json").write_text(
-        json.dumps({"prompts": len(decode)}))
+    (logs / "mla.json").write_text(json.dumps({"prompts": len(decode)}))

@@ -17,18 +17,14 @@ import openai
 import pytest
 
 from conftest import (BLOCK_SIZE, MODEL_NAME, TOKEN_BUDGET, Engine, Proxy, kv_transfer_config,
-                      free_port, metric, wait_until)
-from make_model import ALPHABET, NUM_LAYERS, kv_bytes_per_token, text_to_ids
+                      free_port, metric, prompt, wait_until)
+from make_model import NUM_LAYERS, kv_bytes_per_token, text_to_ids
 
 MAX_TOKENS = 12
 
 
 def client(url: str) -> openai.OpenAI:
     return openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=600)
-
-
-def prompt(rng: random.Random, n: int) -> str:
-    return "".join(rng.choice(ALPHABET) for _ in range(n))
 
 
 def complete(url: str, p, stream: bool = False, max_tokens: int = MAX_TOKENS) -> list:
