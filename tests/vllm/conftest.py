@@ -228,32 +228,32 @@ def model(tmp_path_factory) -> Path:
     return made_model(tmp_path_factory.mktemp("model"))
 
 
+def running(process):
+    """A fixture's body: the started process, stopped when the fixture ends."""
+    yield process
+    process.stop()
+
+
 @pytest.fixture(scope="session")
 def single(model, logs):
-    e = Engine("single", model, logs)
-    yield e
-    e.stop()
+    yield from running(Engine("single", model, logs))
 
 
 @pytest.fixture(scope="session")
 def prefill(model, logs):
-    e = Engine("prefill", model, logs, kv_transfer_config("kv_producer", free_port()))
-    yield e
-    e.stop()
+    yield from running(
+        Engine("prefill", model, logs, kv_transfer_config("kv_producer", free_port())))
 
 
 @pytest.fixture(scope="session")
 def decode(model, logs):
-    e = Engine("decode", model, logs, kv_transfer_config("kv_consumer", free_port()))
-    yield e
-    e.stop()
+    yield from running(
+        Engine("decode", model, logs, kv_transfer_config("kv_consumer", free_port())))
 
 
 @pytest.fixture(scope="session")
 def proxy(prefill, decode, logs):
-    p = Proxy("proxy", logs, [prefill], [decode])
-    yield p
-    p.stop()
+    yield from running(Proxy("proxy", logs, [prefill], [decode]))
 
 
 def wait_until(predicate, deadline_s: float, what: str):

@@ -22,7 +22,7 @@ import pytest
 
 import make_model
 from conftest import (MODEL_NAME, Engine, Proxy, free_port, kv_transfer_config, made_model,
-                      prompt)
+                      prompt, running)
 from rd2h.vllm import prompt_key
 
 MLA_BLOCK_SIZE = 16  # vLLM's CPU MLA backend requires it (it overrides --block-size)
@@ -40,25 +40,21 @@ def digests(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def mla_prefill(mla_model, digests, logs):
-    e = Engine("mla-prefill", mla_model, logs,
-               kv_transfer_config("kv_producer", free_port(), test_kv_digest_dir=str(digests)))
-    yield e
-    e.stop()
+    yield from running(Engine(
+        "mla-prefill", mla_model, logs,
+        kv_transfer_config("kv_producer", free_port(), test_kv_digest_dir=str(digests))))
 
 
 @pytest.fixture(scope="module")
 def mla_decode(mla_model, digests, logs):
-    e = Engine("mla-decode", mla_model, logs,
-               kv_transfer_config("kv_consumer", free_port(), test_kv_digest_dir=str(digests)))
-    yield e
-    e.stop()
+    yield from running(Engine(
+        "mla-decode", mla_model, logs,
+        kv_transfer_config("kv_consumer", free_port(), test_kv_digest_dir=str(digests))))
 
 
 @pytest.fixture(scope="module")
 def mla_proxy(mla_prefill, mla_decode, logs):
-    p = Proxy("mla-proxy", logs, [mla_prefill], [mla_decode])
-    yield p
-    p.stop()
+    yield from running(Proxy("mla-proxy", logs, [mla_prefill], [mla_decode]))
 
 
 def filed(digests: Path, side: str) -> dict:
