@@ -111,6 +111,7 @@ Status ConnectorWorker::register_kv_caches(std::vector<layout::CacheLayer> layer
   dc.reader.host = config_.host;
   dc.reader.hold_timeout = config_.hold_timeout;
   dc.reader.control_link = config_.control_link;
+  dc.reader.busy_poll = std::chrono::microseconds(config_.busy_poll_us);
   dc.p_tp = config_.prefill_tp_size;
   dc.kv_port = config_.kv_port;
   dc.global_dp_rank = parallel_.global_dp_rank;

@@ -140,11 +140,22 @@ void Reader::run() {
   const int link_fd = config_.control_link && engine_->supports_links() ? engine_->link_fd() : -1;
   if (link_fd >= 0) engine_->drive_links(true);
   const int wake_fds[] = {links_->fd.get(), link_fd};
+  // While a request read on a link is owed later layers, the links are polled, unarmed,
+  // for up to busy_poll after each message: the Prefill sending the next layer finds no
+  // sleeper to wake. Past that, or owed nothing, the thread sleeps again.
+  using Clock = std::chrono::steady_clock;
+  Clock::time_point busy_until{};
   while (!stopping_.load()) {
-    const bool armed = link_fd < 0 || engine_->progress_links();
-    drain_links();
+    const bool busy = link_fd >= 0 && Clock::now() < busy_until;
+    const bool armed = link_fd < 0 || engine_->progress_links(!busy);
+    if (drain_links(busy) && link_fd >= 0 && config_.busy_poll.count() > 0) {
+      std::lock_guard lock(mu_);
+      busy_until = owed_.empty() ? Clock::time_point{} : Clock::now() + config_.busy_poll;
+    }
     auto in = router_->receive(armed ? config_.poll_interval : std::chrono::milliseconds(0),
                                std::span(wake_fds, link_fd >= 0 ? 2 : 1));
+    // Polling, it gives way to whatever else wants this CPU.
+    if (busy && in && !in->has_value()) std::this_thread::yield();
     if (!in) {
       log::warn("decode reader {}: {}", config_.d_rank, in.status().to_string());
     } else if (in->has_value()) {
@@ -215,12 +226,12 @@ void Reader::reply(const std::string& identity, const std::vector<std::byte>& pa
   (void)router_->send(identity, payload);
 }
 
-void Reader::drain_links() {
+bool Reader::drain_links(bool polled) {
   decltype(links_->messages) messages;
   std::vector<uint64_t> closed;
   {
     std::lock_guard lock(links_->mu);
-    if (links_->messages.empty() && links_->closed.empty()) return;
+    if (links_->messages.empty() && links_->closed.empty()) return false;
     messages.swap(links_->messages);
     closed.swap(links_->closed);
     uint64_t count;
@@ -234,6 +245,7 @@ void Reader::drain_links() {
     {
       std::lock_guard lock(mu_);
       ++stats_.readiness_on_link;
+      if (polled) ++stats_.readiness_polled;
     }
     handle(control::Inbound{identity, std::move(payload)});
   }
@@ -243,6 +255,7 @@ void Reader::drain_links() {
     const std::string identity = peer->second;
     drop_peer(identity, "the transfer link to this Decode closed; send MF_META again");
   }
+  return !messages.empty();
 }
 
 void Reader::open_link(const std::string& identity, const Peer& peer, uint64_t token) {

@@ -53,6 +53,10 @@ struct ReaderConfig {
   size_t max_held_per_peer = 256;
   // Open the links Prefill offers (when the engine has them).
   bool control_link = true;
+  // While a request read on a link waits for its later layers, the reader polls its links
+  // for up to this long after each message instead of sleeping, so the Prefill sending the
+  // next layer does not pay for waking this process. Zero: it always sleeps.
+  std::chrono::microseconds busy_poll{0};
 };
 
 struct ReaderStats {
@@ -67,6 +71,7 @@ struct ReaderStats {
   uint64_t read_ns = 0;     // time spent inside the engine's batched reads
   uint64_t links_opened = 0;
   uint64_t readiness_on_link = 0;  // readiness that came on a link
+  uint64_t readiness_polled = 0;   // of those, while the reader polled (ReaderConfig::busy_poll)
 };
 
 class Reader {
@@ -135,7 +140,9 @@ class Reader {
   void take_readiness(const std::string& identity, protocol::ReadReadyBatch ready);
   // Takes what the links delivered: messages handled as if they came on their connection,
   // closed links dropping theirs.
-  void drain_links();
+  // Handles what came on the links (`polled`: while the reader polled them, unarmed); true
+  // when there was a message.
+  bool drain_links(bool polled);
   void open_link(const std::string& identity, const Peer& peer, uint64_t token);
   void close_link(const std::string& identity);
   // Answers held readiness whose destinations arrived or whose hold expired, in order.

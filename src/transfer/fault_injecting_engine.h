@@ -67,7 +67,7 @@ class FaultInjectingEngine final : public TransferEngine {
   void close_link(uint64_t token) override { inner_->close_link(token); }
   int link_fd() override { return inner_->link_fd(); }
   void drive_links(bool on) override { inner_->drive_links(on); }
-  bool progress_links() override { return inner_->progress_links(); }
+  bool progress_links(bool arm) override { return inner_->progress_links(arm); }
 
  private:
   std::shared_ptr<TransferEngine> inner_;

@@ -198,7 +198,7 @@ class UcxEngine final : public TransferEngine {
 
   int link_fd() override { return links_->fd(); }
   void drive_links(bool on) override { links_->drive(on); }
-  bool progress_links() override { return links_->progress(); }
+  bool progress_links(bool arm) override { return links_->progress(arm); }
   void close_link(uint64_t token) override { links_->close(token); }
 
  private:

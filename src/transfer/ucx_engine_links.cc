@@ -96,11 +96,11 @@ void EngineLinks::drive(bool on) {
   wake_thread();
 }
 
-bool EngineLinks::progress() {
-  const bool sessions = progress_sessions();
+bool EngineLinks::progress(bool arm) {
+  const bool sessions = progress_sessions(arm);
   // One progress of the serving worker, which may be busy serving reads: a driver comes
   // back to check what it waits for, and calls again.
-  return serving_.progress_once() && sessions;
+  return serving_.progress_once(arm) && sessions;
 }
 
 Status EngineLinks::open_on_session(const std::shared_ptr<Session>& s, uint64_t token,
@@ -214,7 +214,7 @@ void EngineLinks::loop() {
     if (drivers_.load() > 0) {
       pollfd wake{wake_fd_.get(), POLLIN, 0};
       ::poll(&wake, 1, 100);
-    } else if (progress_sessions()) {
+    } else if (progress_sessions(true)) {
       epoll_event events[8];
       // The timeout only bounds how long a missed wake-up could delay a message.
       ::epoll_wait(epoll_fd_.get(), events, 8, 100);
@@ -224,7 +224,7 @@ void EngineLinks::loop() {
   }
 }
 
-bool EngineLinks::progress_sessions() {
+bool EngineLinks::progress_sessions(bool arm) {
   std::vector<std::shared_ptr<Session>> sessions;
   {
     std::lock_guard lock(thread_mu_);
@@ -233,7 +233,7 @@ bool EngineLinks::progress_sessions() {
       if (auto s = w.lock()) sessions.push_back(std::move(s));
     }
   }
-  bool armed = true;
+  bool armed = arm;
   std::vector<const Session*> released;
   for (const auto& s : sessions) {
     std::lock_guard lock(s->mu);
@@ -243,7 +243,7 @@ bool EngineLinks::progress_sessions() {
     }
     while (ucp_worker_progress(s->worker.get()) != 0) {
     }
-    if (ucp_worker_arm(s->worker.get()) == UCS_ERR_BUSY) armed = false;
+    if (arm && ucp_worker_arm(s->worker.get()) == UCS_ERR_BUSY) armed = false;
   }
   if (!released.empty()) {
     // A released session's worker is gone: it is not watched any more.

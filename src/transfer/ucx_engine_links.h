@@ -40,7 +40,7 @@ class EngineLinks {
   void close(uint64_t token);
   int fd();
   void drive(bool on);
-  bool progress();
+  bool progress(bool arm);
 
  private:
   static Status token_taken(uint64_t token);
@@ -56,9 +56,9 @@ class EngineLinks {
   // (the same sessions, and the serving worker). Caller holds thread_mu_.
   Status make_fds();
   void loop();
-  // One pass over the sessions with links: progresses each and arms it for its event fd.
-  // False when one had more events already (no time to sleep).
-  bool progress_sessions();
+  // One pass over the sessions with links: progresses each and (with `arm`) arms it for its
+  // event fd. False when one had more events already (no time to sleep) or was not armed.
+  bool progress_sessions(bool arm);
 
   ServingWorker& serving_;
   const std::chrono::milliseconds connect_timeout_;

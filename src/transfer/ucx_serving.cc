@@ -76,11 +76,11 @@ void ServingWorker::stop() {
   thread_.join();
 }
 
-bool ServingWorker::progress_once() {
+bool ServingWorker::progress_once(bool arm) {
   std::lock_guard lock(links_->mu);
   const unsigned events = ucp_worker_progress(worker_.get());
   links_->after_progress();
-  return events == 0 && ucp_worker_arm(worker_.get()) != UCS_ERR_BUSY;
+  return arm && events == 0 && ucp_worker_arm(worker_.get()) != UCS_ERR_BUSY;
 }
 
 void ServingWorker::loop() {

@@ -34,9 +34,9 @@ class ServingWorker {
   ServedLinks& links() { return *links_; }
   // The worker's event fd, for a driver of the links to sleep on.
   int event_fd() const { return event_fd_; }
-  // One progress of the worker for a driver of the links; false when it had no events and
-  // is armed (the driver may sleep).
-  bool progress_once();
+  // One progress of the worker for a driver of the links; true when it had no events and
+  // is armed (the driver may sleep). Without `arm` it is left unarmed (and false returned).
+  bool progress_once(bool arm);
   // Stops serving: the thread is joined. Idempotent.
   void stop();
 

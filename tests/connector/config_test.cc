@@ -59,6 +59,7 @@ TEST(ConnectorConfig, ToJsonReadsBackAsTheSameConfiguration) {
   c.send_timeout = std::chrono::milliseconds(13);
   c.read_timeout = std::chrono::milliseconds(14);
   c.connect_timeout = std::chrono::milliseconds(19);
+  c.busy_poll_us = 23;
   c.hold_timeout = std::chrono::milliseconds(15);
   c.kv_arrival_timeout = std::chrono::milliseconds(16);
   c.metaserver_timeout = std::chrono::milliseconds(17);
@@ -81,6 +82,7 @@ TEST(ConnectorConfig, ToJsonReadsBackAsTheSameConfiguration) {
   EXPECT_EQ(back->send_timeout.count(), 13);
   EXPECT_EQ(back->read_timeout.count(), 14);
   EXPECT_EQ(back->connect_timeout.count(), 19);
+  EXPECT_EQ(back->busy_poll_us, 23);
   EXPECT_EQ(back->hold_timeout.count(), 15);
   EXPECT_EQ(back->kv_arrival_timeout.count(), 16);
   EXPECT_EQ(back->metaserver_timeout.count(), 17);

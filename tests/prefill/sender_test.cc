@@ -23,7 +23,8 @@ const decode::AllGather kAlone =
 
 class SenderTest : public ::testing::Test {
  protected:
-  void start_reader(int port = 0, bool control_link = true) {
+  void start_reader(int port = 0, bool control_link = true,
+                    std::chrono::microseconds busy_poll = {}) {
     reader_.reset();
     if (!decode_engine_) {
       decode_engine_ = std::shared_ptr<transfer::TransferEngine>(std::move(decode_.engine));
@@ -33,6 +34,7 @@ class SenderTest : public ::testing::Test {
     decode::ReaderConfig config;
     config.port = port;
     config.control_link = control_link;
+    config.busy_poll = busy_poll;
     auto r = decode::Reader::start(config, decode_engine_, std::move(layout), context_);
     ASSERT_TRUE(r) << r.status().to_string();
     reader_ = std::move(*r);
@@ -433,12 +435,38 @@ TEST_F(SenderTest, ReadinessAndAnswersMoveToTheLinkDecodeOpensAndTheBytesArrive)
   // Every layer went on the link, and Decode took each from it.
   EXPECT_EQ(s->stats().readiness_on_link - on_link, static_cast<uint64_t>(kLayers));
   EXPECT_EQ(reader_->stats().readiness_on_link - read_on_link, static_cast<uint64_t>(kLayers));
+  EXPECT_EQ(reader_->stats().readiness_polled, 0u) << "Decode polled with busy_poll 0";
   for (int l = 0; l < kLayers; ++l) {
     EXPECT_TRUE(decode_.holds(l, 0, 9, 7)) << "layer " << l;
     EXPECT_TRUE(decode_.holds(l, 2, 13, 0)) << "layer " << l;
   }
   EXPECT_EQ(reader_->get_finished(kAlone)->finished, std::vector<std::string>{"i"});
   EXPECT_EQ(s->stats().mf_meta_sent, 1u);
+}
+
+TEST_F(SenderTest, WhileARequestOwesLayersDecodePollsItsLinkAndSleepsOnceItIsDone) {
+  // A minute of polling: no layer here comes that late, so whether one was polled depends
+  // on the request alone.
+  start_reader(0, true, std::chrono::minutes(1));
+  auto s = linked_sender();
+  SlotGate gate;
+  ASSERT_TRUE(reach_the_link(*s, gate));
+  for (const std::string id : {"a", "b"}) {
+    ASSERT_TRUE(reader_->add_request(id, "i" + id, {3, 9}, {11, 12}).is_ok());
+    const uint64_t polled = reader_->stats().readiness_polled;
+    for (int l = 0; l < kLayers; ++l) {
+      std::vector<std::string> done;
+      if (l == kLayers - 1) done = {id};
+      Status st = send_and_wait(*s, ready(l, {{id, {1, 7}, {5, 6}, 0, 0}}, done), gate);
+      ASSERT_TRUE(st.is_ok()) << "request " << id << ", layer " << l << ": " << st.to_string();
+    }
+    // The first layer found Decode asleep (owed nothing before it); every later one found
+    // it polling. After the last, it sleeps again: the next request's first is not polled.
+    EXPECT_EQ(reader_->stats().readiness_polled - polled, static_cast<uint64_t>(kLayers - 1))
+        << "request " << id;
+    EXPECT_TRUE(decode_.holds(kLayers - 1, 0, 9, 7)) << "request " << id;
+    EXPECT_TRUE(decode_.holds(kLayers - 1, 2, 12, 6)) << "request " << id;
+  }
 }
 
 TEST_F(SenderTest, WithoutAnOfferOrWhenDecodeDeclinesTheConnectionStaysOnZeroMq) {

@@ -4,7 +4,8 @@
   Decode vLLM engines, rd2h, `rd2h proxy`) and from a single vLLM instance;
 - what the Python connector adds per layer inside vLLM (wait_for_layer_load + save_kv_layer
   on Prefill, timed on the connector instance by RD2H_VLLM_LAYER_TIMES), for steps of 1
-  request and of 32;
+  request and of 32, with Decode polling while it is owed layers (the default) and with
+  Decode always asleep (busy_poll_us 0, so that every layer wakes it);
 - KV bytes Decode read per prompt token, against what the model's layers hold per token.
 
     RD2H_BINARY=build/python/apps/rd2h "$(scripts/vllm-venv)/bin/python" tests/vllm/bench_vllm.py
@@ -99,36 +100,24 @@ def wake_cost(samples: int = 2000) -> list:
     return out
 
 
-def main() -> None:
-    work = Path(tempfile.mkdtemp(prefix="rd2h-bench-vllm-"))
-    logs = work / "logs"
-    logs.mkdir()
-    model = work / "model"
-    model.mkdir()
-    c.made_model(model)
-    rng = random.Random(3)
-    prompts = [c.prompt(rng, n) for n in PROMPT_LENGTHS]
-
-    # One CPU per engine: the single instance on the first, Prefill on the first and Decode
-    # on the second, as on separate hosts (the proxy and the client run where they may).
-    single = c.Engine("single", model, logs, cpus="0")
-    try:
-        s_ttft, s_e2e = latencies(single.url, prompts)
-    finally:
-        single.stop()
-
-    times = work / "layer-times"
+def pd_run(work: Path, logs: Path, model: Path, prompts: list, rng: random.Random, name: str,
+           **decode_extra) -> tuple:
+    """Prefill on the first CPU and Decode on the second behind `rd2h proxy`: the prompts'
+    TTFT and end-to-end latencies, Decode's KV bytes read and prompt tokens pulled for them,
+    and the directory of Prefill's per-layer times (the prompts, then 5 lists of 32)."""
+    times = work / f"layer-times-{name}"
     times.mkdir()
     os.environ["RD2H_VLLM_LAYER_TIMES"] = str(times)
-    prefill = c.Engine("prefill", model, logs, c.kv_transfer_config("kv_producer", c.free_port()),
-                       cpus="0")
+    prefill = c.Engine(f"{name}-prefill", model, logs,
+                       c.kv_transfer_config("kv_producer", c.free_port()), cpus="0")
     del os.environ["RD2H_VLLM_LAYER_TIMES"]
-    decode = c.Engine("decode", model, logs, c.kv_transfer_config("kv_consumer", c.free_port()),
+    decode = c.Engine(f"{name}-decode", model, logs,
+                      c.kv_transfer_config("kv_consumer", c.free_port(), **decode_extra),
                       cpus="1")
-    proxy = c.Proxy("proxy", logs, [prefill], [decode])
+    proxy = c.Proxy(f"{name}-proxy", logs, [prefill], [decode])
     try:
         before = decode.metrics()
-        pd_ttft, pd_e2e = latencies(proxy.url, prompts)
+        ttft, e2e = latencies(proxy.url, prompts)
         after = decode.metrics()
         read = (c.metric(after, "rd2h_kv_bytes_read_total")
                 - c.metric(before, "rd2h_kv_bytes_read_total"))
@@ -147,6 +136,32 @@ def main() -> None:
         proxy.stop()
         decode.stop()
         prefill.stop()
+    return ttft, e2e, read, pulled, times
+
+
+def main() -> None:
+    work = Path(tempfile.mkdtemp(prefix="rd2h-bench-vllm-"))
+    logs = work / "logs"
+    logs.mkdir()
+    model = work / "model"
+    model.mkdir()
+    c.made_model(model)
+    rng = random.Random(3)
+    prompts = [c.prompt(rng, n) for n in PROMPT_LENGTHS]
+
+    # One CPU per engine: the single instance on the first, Prefill on the first and Decode
+    # on the second, as on separate hosts (the proxy and the client run where they may).
+    single = c.Engine("single", model, logs, cpus="0")
+    try:
+        s_ttft, s_e2e = latencies(single.url, prompts)
+    finally:
+        single.stop()
+
+    # PD with Decode's default busy polling, then with Decode always asleep (busy_poll_us
+    # 0): what the polling spares Prefill's compute thread.
+    polled = pd_run(work, logs, model, prompts, rng, "pd")
+    asleep = pd_run(work, logs, model, prompts, rng, "pd-asleep", busy_poll_us=0)
+    pd_ttft, pd_e2e, read, pulled, _ = polled
 
     wake = quantile(wake_cost(), 0.5)
     per_token = make_model.kv_bytes_per_token()
@@ -160,15 +175,16 @@ def main() -> None:
               f"{s50 * 1e3:.1f} ms, p99 {s99 * 1e3:.1f} ms; PD/single p50 {p50 / s50:.2f}x")
     print(f"  KV read per pulled prompt token: {read / pulled:.0f} bytes; the model's layers "
           f"hold {per_token} bytes per token ({read / pulled / per_token:.3f}x)")
-    by_size = layer_times(times)
-    for requests in sorted(by_size):
-        wall, cpu = by_size[requests]
-        if requests == 1 or requests == max(by_size):
-            print(f"  connector per layer, {requests} request(s) in the step ({len(wall)} layers):"
-                  f" wall p50 {quantile(wall, 0.5) / 1e3:.1f} us, p99 "
-                  f"{quantile(wall, 0.99) / 1e3:.1f} us; on the thread's CPU p50 "
-                  f"{quantile(cpu, 0.5) / 1e3:.1f} us ({quantile(cpu, 0.5) / wake:.1f}x a wake),"
-                  f" p99 {quantile(cpu, 0.99) / 1e3:.1f} us")
+    for label, run in (("", polled), (", Decode asleep (busy_poll_us 0)", asleep)):
+        by_size = layer_times(run[4])
+        for requests in sorted(by_size):
+            wall, cpu = by_size[requests]
+            if requests == 1 or requests == max(by_size):
+                print(f"  connector per layer{label}, {requests} request(s) in the step "
+                      f"({len(wall)} layers): wall p50 {quantile(wall, 0.5) / 1e3:.1f} us, p99 "
+                      f"{quantile(wall, 0.99) / 1e3:.1f} us; on the thread's CPU p50 "
+                      f"{quantile(cpu, 0.5) / 1e3:.1f} us ({quantile(cpu, 0.5) / wake:.1f}x a "
+                      f"wake), p99 {quantile(cpu, 0.99) / 1e3:.1f} us")
     print(f"  a wake: one message to a process asleep on the other CPU costs its sender "
           f"{wake / 1e3:.1f} us of CPU (p50)")
     print(f"  (engine logs in {logs})")

@@ -84,6 +84,11 @@ struct ConnectorConfig {
   // in MF_META and opened by Decode) where both ends are rd2h; "control_link": false keeps
   // them on ZeroMQ.
   bool control_link = true;
+  // Decode: while a request read on a link waits for its later layers, Decode polls the
+  // link for up to this many microseconds after each layer instead of sleeping, so the
+  // Prefill publishing the next layer does not pay for waking it (decode::ReaderConfig::
+  // busy_poll). 0: Decode always sleeps.
+  int busy_poll_us = 50000;
   // Fills `curve` from the two files.
   Status load_curve_keys(std::string secret_key_file, std::string trusted_keys_file);
 

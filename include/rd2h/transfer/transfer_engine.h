@@ -138,10 +138,12 @@ class TransferEngine {
   // on link_fd() among its own descriptors and calls progress_links() whenever it is
   // readable and before every wait; meanwhile the engine's thread stands aside.
   // progress_links() delivers what arrived to the handlers, on the calling thread, and
-  // returns false when more may be in already (do not sleep then).
+  // returns false when more may be in already (do not sleep then). With `arm` false the
+  // driver polls instead of sleeping: link_fd() is not armed, so a peer sending meanwhile
+  // does not pay for waking this process.
   virtual int link_fd() { return -1; }
   virtual void drive_links(bool /*on*/) {}
-  virtual bool progress_links() { return true; }
+  virtual bool progress_links(bool /*arm*/ = true) { return true; }
 };
 
 Expected<std::unique_ptr<TransferEngine>> create_ucx_engine(const EngineConfig& config);
