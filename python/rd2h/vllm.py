@@ -18,8 +18,9 @@ onto rd2h's scheduler-role and worker-role facades; no transfer logic lives here
   ``wait_for_layer_send``, so on Prefill ``wait_for_layer_load`` waits until Decode has read
   what the layer's physical buffers held before.
 
-KV caches must be host (CPU) tensors: they are registered with the transfer engine as they
-are, without copies.
+KV caches in host (CPU) memory are registered with the transfer engine as they are, without
+copies. KV caches on a device (GPU, NPU) move through host buffers with the copy operation
+vLLM hands the connector, when ``kv_buffer_device`` is ``"cpu"`` (``rd2h.staging``).
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ import time
 from typing import Any, Iterable, Optional
 
 import rd2h
+from rd2h import staging
 
 if importlib.util.find_spec("vllm") is not None:
     # Real vLLM: subclass its own classes (vLLM checks with isinstance). A broken vLLM
@@ -286,6 +288,9 @@ class Rd2hConnector(KVConnectorBase_V1, SupportsHMA):
         self._corrupt_target: list = []  # worker: the first layer's block runs
         self._block_size = int(vllm_config.cache_config.block_size)
         self._stats_reported: dict = {}  # worker: the transfer counters last reported
+        self._kv_buffer_device = str(getattr(ktc, "kv_buffer_device", "cpu") or "cpu")
+        self._staging: Optional[staging.HostStaging] = None  # worker: device caches only
+        self._host_copy: Optional[staging.CopyOp] = None
         if role == KVConnectorRole.SCHEDULER:
             self._scheduler = rd2h.Scheduler(
                 self._config, self._parallel, self._groups(vllm_config, kv_cache_config)
@@ -441,6 +446,7 @@ class Rd2hConnector(KVConnectorBase_V1, SupportsHMA):
         main: dict[int, tuple[str, list]] = {}
         indexer: dict[int, list] = {}
         main_runs: dict[int, list] = {}  # layer -> its main tensors' block runs
+        self._staging = self._host_staging(kv_caches)
         for name, value in kv_caches.items():
             n = layer_index(name)
             if n is None:
@@ -449,9 +455,18 @@ class Rd2hConnector(KVConnectorBase_V1, SupportsHMA):
                 )
             given = list(value) if isinstance(value, (tuple, list)) else [value]
             g = group_of.get(name, 0)
+            if self._staging is not None:
+                device_given = given
+                given = [staging.host_mirror(t) for t in given]
             tensors = []
             for t in given:
                 tensors += block_runs(name, t, num_blocks) if num_blocks is not None else [t]
+            if self._staging is not None:
+                device_runs = []
+                for t in device_given:
+                    device_runs += block_runs(name, t, num_blocks) if num_blocks is not None else [t]
+                main_of = self._main_layer_of_indexer(name, kv_caches) if is_indexer_layer(name) else name
+                self._staging.add_layer(main_of, device_runs, tensors, is_indexer_layer(name))
             wrapped = [rd2h.CacheTensor(t, num_blocks=num_blocks, group_idx=g) for t in tensors]
             if is_indexer_layer(name):
                 if n in indexer:
@@ -494,6 +509,41 @@ class Rd2hConnector(KVConnectorBase_V1, SupportsHMA):
         if self._test_corrupt and main:
             self._corrupt_target = main_runs[min(main)]
 
+    def _host_staging(self, kv_caches: dict[str, Any]) -> Optional[staging.HostStaging]:
+        """Staging through host buffers when the caches are on a device, else None."""
+        on_device = [name for name, value in kv_caches.items() if staging.is_on_device(value)]
+        if not on_device:
+            return None
+        device = staging.device_of(kv_caches[on_device[0]])
+        if len(on_device) != len(kv_caches):
+            raise rd2h.InvalidArgument(
+                f"KV cache layer {on_device[0]!r} is in {device} memory and others are in host "
+                "memory; rd2h takes one or the other")
+        if self._kv_buffer_device != "cpu":
+            raise rd2h.InvalidArgument(
+                f"KV cache layer {on_device[0]!r} is in {device} memory and "
+                f"kv_transfer_config.kv_buffer_device is {self._kv_buffer_device!r}: rd2h moves "
+                'device KV through host buffers; set "kv_buffer_device": "cpu"')
+        out = staging.HostStaging(device.type, timeout_s=60.0)
+        if self._host_copy is not None:
+            out.set_copy_op(self._host_copy)
+        return out
+
+    @staticmethod
+    def _main_layer_of_indexer(name: str, kv_caches: dict[str, Any]) -> str:
+        """The attention layer an indexer cache belongs to (the same "layers.<n>")."""
+        n = layer_index(name)
+        for other in kv_caches:
+            if not is_indexer_layer(other) and layer_index(other) == n:
+                return other
+        raise rd2h.InvalidArgument(f"indexer cache {name!r} has no attention layer")
+
+    def set_host_xfer_buffer_ops(self, copy_operation: Any) -> None:
+        """vLLM's block copy between device caches and host buffers (kv_buffer_device "cpu")."""
+        self._host_copy = copy_operation
+        if self._staging is not None:
+            self._staging.set_copy_op(copy_operation)
+
     def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
         assert self._worker is not None, "a worker-role call on the scheduler role"
         super().bind_connector_metadata(connector_metadata)
@@ -526,6 +576,11 @@ class Rd2hConnector(KVConnectorBase_V1, SupportsHMA):
                 and layer_name == self._last_main_layer):
             # Every layer of the step is written, and no Decode has the last one yet.
             self._write_digests(list(self._digest_pending))
+        if self._staging is not None:
+            main_blocks, indexer_blocks = self._worker.step_blocks()
+            event = self._staging.save_layer(layer_name, main_blocks, indexer_blocks)
+            self._worker.save_kv_layer(layer_name, event)
+            return
         self._worker.save_kv_layer(layer_name)
 
     def wait_for_layer_send(self, layer_name: str) -> None:
@@ -541,6 +596,9 @@ class Rd2hConnector(KVConnectorBase_V1, SupportsHMA):
     ) -> tuple[Optional[set[str]], Optional[set[str]]]:
         assert self._worker is not None, "a worker-role call on the scheduler role"
         sending, recving = self._worker.get_finished(self._all_gather_fn())
+        if self._staging is not None:
+            # Their KV is in the host buffers: on the device before vLLM is told.
+            self._staging.load(*self._worker.take_loaded_blocks())
         if self._test_corrupt:
             self._corrupt_arrived(recving)
         if self._digest_dir:
@@ -610,6 +668,8 @@ class Rd2hConnector(KVConnectorBase_V1, SupportsHMA):
     def shutdown(self) -> None:
         if self._worker is not None:
             self._worker.shutdown()
+        if self._staging is not None:
+            self._staging.close()
         if self._scheduler is not None:
             self._scheduler.close()
 

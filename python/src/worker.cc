@@ -165,6 +165,25 @@ class Worker {
     });
     return out;
   }
+  using Blocks = std::pair<std::vector<int64_t>, std::vector<int64_t>>;
+  Blocks step_blocks() {
+    Blocks out;
+    call([&](connector::ConnectorWorker& w) {
+      auto b = w.step_blocks();
+      out = {std::move(b.main), std::move(b.indexer)};
+      return Status::ok();
+    });
+    return out;
+  }
+  Blocks take_loaded_blocks() {
+    Blocks out;
+    call([&](connector::ConnectorWorker& w) {
+      auto b = w.take_loaded_blocks();
+      out = {std::move(b.main), std::move(b.indexer)};
+      return Status::ok();
+    });
+    return out;
+  }
   // Stops the connector's threads and unregisters its memory (after any call in flight
   // returned); later calls raise. Idempotent.
   void shutdown() {
@@ -213,6 +232,11 @@ void bind_worker(py::module_& m) {
       .def("wait_for_save", &Worker::wait_for_save)
       .def("get_finished", &Worker::get_finished, py::arg("all_gather") = py::none())
       .def("get_block_ids_with_load_errors", &Worker::get_block_ids_with_load_errors)
+      .def("step_blocks", &Worker::step_blocks,
+           "Prefill: (main, indexer) block ids the bound step publishes, sorted, distinct.")
+      .def("take_loaded_blocks", &Worker::take_loaded_blocks,
+           "Decode: (main, indexer) destination blocks of the requests get_finished reported "
+           "finished since the last call, sorted, distinct.")
       .def(
           "transfer_stats",
           [](Worker& w) {
@@ -223,10 +247,11 @@ void bind_worker(py::module_& m) {
             d["reads"] = s.reads;
             d["bytes_read"] = s.bytes_read;
             d["read_seconds"] = s.read_seconds_sum;
+            d["readiness_sent"] = s.readiness_sent;
             return d;
           },
-          "This rank's reads so far (Decode), cumulative: layers_done, layers_failed, reads, "
-          "bytes_read, read_seconds.")
+          "This rank's transfers so far, cumulative: on Decode layers_done, layers_failed, "
+          "reads, bytes_read, read_seconds; on Prefill readiness_sent.")
       .def("shutdown", &Worker::shutdown)
       .def("_time_layer_loop", &Worker::time_layer_loop, py::arg("metadata"), py::arg("layers"),
            py::arg("steps"));

@@ -1,5 +1,7 @@
 #include "rd2h/connector/worker.h"
 
+#include <algorithm>
+
 #include "control/channel.h"
 #include "decode/worker.h"
 #include "layout/cache.h"
@@ -45,6 +47,7 @@ ConnectorWorker::~ConnectorWorker() {
 
 TransferStats ConnectorWorker::transfer_stats() const {
   TransferStats out;
+  if (prefill_) out.readiness_sent = prefill_->stats().sender.readiness_sent;
   if (!decode_) return out;
   const auto s = decode_->reader().stats();
   out.layers_done = s.layers_done;
@@ -206,10 +209,40 @@ Expected<FinishedTransfers> ConnectorWorker::get_finished(const decode::AllGathe
   for (auto* ids : {&done.finished, &done.failed}) {
     for (auto& id : *ids) out.recving.push_back(id);
   }
+  loaded_.main.insert(loaded_.main.end(), done.loaded_main_blocks.begin(),
+                      done.loaded_main_blocks.end());
+  loaded_.indexer.insert(loaded_.indexer.end(), done.loaded_indexer_blocks.begin(),
+                         done.loaded_indexer_blocks.end());
   load_errors_.insert(load_errors_.end(), done.invalid_main_blocks.begin(),
                       done.invalid_main_blocks.end());
   load_errors_.insert(load_errors_.end(), done.invalid_indexer_blocks.begin(),
                       done.invalid_indexer_blocks.end());
+  return out;
+}
+
+namespace {
+void sort_distinct(std::vector<int64_t>& ids) {
+  std::sort(ids.begin(), ids.end());
+  ids.erase(std::unique(ids.begin(), ids.end()), ids.end());
+}
+}  // namespace
+
+ConnectorWorker::BlockIds ConnectorWorker::step_blocks() const {
+  BlockIds out;
+  for (const auto& r : metadata_.save) {
+    out.main.insert(out.main.end(), r.main_block_ids.begin(), r.main_block_ids.end());
+    out.indexer.insert(out.indexer.end(), r.indexer_block_ids.begin(), r.indexer_block_ids.end());
+  }
+  sort_distinct(out.main);
+  sort_distinct(out.indexer);
+  return out;
+}
+
+ConnectorWorker::BlockIds ConnectorWorker::take_loaded_blocks() {
+  BlockIds out;
+  std::swap(out, loaded_);
+  sort_distinct(out.main);
+  sort_distinct(out.indexer);
   return out;
 }
 

@@ -27,6 +27,10 @@ struct Finished {
   // what they hold must not be used.
   std::vector<int64_t> invalid_main_blocks;
   std::vector<int64_t> invalid_indexer_blocks;
+  // The destination blocks of the finished requests (filled by the reader): what a host
+  // that stages KV through host buffers copies to the device before it uses them.
+  std::vector<int64_t> loaded_main_blocks;
+  std::vector<int64_t> loaded_indexer_blocks;
   // The external ids of everything above (filled by the reader).
   std::vector<std::string> ended_ext_ids;
 };

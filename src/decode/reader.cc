@@ -106,6 +106,10 @@ Expected<Finished> Reader::get_finished(const AllGather& all_gather) {
                                         d.indexer.end());
     } else {
       out.finished.push_back(std::move(e.internal_id));
+      const Destinations& d = e.destinations;
+      out.loaded_main_blocks.insert(out.loaded_main_blocks.end(), d.main.begin(), d.main.end());
+      out.loaded_indexer_blocks.insert(out.loaded_indexer_blocks.end(), d.indexer.begin(),
+                                       d.indexer.end());
     }
     for (auto owed = owed_.begin(); owed != owed_.end();) {
       owed->second.erase(e.ext_id);

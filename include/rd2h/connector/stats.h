@@ -17,6 +17,8 @@ struct TransferStats {
   std::vector<double> read_seconds_bounds;
   std::vector<uint64_t> read_seconds_buckets;
   double read_seconds_sum = 0;
+  // Prefill: the layers' readiness messages sent to Decode so far.
+  uint64_t readiness_sent = 0;
 };
 
 // Decode's posts of its rendezvous to the metaserver.

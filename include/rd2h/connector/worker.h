@@ -78,6 +78,15 @@ class ConnectorWorker final : public KvConnectorWorker {
   Expected<FinishedTransfers> get_finished(const decode::AllGather& all_gather) override;
   // Decode: destination blocks of the requests that failed since the last call.
   std::vector<int64_t> get_block_ids_with_load_errors() override;
+  // Main and indexer block ids, each sorted and distinct. Prefill: the blocks the bound
+  // step publishes (what a host staging KV through host buffers copies there first).
+  // Decode: the destinations of the requests get_finished reported finished since the last
+  // call (what such a host copies to the device before it reports them).
+  struct BlockIds {
+    std::vector<int64_t> main, indexer;
+  };
+  BlockIds step_blocks() const;
+  BlockIds take_loaded_blocks();
   // Decode: what this rank has read so far.
   TransferStats transfer_stats() const;
   // Stops the connector's threads and unregisters its memory. Idempotent.
@@ -100,6 +109,7 @@ class ConnectorWorker final : public KvConnectorWorker {
   // Prefill without use_layerwise: the layers saved this step, published in wait_for_save.
   std::vector<std::pair<std::string, std::shared_ptr<prefill::WriteEvent>>> saved_layers_;
   std::vector<int64_t> load_errors_;
+  BlockIds loaded_;
 };
 
 }  // namespace rd2h::connector
