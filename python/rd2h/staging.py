@@ -83,7 +83,6 @@ class HostStaging:
         self._stream = None
         self._pending: "queue.Queue" = queue.Queue()
         self._thread: Optional[threading.Thread] = None
-        self.copies = 0  # device->host copies launched (for tests and stats)
 
     def add_layer(self, name: str, device_runs: list, host_runs: list, indexer: bool) -> None:
         runs = ({f"{name}#{i}": r for i, r in enumerate(device_runs)},
@@ -106,7 +105,6 @@ class HostStaging:
         on the host."""
         copy = self._need_copy()
         event = rd2h.HostWriteEvent()
-        self.copies += 1
 
         def copies() -> None:
             if main_blocks:

@@ -447,6 +447,14 @@ class Rd2hConnector(KVConnectorBase_V1, SupportsHMA):
         indexer: dict[int, list] = {}
         main_runs: dict[int, list] = {}  # layer -> its main tensors' block runs
         self._staging = self._host_staging(kv_caches)
+        # (layer, is indexer) -> the device caches' block runs and their host mirrors' runs
+        staged: dict[tuple[int, bool], tuple[list, list]] = {}
+
+        def runs_of(name: str, given: list) -> list:
+            if num_blocks is None:
+                return list(given)
+            return [r for t in given for r in block_runs(name, t, num_blocks)]
+
         for name, value in kv_caches.items():
             n = layer_index(name)
             if n is None:
@@ -455,18 +463,13 @@ class Rd2hConnector(KVConnectorBase_V1, SupportsHMA):
                 )
             given = list(value) if isinstance(value, (tuple, list)) else [value]
             g = group_of.get(name, 0)
+            device_runs = None
             if self._staging is not None:
-                device_given = given
+                device_runs = runs_of(name, given)
                 given = [staging.host_mirror(t) for t in given]
-            tensors = []
-            for t in given:
-                tensors += block_runs(name, t, num_blocks) if num_blocks is not None else [t]
-            if self._staging is not None:
-                device_runs = []
-                for t in device_given:
-                    device_runs += block_runs(name, t, num_blocks) if num_blocks is not None else [t]
-                main_of = self._main_layer_of_indexer(name, kv_caches) if is_indexer_layer(name) else name
-                self._staging.add_layer(main_of, device_runs, tensors, is_indexer_layer(name))
+            tensors = runs_of(name, given)
+            if device_runs is not None:
+                staged[(n, is_indexer_layer(name))] = (device_runs, tensors)
             wrapped = [rd2h.CacheTensor(t, num_blocks=num_blocks, group_idx=g) for t in tensors]
             if is_indexer_layer(name):
                 if n in indexer:
@@ -482,6 +485,9 @@ class Rd2hConnector(KVConnectorBase_V1, SupportsHMA):
         orphans = sorted(set(indexer) - set(main))
         if orphans:
             raise rd2h.InvalidArgument(f"indexer caches of layers {orphans} have no attention layer")
+        for (n, is_indexer), (device_runs, host_runs) in staged.items():
+            # An indexer is staged with its layer's attention cache, as it is published.
+            self._staging.add_layer(main[n][0], device_runs, host_runs, is_indexer)
         layers = []
         for n in sorted(main):
             name, tensors = main[n]
@@ -528,15 +534,6 @@ class Rd2hConnector(KVConnectorBase_V1, SupportsHMA):
         if self._host_copy is not None:
             out.set_copy_op(self._host_copy)
         return out
-
-    @staticmethod
-    def _main_layer_of_indexer(name: str, kv_caches: dict[str, Any]) -> str:
-        """The attention layer an indexer cache belongs to (the same "layers.<n>")."""
-        n = layer_index(name)
-        for other in kv_caches:
-            if not is_indexer_layer(other) and layer_index(other) == n:
-                return other
-        raise rd2h.InvalidArgument(f"indexer cache {name!r} has no attention layer")
 
     def set_host_xfer_buffer_ops(self, copy_operation: Any) -> None:
         """vLLM's block copy between device caches and host buffers (kv_buffer_device "cpu")."""

@@ -167,22 +167,10 @@ class Worker {
   }
   using Blocks = std::pair<std::vector<int64_t>, std::vector<int64_t>>;
   Blocks step_blocks() {
-    Blocks out;
-    call([&](connector::ConnectorWorker& w) {
-      auto b = w.step_blocks();
-      out = {std::move(b.main), std::move(b.indexer)};
-      return Status::ok();
-    });
-    return out;
+    return blocks([](connector::ConnectorWorker& w) { return w.step_blocks(); });
   }
   Blocks take_loaded_blocks() {
-    Blocks out;
-    call([&](connector::ConnectorWorker& w) {
-      auto b = w.take_loaded_blocks();
-      out = {std::move(b.main), std::move(b.indexer)};
-      return Status::ok();
-    });
-    return out;
+    return blocks([](connector::ConnectorWorker& w) { return w.take_loaded_blocks(); });
   }
   // Stops the connector's threads and unregisters its memory (after any call in flight
   // returned); later calls raise. Idempotent.
@@ -207,6 +195,18 @@ class Worker {
       s = w_ ? f(*w_) : failed_precondition("the connector worker is shut down");
     }
     raise_if_error(s);
+  }
+
+  // (main, indexer) block ids of one of ConnectorWorker's BlockIds getters.
+  template <typename F>
+  Blocks blocks(F get) {
+    Blocks out;
+    call([&](connector::ConnectorWorker& w) {
+      auto b = get(w);
+      out = {std::move(b.main), std::move(b.indexer)};
+      return Status::ok();
+    });
+    return out;
   }
 
   std::mutex mu_;
@@ -235,8 +235,8 @@ void bind_worker(py::module_& m) {
       .def("step_blocks", &Worker::step_blocks,
            "Prefill: (main, indexer) block ids the bound step publishes, sorted, distinct.")
       .def("take_loaded_blocks", &Worker::take_loaded_blocks,
-           "Decode: (main, indexer) destination blocks of the requests get_finished reported "
-           "finished since the last call, sorted, distinct.")
+           "Decode: (main, indexer) destination blocks of the requests the last get_finished "
+           "reported finished, sorted, distinct; taken once.")
       .def(
           "transfer_stats",
           [](Worker& w) {

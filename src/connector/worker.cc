@@ -209,10 +209,8 @@ Expected<FinishedTransfers> ConnectorWorker::get_finished(const decode::AllGathe
   for (auto* ids : {&done.finished, &done.failed}) {
     for (auto& id : *ids) out.recving.push_back(id);
   }
-  loaded_.main.insert(loaded_.main.end(), done.loaded_main_blocks.begin(),
-                      done.loaded_main_blocks.end());
-  loaded_.indexer.insert(loaded_.indexer.end(), done.loaded_indexer_blocks.begin(),
-                         done.loaded_indexer_blocks.end());
+  // This call's only: a host that stages no KV never takes them, and nothing piles up.
+  loaded_ = {std::move(done.loaded_main_blocks), std::move(done.loaded_indexer_blocks)};
   load_errors_.insert(load_errors_.end(), done.invalid_main_blocks.begin(),
                       done.invalid_main_blocks.end());
   load_errors_.insert(load_errors_.end(), done.invalid_indexer_blocks.begin(),

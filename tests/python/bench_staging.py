@@ -20,7 +20,6 @@ device->host copy runs on a side stream instead, and its cost is the PCIe transf
 
 from __future__ import annotations
 
-import multiprocessing as mp
 import sys
 import time
 from pathlib import Path
@@ -30,7 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import torch  # noqa: E402
 
 import vllm_standin as V  # noqa: E402
-from conftest import Metaserver, free_ports, kv_config  # noqa: E402
+from conftest import Metaserver, free_ports, kv_config, start_decode_rank  # noqa: E402
 from mini_engine_rank import Model, indexer_name, kv_cache_config, main_name  # noqa: E402
 from rd2h.bench import quantile  # noqa: E402
 from rd2h.vllm import KVConnectorRole, Rd2hConnector  # noqa: E402
@@ -87,11 +86,7 @@ def run(m: Model, on_device: bool) -> tuple:
     prefill_ktc = kv_config("kv_producer", free_ports(1))
     kcc = kv_cache_config(m)
     d_sched = Rd2hConnector(config(m, decode_ktc), KVConnectorRole.SCHEDULER, kcc)
-    ctx = mp.get_context("spawn")
-    conn, child = ctx.Pipe()
-    decode = ctx.Process(target=decode_rank, args=(child, m, decode_ktc, on_device), daemon=True)
-    decode.start()
-    assert conn.poll(120) and conn.recv() == "ready"
+    conn, decode = start_decode_rank(decode_rank, m, decode_ktc, on_device)
     p_sched = Rd2hConnector(config(m, prefill_ktc), KVConnectorRole.SCHEDULER, kcc)
     p_work = Rd2hConnector(config(m, prefill_ktc), KVConnectorRole.WORKER, kcc)
     p_work.register_kv_caches(caches(m, on_device))

@@ -4,6 +4,7 @@ metaserver, HTTP calls with deadlines."""
 from __future__ import annotations
 
 import json
+import multiprocessing as mp
 import os
 import queue
 import socket
@@ -220,3 +221,15 @@ def in_own_process(fn):
     import sys as _sys
     setattr(_sys.modules[fn.__module__], "_isolated_" + fn.__name__, fn)
     return wrapper
+
+
+def start_decode_rank(target: Callable, *args) -> tuple:
+    """Runs ``target(conn, *args)``, a Decode worker, in a spawned process of its own (a
+    process binds one transfer-engine role) and waits for it to send "ready": the parent's
+    end of the pipe, and the process."""
+    ctx = mp.get_context("spawn")
+    conn, child = ctx.Pipe()
+    proc = ctx.Process(target=target, args=(child, *args), daemon=True)
+    proc.start()
+    assert conn.poll(120) and conn.recv() == "ready", "the Decode process did not start"
+    return conn, proc

@@ -6,7 +6,6 @@ meanwhile): if the wait were missing, layer 1 would overwrite layer 0 before Dec
 
 from __future__ import annotations
 
-import multiprocessing as mp
 import threading
 import time
 
@@ -14,7 +13,7 @@ import torch
 
 import rd2h
 import vllm_standin as V
-from conftest import free_ports, kv_config
+from conftest import free_ports, kv_config, start_decode_rank
 from mini_engine_rank import Model, expected_kv, indexer_name, kv_cache_config, main_name
 from rd2h.vllm import KVConnectorRole, Rd2hConnector
 
@@ -86,11 +85,7 @@ def test_prefill_waits_for_decode_before_reusing_a_layer_buffer(metaserver):
     prefill_ktc = kv_config("kv_producer", free_ports(1))
     kcc = kv_cache_config(M)
     d_sched = Rd2hConnector(config(decode_ktc), KVConnectorRole.SCHEDULER, kcc)
-    ctx = mp.get_context("spawn")
-    conn, child = ctx.Pipe()
-    decode = ctx.Process(target=decode_rank, args=(child, decode_ktc), daemon=True)
-    decode.start()
-    assert conn.poll(60) and conn.recv() == "ready"
+    conn, decode = start_decode_rank(decode_rank, decode_ktc)
     p_sched = Rd2hConnector(config(prefill_ktc), KVConnectorRole.SCHEDULER, kcc)
     p_work = Rd2hConnector(config(prefill_ktc), KVConnectorRole.WORKER, kcc)
     p_kv = caches(shared=True)

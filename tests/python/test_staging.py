@@ -7,7 +7,6 @@ are on a GPU, and (on Prefill) a device module whose copy events complete when t
 from __future__ import annotations
 
 import contextlib
-import multiprocessing as mp
 import threading
 import time
 
@@ -16,7 +15,7 @@ import torch
 
 import rd2h
 import vllm_standin as V
-from conftest import free_ports, kv_config
+from conftest import free_ports, kv_config, start_decode_rank
 from mini_engine_rank import Model, expected_kv, indexer_name, kv_cache_config, main_name
 from rd2h import staging
 from rd2h.vllm import KVConnectorRole, Rd2hConnector
@@ -152,11 +151,7 @@ def test_device_kv_goes_through_host_buffers_and_no_layer_leaves_before_its_copy
     prefill_ktc = kv_config("kv_producer", free_ports(1))
     kcc = kv_cache_config(M)
     d_sched = Rd2hConnector(config(decode_ktc), KVConnectorRole.SCHEDULER, kcc)
-    ctx = mp.get_context("spawn")
-    conn, child = ctx.Pipe()
-    decode = ctx.Process(target=decode_rank, args=(child, decode_ktc), daemon=True)
-    decode.start()
-    assert conn.poll(60) and conn.recv() == "ready"
+    conn, decode = start_decode_rank(decode_rank, decode_ktc)
     p_sched = Rd2hConnector(config(prefill_ktc), KVConnectorRole.SCHEDULER, kcc)
     p_work = Rd2hConnector(config(prefill_ktc), KVConnectorRole.WORKER, kcc)
     p_kv = device_caches()

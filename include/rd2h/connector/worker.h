@@ -80,8 +80,8 @@ class ConnectorWorker final : public KvConnectorWorker {
   std::vector<int64_t> get_block_ids_with_load_errors() override;
   // Main and indexer block ids, each sorted and distinct. Prefill: the blocks the bound
   // step publishes (what a host staging KV through host buffers copies there first).
-  // Decode: the destinations of the requests get_finished reported finished since the last
-  // call (what such a host copies to the device before it reports them).
+  // Decode: the destinations of the requests the last get_finished reported finished (what
+  // such a host copies to the device before it reports them); taken once.
   struct BlockIds {
     std::vector<int64_t> main, indexer;
   };
