@@ -168,7 +168,21 @@ TEST_CORRUPT_SETTING = "test_corrupt_pulled_block"
 # Equal files on both sides say Decode holds the bytes Prefill computed, where the answers
 # cannot be compared with a single instance's (vLLM's CPU MLA). Never for serving.
 TEST_DIGEST_SETTING = "test_kv_digest_dir"
-TEST_SETTINGS = (TEST_CORRUPT_SETTING, TEST_DIGEST_SETTING)
+
+# A test-only setting of kv_connector_extra_config: KV caches in host memory take the path of
+# device caches (host mirrors, and vLLM's copy operation between them and the caches), so
+# that the staging path runs inside a real vLLM engine on a machine without a device. It
+# only adds copies; never for serving.
+TEST_STAGE_SETTING = "test_stage_host_caches"
+TEST_SETTINGS = (TEST_CORRUPT_SETTING, TEST_DIGEST_SETTING, TEST_STAGE_SETTING)
+
+# A setting of kv_connector_extra_config read here, not by rd2h's core: on a Decode whose KV
+# caches are on a device, main KV stays in the host buffers it was read into and only the
+# indexer caches are copied to the device; the engine reads main KV from
+# ``Rd2hConnector.host_kv_caches()`` (the design's sparse Decode offload keeps main KV in a
+# host pool). False by default: every cache is copied to the device.
+MAIN_KV_ON_HOST_SETTING = "main_kv_on_host"
+VLLM_LAYER_SETTINGS = TEST_SETTINGS + (MAIN_KV_ON_HOST_SETTING,)
 
 
 def prompt_key(token_ids: Iterable[int]) -> str:
@@ -178,7 +192,7 @@ def prompt_key(token_ids: Iterable[int]) -> str:
 
 def _kv_transfer_config_json(ktc: Any) -> str:
     extra = dict(getattr(ktc, "kv_connector_extra_config", None) or {})
-    for setting in TEST_SETTINGS:
+    for setting in VLLM_LAYER_SETTINGS:
         extra.pop(setting, None)
     config = {
         "kv_connector": ktc.kv_connector,
@@ -278,10 +292,21 @@ class Rd2hConnector(KVConnectorBase_V1, SupportsHMA):
         self._digest_dir = extra.get(TEST_DIGEST_SETTING) or None
         if self._digest_dir:
             os.makedirs(self._digest_dir, exist_ok=True)
+        self._stage_host = bool(extra.get(TEST_STAGE_SETTING, False))
+        self._main_on_host = extra.get(MAIN_KV_ON_HOST_SETTING, False)
+        if not isinstance(self._main_on_host, bool):
+            raise rd2h.InvalidArgument(
+                f"kv_connector_extra_config.{MAIN_KV_ON_HOST_SETTING} is "
+                f"{self._main_on_host!r}; expected true or false")
+        if self._main_on_host and self._config.role != rd2h.KvRole.CONSUMER:
+            raise rd2h.InvalidArgument(
+                f"kv_connector_extra_config.{MAIN_KV_ON_HOST_SETTING} is for a Decode "
+                "(kv_consumer): Prefill's main KV is read from its host buffers anyway")
         self._digest_next: dict[str, tuple] = {}  # scheduler: for the next metadata
         self._digest_blocks: dict[str, tuple] = {}  # scheduler (Prefill): key, tokens, blocks
         self._digest_pending: dict[str, tuple] = {}  # worker: until the KV is complete
-        self._main_runs: list = []  # worker: each main layer's block runs, in layer order
+        self._main_runs: list = []  # worker: each main layer's block runs the engine
+        # computes with (the device caches when staged), in layer order
         self._last_main_layer: Optional[str] = None
         self._corrupt_next: dict[str, int] = {}  # scheduler: for the next metadata
         self._corrupt_pending: dict[str, int] = {}  # worker: until the KV arrived
@@ -466,10 +491,13 @@ class Rd2hConnector(KVConnectorBase_V1, SupportsHMA):
             device_runs = None
             if self._staging is not None:
                 device_runs = runs_of(name, given)
-                given = [staging.host_mirror(t) for t in given]
+                given = self._staging.mirror(name, given)
             tensors = runs_of(name, given)
+            engine_runs = tensors
             if device_runs is not None:
                 staged[(n, is_indexer_layer(name))] = (device_runs, tensors)
+                if not self._main_on_host or is_indexer_layer(name):
+                    engine_runs = device_runs
             wrapped = [rd2h.CacheTensor(t, num_blocks=num_blocks, group_idx=g) for t in tensors]
             if is_indexer_layer(name):
                 if n in indexer:
@@ -481,7 +509,7 @@ class Rd2hConnector(KVConnectorBase_V1, SupportsHMA):
                 )
             else:
                 main[n] = (name, wrapped)
-                main_runs[n] = tensors
+                main_runs[n] = engine_runs
         orphans = sorted(set(indexer) - set(main))
         if orphans:
             raise rd2h.InvalidArgument(f"indexer caches of layers {orphans} have no attention layer")
@@ -519,7 +547,9 @@ class Rd2hConnector(KVConnectorBase_V1, SupportsHMA):
         """Staging through host buffers when the caches are on a device, else None."""
         on_device = [name for name, value in kv_caches.items() if staging.is_on_device(value)]
         if not on_device:
-            return None
+            if not self._stage_host or not kv_caches:
+                return None
+            on_device = list(kv_caches)  # TEST_STAGE_SETTING: host caches staged as well
         device = staging.device_of(kv_caches[on_device[0]])
         if len(on_device) != len(kv_caches):
             raise rd2h.InvalidArgument(
@@ -530,7 +560,7 @@ class Rd2hConnector(KVConnectorBase_V1, SupportsHMA):
                 f"KV cache layer {on_device[0]!r} is in {device} memory and "
                 f"kv_transfer_config.kv_buffer_device is {self._kv_buffer_device!r}: rd2h moves "
                 'device KV through host buffers; set "kv_buffer_device": "cpu"')
-        out = staging.HostStaging(device.type, timeout_s=60.0)
+        out = staging.HostStaging(device, timeout_s=60.0, main_on_host=self._main_on_host)
         if self._host_copy is not None:
             out.set_copy_op(self._host_copy)
         return out
@@ -540,6 +570,12 @@ class Rd2hConnector(KVConnectorBase_V1, SupportsHMA):
         self._host_copy = copy_operation
         if self._staging is not None:
             self._staging.set_copy_op(copy_operation)
+
+    def host_kv_caches(self) -> dict[str, list]:
+        """Where KV caches on a device are staged: vLLM's layer name -> the host buffers rd2h
+        reads into (or serves from), one per tensor of the layer. With ``main_kv_on_host``,
+        Decode's main KV is there and only there. Empty where nothing is staged."""
+        return {} if self._staging is None else self._staging.host_caches()
 
     def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
         assert self._worker is not None, "a worker-role call on the scheduler role"
@@ -616,7 +652,7 @@ class Rd2hConnector(KVConnectorBase_V1, SupportsHMA):
             for runs in self._main_runs:
                 for run in runs:
                     for block in blocks:
-                        h.update(run[block].contiguous().view(-1).view(torch.uint8).numpy())
+                        h.update(run[block].cpu().contiguous().view(-1).view(torch.uint8).numpy())
             path = os.path.join(self._digest_dir, f"{role}-{key}")
             with open(path + ".tmp", "w") as f:
                 f.write(f"{len(blocks)} {h.hexdigest()}\n")

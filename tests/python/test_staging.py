@@ -2,7 +2,8 @@
 host mirrors, Prefill copies each layer's blocks there with the copy operation vLLM gave it and
 publishes the layer only once the copy is complete, and Decode copies the blocks it pulled to
 the device before it reports the request. The device is a double: CPU tensors that say they
-are on a GPU, and (on Prefill) a device module whose copy events complete when the test says."""
+are on a GPU, a device module with streams and events (so that Prefill copies on its copy
+thread), and a copy operation that the test can hold."""
 
 from __future__ import annotations
 
@@ -51,6 +52,22 @@ def copy_blocks(src: dict, dst: dict, src_ids: list, dst_ids: list, direction: s
             dst[name][d].copy_(src[name][s])
 
 
+class HeldCopy:
+    """copy_blocks whose copies to the host wait until the test releases them."""
+
+    def __init__(self) -> None:
+        self.released = threading.Event()
+        self.entered = threading.Event()  # a copy to the host started and waits
+        self.copies = 0
+
+    def __call__(self, src, dst, src_ids, dst_ids, direction) -> None:
+        if direction == "d2h":
+            self.copies += 1
+            self.entered.set()
+            assert self.released.wait(60), "the test never released the copies"
+        copy_blocks(src, dst, src_ids, dst_ids, direction)
+
+
 def rows(tokens: list) -> torch.Tensor:
     return torch.tensor([BLOCKS[p // M.block_size] * M.block_size + p % M.block_size
                          for p in range(len(tokens))])
@@ -73,26 +90,27 @@ def step_output(new_reqs, counts) -> V.SchedulerOutput:
     return V.SchedulerOutput(new_reqs, V.CachedRequestData(), counts, sum(counts.values()))
 
 
-class HeldDevice:
-    """A device module whose copy events complete only once released."""
+class StreamDevice:
+    """A device module with streams and events, as torch.cuda has: with it, Prefill's copies
+    to the host run on the connector's copy thread. The double's work is done when it was
+    called, so its events are complete as soon as they are recorded."""
 
-    def __init__(self) -> None:
-        self.released = threading.Event()
-        self.launched = 0
-        outer = self
+    class Stream:
+        def __init__(self, device=None) -> None:
+            pass
 
-        class Stream:
-            def wait_stream(self, other) -> None:
-                pass
+        def wait_event(self, event) -> None:
+            pass
 
-        class Event:
-            def record(self, stream) -> None:
-                outer.launched += 1
+        def synchronize(self) -> None:
+            pass
 
-            def synchronize(self) -> None:
-                assert outer.released.wait(60), "the test never released the copies"
+    class Event:
+        def record(self, stream=None) -> None:
+            pass
 
-        self.Stream, self.Event = Stream, Event
+        def synchronize(self) -> None:
+            pass
 
     def current_stream(self):
         return self.Stream()
@@ -112,12 +130,29 @@ def test_device_caches_without_a_host_buffer_device_are_refused_naming_the_setti
         work.shutdown()
 
 
+def test_main_kv_on_host_is_a_decode_setting_of_true_or_false():
+    for role, value, match in (("kv_producer", True, "is for a Decode"),
+                               ("kv_consumer", "yes", "expected true or false")):
+        ktc = kv_config(role, free_ports(1))
+        ktc["kv_connector_extra_config"]["main_kv_on_host"] = value
+        with pytest.raises(rd2h.InvalidArgument, match=f"main_kv_on_host.* {match}"):
+            Rd2hConnector(config(ktc), KVConnectorRole.WORKER, kv_cache_config(M))
+
+
 def decode_rank(conn, ktc: dict) -> None:
-    """Decode's worker with device caches, in a process of its own."""
+    """Decode's worker with device caches, in a process of its own. With main_kv_on_host, main
+    KV is checked in the host buffers and must not have reached the device caches."""
+    main_on_host = ktc["kv_connector_extra_config"].get("main_kv_on_host", False)
     d_work = Rd2hConnector(config(ktc), KVConnectorRole.WORKER, kv_cache_config(M))
     d_kv = device_caches()
     d_work.register_kv_caches(d_kv)
     d_work.set_host_xfer_buffer_ops(copy_blocks)
+    host = d_work.host_kv_caches()
+    assert set(host) == set(d_kv), "a staged layer has no host buffers"
+    # Where the engine finds each cache's KV.
+    mains = {main_name(l) for l in range(M.layers)}
+    engine_kv = {name: host[name][0] if main_on_host and name in mains else t
+                 for name, t in d_kv.items()}
     conn.send("ready")
     try:
         while conn.poll(60):
@@ -135,19 +170,24 @@ def decode_rank(conn, ktc: dict) -> None:
                 for l in range(M.layers)
                 for t, (name, width) in enumerate(((main_name(l), M.main_bytes),
                                                    (indexer_name(l), M.indexer_bytes)))
-                if not torch.equal(d_kv[name].view(-1, width)[rows(tokens)],
+                if not torch.equal(engine_kv[name].view(-1, width)[rows(tokens)],
                                    expected_kv(tok, pos, l, t, width))
             ]
+            if main_on_host:
+                wrong += [f"{main_name(l)} (on the device)" for l in range(M.layers)
+                          if d_kv[main_name(l)].any()]
             conn.send((recving, wrong))
     finally:
         d_work.shutdown()
 
 
+@pytest.mark.parametrize("main_on_host", [False, True], ids=["all-on-device", "main-kv-on-host"])
 def test_device_kv_goes_through_host_buffers_and_no_layer_leaves_before_its_copy(
-        metaserver, monkeypatch):
-    held = HeldDevice()
-    monkeypatch.setattr(staging, "device_module", lambda device_type: held)
+        metaserver, monkeypatch, main_on_host):
+    monkeypatch.setattr(staging, "device_module", lambda device_type: StreamDevice())
+    held = HeldCopy()
     decode_ktc = kv_config("kv_consumer", free_ports(1))
+    decode_ktc["kv_connector_extra_config"]["main_kv_on_host"] = main_on_host
     prefill_ktc = kv_config("kv_producer", free_ports(1))
     kcc = kv_cache_config(M)
     d_sched = Rd2hConnector(config(decode_ktc), KVConnectorRole.SCHEDULER, kcc)
@@ -156,7 +196,7 @@ def test_device_kv_goes_through_host_buffers_and_no_layer_leaves_before_its_copy
     p_work = Rd2hConnector(config(prefill_ktc), KVConnectorRole.WORKER, kcc)
     p_kv = device_caches()
     p_work.register_kv_caches(p_kv)
-    p_work.set_host_xfer_buffer_ops(copy_blocks)
+    p_work.set_host_xfer_buffer_ops(held)
     try:
         for i, release_first in enumerate((True, False)):
             # The first request opens the connection to Decode (its copies complete at once);
@@ -184,21 +224,25 @@ def test_device_kv_goes_through_host_buffers_and_no_layer_leaves_before_its_copy
             else:
                 held.released.clear()
             sent = p_work._worker.transfer_stats()["readiness_sent"]
-            launched = held.launched
+            copies = held.copies
+            held.entered.clear()
             p_work.bind_connector_metadata(p_meta)
             p_work.start_load_kv(V.ForwardContext(attn_metadata={}))
             for l in range(M.layers):
                 p_work.wait_for_layer_load(main_name(l))
                 write(p_kv, l, tokens)
                 p_work.save_kv_layer(main_name(l), p_kv[main_name(l)], object())
-            assert held.launched - launched == M.layers, "a layer was not copied to the host"
             if not release_first:
-                # Every layer is saved and its copy launched, none complete: nothing went out.
+                # Every layer is saved and the first one's copy is under way, none complete:
+                # nothing went out.
+                assert held.entered.wait(60), "no layer was copied to the host"
                 assert p_work._worker.transfer_stats()["readiness_sent"] == sent, \
                     "a layer's readiness left before its copy to host memory completed"
                 held.released.set()
             p_work.wait_for_save()
             p_work.clear_connector_metadata()
+            # One copy per layer for its main KV, one for its indexer.
+            assert held.copies - copies == 2 * M.layers, "a layer was not copied to the host"
             assert p_work._worker.transfer_stats()["readiness_sent"] - sent == M.layers
             assert conn.poll(60), "Decode did not answer"
             recving, wrong = conn.recv()

@@ -131,8 +131,9 @@ class Engine(Process):
     """`vllm serve` of the tiny model, with a kv_transfer_config or without."""
 
     def __init__(self, name: str, model: Path, logs: Path, ktc: Optional[dict] = None,
-                 cpus: Optional[str] = None):
-        """`cpus`: the CPUs the engine's processes may run on (taskset's list), else all."""
+                 cpus: Optional[str] = None, env: Optional[dict] = None):
+        """`cpus`: the CPUs the engine's processes may run on (taskset's list), else all;
+        `env`: more environment for it."""
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server",
@@ -147,7 +148,7 @@ class Engine(Process):
             cmd = ["taskset", "--cpu-list", cpus] + cmd
         env = {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": "nobind",
                "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
-               "VLLM_NO_USAGE_STATS": "1", "VLLM_DO_NOT_TRACK": "1"}
+               "VLLM_NO_USAGE_STATS": "1", "VLLM_DO_NOT_TRACK": "1", **(env or {})}
         super().__init__(name, cmd, logs / f"{name}.log", "Application startup complete", env)
 
     def metrics(self) -> str:

@@ -7,12 +7,21 @@ computes from pulled KV (see the README). The check here is on the KV itself: ea
 the SHA-256 of every prompt's latent blocks (the test-only `test_kv_digest_dir` setting),
 Prefill once it saved them and Decode once they arrived, and the two must be equal for every
 prompt.
+
+Both engines keep their KV caches as vLLM's device caches would be kept: they register host
+buffers apart from vLLM's caches (the test-only `test_stage_host_caches` setting, with
+`kv_buffer_device` "cpu"), Prefill copies each layer into them with vLLM's own copy operation
+before it publishes the layer, and Decode copies what it pulled into vLLM's caches before it
+reports the request. The digests are taken from vLLM's caches on both sides, so equal digests
+also say that both copies ran. vLLM's CPU platform has no block copy functions: the suite's
+plugin (tests/vllm/plugins) gives it those of vLLM's GPU platforms.
 """
 
 from __future__ import annotations
 
 import json
 import math
+import os
 import random
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -38,18 +47,25 @@ def digests(tmp_path_factory) -> Path:
     return tmp_path_factory.mktemp("kv-digests")
 
 
+PLUGINS = Path(__file__).resolve().parent / "plugins"
+
+
+def staged_engine(name: str, role: str, model: Path, digests: Path, logs: Path) -> Engine:
+    ktc = kv_transfer_config(role, free_port(), test_kv_digest_dir=str(digests),
+                             test_stage_host_caches=True)
+    ktc["kv_buffer_device"] = "cpu"
+    path = os.pathsep.join(p for p in (str(PLUGINS), os.environ.get("PYTHONPATH")) if p)
+    return Engine(name, model, logs, ktc, env={"PYTHONPATH": path})
+
+
 @pytest.fixture(scope="module")
 def mla_prefill(mla_model, digests, logs):
-    yield from running(Engine(
-        "mla-prefill", mla_model, logs,
-        kv_transfer_config("kv_producer", free_port(), test_kv_digest_dir=str(digests))))
+    yield from running(staged_engine("mla-prefill", "kv_producer", mla_model, digests, logs))
 
 
 @pytest.fixture(scope="module")
 def mla_decode(mla_model, digests, logs):
-    yield from running(Engine(
-        "mla-decode", mla_model, logs,
-        kv_transfer_config("kv_consumer", free_port(), test_kv_digest_dir=str(digests))))
+    yield from running(staged_engine("mla-decode", "kv_consumer", mla_model, digests, logs))
 
 
 @pytest.fixture(scope="module")
