@@ -166,6 +166,7 @@ void messages() {
         }));
   write("message", "gen-read-done", protocol::encode(protocol::ReadDone{0}));
   write("message", "gen-read-failed", protocol::encode(protocol::ReadFailed{3, "boom"}));
+  write("message", "gen-kv-commit", protocol::encode(protocol::KvCommit{60, {"req-0", "req-1"}}));
   write("message", "gen-read-failed-no-error", packed([](Packer& pk) {
           pk.pack_array(2);
           pack_bin(pk, "read_failed");

@@ -1,5 +1,5 @@
 // The control-plane messages as Decode and Prefill receive them (MF_META, READ_READY_BATCH,
-// READ_DONE, READ_FAILED, the raw ACK). A payload decodes or is refused with a reason, in
+// READ_DONE, READ_FAILED, KV_COMMIT, the raw ACKs). A payload decodes or is refused with a reason, in
 // heap linear in its size; what decodes re-encodes to bytes that decode to the same message
 // (re-encoding is a fixed point); peek_tag and salvage_layer_index agree with the decoder.
 #include <variant>
@@ -19,6 +19,7 @@ std::string_view tag_of(const protocol::Message& m) {
     }
     std::string_view operator()(const protocol::ReadDone&) const { return "read_done"; }
     std::string_view operator()(const protocol::ReadFailed&) const { return "read_failed"; }
+    std::string_view operator()(const protocol::KvCommit&) const { return "kv_commit"; }
   } tag;
   return std::visit(tag, m);
 }

@@ -248,10 +248,11 @@ void bind_worker(py::module_& m) {
             d["bytes_read"] = s.bytes_read;
             d["read_seconds"] = s.read_seconds_sum;
             d["readiness_sent"] = s.readiness_sent;
+            d["peer_failures"] = s.peer_failures;
             return d;
           },
           "This rank's transfers so far, cumulative: on Decode layers_done, layers_failed, "
-          "reads, bytes_read, read_seconds; on Prefill readiness_sent.")
+          "reads, bytes_read, read_seconds; on Prefill readiness_sent, peer_failures.")
       .def("shutdown", &Worker::shutdown)
       .def("_time_layer_loop", &Worker::time_layer_loop, py::arg("metadata"), py::arg("layers"),
            py::arg("steps"));

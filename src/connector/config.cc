@@ -123,6 +123,14 @@ const std::map<std::string, ExtraReader>& extra_readers() {
       {"prefill_tp_size", integer(&ConnectorConfig::prefill_tp_size, 1, 4096)},
       {"metaserver_attempts", integer(&ConnectorConfig::metaserver_attempts, 1, 100)},
       {"busy_poll_us", integer(&ConnectorConfig::busy_poll_us, 0, 1000000)},
+      {"on_peer_failure",
+       [](const json& value, const std::string& where, ConnectorConfig& c) -> Status {
+         std::string v;
+         RD2H_RETURN_IF_ERROR(read_string(value, where, v));
+         if (v != "fail" && v != "raise") return bad(where, "is '" + v + "', expected fail or raise");
+         c.raise_on_peer_failure = v == "raise";
+         return Status::ok();
+       }},
       {"ack_timeout_ms", into(&ConnectorConfig::ack_timeout)},
       {"reply_timeout_ms", into(&ConnectorConfig::reply_timeout)},
       {"send_timeout_ms", into(&ConnectorConfig::send_timeout)},
@@ -256,6 +264,7 @@ std::string ConnectorConfig::to_json() const {
   if (insecure) extra["insecure"] = true;
   if (!share_registered_memory) extra["share_registered_memory"] = false;
   if (!control_link) extra["control_link"] = false;
+  if (raise_on_peer_failure) extra["on_peer_failure"] = "raise";
   if (!metaserver_token_file.empty()) extra["metaserver_token_file"] = metaserver_token_file;
   json j = {{"kv_connector", "rd2h"},
             {"kv_role", role == KvRole::kProducer ? "kv_producer" : "kv_consumer"},

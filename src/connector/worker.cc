@@ -47,7 +47,11 @@ ConnectorWorker::~ConnectorWorker() {
 
 TransferStats ConnectorWorker::transfer_stats() const {
   TransferStats out;
-  if (prefill_) out.readiness_sent = prefill_->stats().sender.readiness_sent;
+  if (prefill_) {
+    const auto p = prefill_->stats();
+    out.readiness_sent = p.sender.readiness_sent;
+    out.peer_failures = p.peer_failures;
+  }
   if (!decode_) return out;
   const auto s = decode_->reader().stats();
   out.layers_done = s.layers_done;
@@ -88,6 +92,7 @@ Status ConnectorWorker::register_kv_caches(std::vector<layout::CacheLayer> layer
     pc.sender.reply_timeout = config_.reply_timeout;
     pc.sender.control_link = config_.control_link;
     pc.send_timeout = config_.send_timeout;
+    pc.raise_on_peer_failure = config_.raise_on_peer_failure;
     pc.register_memory = !engine_allocated;
     if (config_.curve.enabled()) {
       pc.sender.curve = control::CurveKeyPair{config_.curve.public_key, config_.curve.secret_key};

@@ -6,6 +6,7 @@
 #include <algorithm>
 
 #include "decode/layer_meta.h"
+#include "protocol/message_tags.h"
 #include "layout/cache.h"
 #include "rd2h/common/trace.h"
 #include "util/log.h"
@@ -78,6 +79,7 @@ Status Reader::add_request(const std::string& ext_id, const std::string& interna
 
 void Reader::remove_request(const std::string& ext_id) {
   std::lock_guard lock(mu_);
+  source_.erase(ext_id);
   if (auto internal_id = tracker_.remove_request(ext_id)) {
     aborted_.push_back({ext_id, std::move(*internal_id), read_in_flight_ ? reads_begun_ : 0});
   }
@@ -115,6 +117,7 @@ Expected<Finished> Reader::get_finished(const AllGather& all_gather) {
       owed->second.erase(e.ext_id);
       owed = owed->second.empty() ? owed_.erase(owed) : std::next(owed);
     }
+    source_.erase(e.ext_id);
   }
   for (auto it = aborted_.begin(); it != aborted_.end();) {
     if (it->read != 0 && read_in_flight_ && reads_begun_ == it->read) {
@@ -246,8 +249,11 @@ bool Reader::drain_links(bool polled) {
     if (peer == link_peer_.end()) continue;  // closed meanwhile
     const std::string identity = peer->second;
     link_of_[identity].answer_on_link = true;
-    {
+    if (protocol::peek_tag(payload) == std::optional<std::string>(protocol::kTagReadReadyBatch)) {
       std::lock_guard lock(mu_);
+      // Polling stops once nothing is owed: a message taken in the same batch after the one
+      // that settled the last request did not find the reader polling for it.
+      polled = polled && !owed_.empty();
       ++stats_.readiness_on_link;
       if (polled) ++stats_.readiness_polled;
     }
@@ -306,6 +312,9 @@ void Reader::handle(const control::Inbound& in) {
     handle_mf_meta(in.identity, *meta);
   } else if (auto* ready = std::get_if<protocol::ReadReadyBatch>(&*message)) {
     take_readiness(in.identity, std::move(*ready));
+  } else if (auto* commit = std::get_if<protocol::KvCommit>(&*message)) {
+    // It answers a READ_DONE already sent, which no held readiness precedes: taken at once.
+    handle_commit(in.identity, *commit);
   } else {
     std::lock_guard lock(mu_);
     ++stats_.messages_rejected;  // replies are Prefill's to receive, not ours
@@ -411,6 +420,8 @@ void Reader::drop_peer(const std::string& identity, const std::string& why,
   {
     std::lock_guard lock(mu_);
     stats_.connections = peers_.size();
+    // What this connection was sending, or had sent and not committed, cannot complete.
+    fail_owed(identity);
   }
   if (last != nullptr) {
     std::lock_guard lock(mu_);
@@ -434,6 +445,8 @@ void Reader::handle_mf_meta(const std::string& identity, const protocol::MfMeta&
                                       std::string(engine_->backend_name()) + "'"));
   }
   Peer peer;
+  // check_compatible let only a Prefill of this protocol version state one.
+  peer.commits = meta.protocol_version.has_value();
   for (const auto& [name, layer_meta] : meta.layers) {
     auto tensors = from_layer_meta(layer_meta);
     if (!tensors) return refuse(tensors.status().with_context(name));
@@ -457,15 +470,20 @@ void Reader::handle_mf_meta(const std::string& identity, const protocol::MfMeta&
   } else {
     close_link(identity);
   }
+  const bool commits = peer.commits;
+  if (auto old = peers_.find(identity); old != peers_.end()) {
+    // MF_META again on a connection: what the old one left uncommitted never will be.
+    std::lock_guard lock(mu_);
+    for (const auto& [ext_id, signal] : old->second.uncommitted) tracker_.on_failed(ext_id);
+  }
   peers_[identity] = std::move(peer);
   {
     std::lock_guard lock(mu_);
     stats_.connections = peers_.size();
   }
-  reply(identity,
-        std::vector<std::byte>(reinterpret_cast<const std::byte*>(protocol::kAckPayload.data()),
-                               reinterpret_cast<const std::byte*>(protocol::kAckPayload.data()) +
-                                   protocol::kAckPayload.size()));
+  const std::string_view ack = commits ? protocol::kAckCommitPayload : protocol::kAckPayload;
+  reply(identity, std::vector<std::byte>(reinterpret_cast<const std::byte*>(ack.data()),
+                                         reinterpret_cast<const std::byte*>(ack.data()) + ack.size()));
 }
 
 void Reader::fail_owed(const std::string& identity) {
@@ -480,8 +498,8 @@ void Reader::fail_owed(const std::string& identity) {
   owed_.erase(owed);
   if (failed > 0) {
     log::warn(
-        "decode reader {}: a Prefill connection closed before the final layer of {} "
-        "request(s) it was sending; they fail",
+        "decode reader {}: a Prefill connection ended before it completed {} request(s) "
+        "(their final layer or Prefill's commit had not come); they fail",
         config_.d_rank, failed);
   }
 }

@@ -4,6 +4,13 @@
 // layout, building the descriptors of every ready request, and doing one batched read.
 // Final-layer signals feed the rank's CompletionTracker. One thread, joined on destruction.
 //
+// An rd2h Prefill (its MF_META states a protocol version) commits every request Decode read
+// whole (KV_COMMIT, after the READ_DONE of the readiness that completed it): from such a
+// Prefill a request completes on its commit, not on its final readiness, so a Decode that
+// stalled mid-read past Prefill's deadline never completes a request from bytes Prefill
+// overwrote meanwhile (Prefill drops the connection before reusing, and commits nothing on
+// it). The existing Python Prefill commits nothing; its requests complete as they did.
+//
 // A Prefill whose MF_META offers a link (Sender, "control_link") gets it opened on the
 // transfer session right after connecting: its readiness may then come on the link, and
 // each is answered on the path it came on. A link that closes drops its connection like a
@@ -115,6 +122,10 @@ class Reader {
   struct Peer {
     std::string session;
     std::map<std::string, PeerLayer, std::less<>> layers;
+    bool commits = false;  // an rd2h Prefill: its requests complete on KV_COMMIT
+    // Requests whose final readiness was read and answered, waiting for the commit: the
+    // contributor signal (group_member_idx, tp_ratio) each then counts.
+    std::map<std::string, std::pair<int, int>> uncommitted;
   };
   // What the engine's link handlers hand over, for the reader thread; `fd` (an eventfd)
   // wakes it.
@@ -156,6 +167,8 @@ class Reader {
   void drop_peer(const std::string& identity, const std::string& why,
                  const protocol::ReadReadyBatch* last = nullptr);
   void handle_ready(const std::string& identity, const protocol::ReadReadyBatch& ready);
+  // Prefill committed requests of this connection: their final-layer signals count now.
+  void handle_commit(const std::string& identity, const protocol::KvCommit& commit);
   // The connection is gone: what it still owed fails. Caller holds mu_.
   void fail_owed(const std::string& identity);
   // Reads the layer; the error explains why it was not read.
@@ -195,8 +208,13 @@ class Reader {
   uint64_t reads_begun_ = 0;
   bool read_in_flight_ = false;
   // By ZMQ identity: the requests read on that connection whose final layer it has not
-  // signalled yet. If the connection closes first (its Prefill died), they fail at once.
+  // signalled yet, or (from an rd2h Prefill) not committed yet. If the connection closes
+  // or is dropped first (its Prefill died or gave up on this Decode), they fail at once.
   std::map<std::string, std::set<std::string>> owed_;
+  // By external id, for each contributor (group_member_idx): the connection its readiness
+  // came on. A contributor's Prefill that reconnects mid-request gave the old connection up
+  // (and may have reused what it read from there): the request fails.
+  std::map<std::string, std::map<int64_t, std::string>> source_;
   struct Aborted {
     std::string ext_id, internal_id;
     uint64_t read = 0;  // the read in flight when it was given up (0: none)

@@ -11,15 +11,42 @@ namespace rd2h::decode {
 
 void Reader::handle_ready(const std::string& identity, const protocol::ReadReadyBatch& ready) {
   Status st = read_layer(identity, ready);
+  auto peer = peers_.find(identity);
+  const bool commits = peer != peers_.end() && peer->second.commits;
   std::lock_guard lock(mu_);
   if (st.is_ok()) {
     auto& owed = owed_[identity];
+    auto one_source = [&](const std::string& ext_id) {
+      auto [it, fresh] = source_[ext_id].emplace(ready.group_member_idx, identity);
+      if (fresh || it->second == identity) return;
+      log::warn("decode reader {}: request {} came from Prefill contributor {} on two "
+                "connections (Prefill gave the first up); it fails",
+                config_.d_rank, ext_id, ready.group_member_idx);
+      tracker_.on_failed(ext_id);
+    };
     for (const auto& req : ready.read_reqs) {
-      if (tracker_.known(req.ext_id)) owed.insert(req.ext_id);
+      if (!tracker_.known(req.ext_id)) continue;
+      owed.insert(req.ext_id);
+      one_source(req.ext_id);
+    }
+    for (const auto& ext_id : ready.done_ext_ids) {
+      if (tracker_.known(ext_id)) one_source(ext_id);
+    }
+    ++stats_.layers_done;
+    if (commits) {
+      // Complete once Prefill commits them (handle_commit); owed until then.
+      for (const auto& ext_id : ready.done_ext_ids) {
+        if (tracker_.known(ext_id)) owed.insert(ext_id);
+        peer->second.uncommitted[ext_id] = {static_cast<int>(ready.group_member_idx),
+                                            static_cast<int>(ready.tp_ratio)};
+      }
+      if (owed.empty()) owed_.erase(identity);
+      reply(identity, protocol::encode(protocol::ReadDone{ready.layer_idx}));
+      trace::instant("answer out", "reader", ready.layer_idx);
+      return;
     }
     for (const auto& ext_id : ready.done_ext_ids) owed.erase(ext_id);
     if (owed.empty()) owed_.erase(identity);
-    ++stats_.layers_done;
     for (const auto& ext_id : ready.done_ext_ids) {
       // Each readiness carries its Prefill's contributor count: one Decode serves Prefill
       // instances of different TP sizes.
@@ -39,6 +66,30 @@ void Reader::handle_ready(const std::string& identity, const protocol::ReadReady
   for (const auto& req : ready.read_reqs) tracker_.on_failed(req.ext_id);
   for (const auto& ext_id : ready.done_ext_ids) tracker_.on_failed(ext_id);
   reply(identity, protocol::encode(protocol::ReadFailed{ready.layer_idx, st.message()}));
+}
+
+void Reader::handle_commit(const std::string& identity, const protocol::KvCommit& commit) {
+  auto peer = peers_.find(identity);
+  if (peer == peers_.end() || !peer->second.commits) {
+    std::lock_guard lock(mu_);
+    ++stats_.messages_rejected;
+    return;
+  }
+  std::lock_guard lock(mu_);
+  auto owed = owed_.find(identity);
+  for (const auto& ext_id : commit.ext_ids) {
+    auto signal = peer->second.uncommitted.find(ext_id);
+    if (signal == peer->second.uncommitted.end()) continue;  // failed or given up meanwhile
+    const auto [member, ratio] = signal->second;
+    peer->second.uncommitted.erase(signal);
+    if (owed != owed_.end()) owed->second.erase(ext_id);
+    Status st = tracker_.on_final_layer(ext_id, member, ratio);
+    if (!st) log::warn("decode reader {}: {}", config_.d_rank, st.message());
+    if (trace::enabled() && tracker_.complete(ext_id)) {
+      trace::instant("kv complete", "reader", commit.layer_idx, ext_id);
+    }
+  }
+  if (owed != owed_.end() && owed->second.empty()) owed_.erase(owed);
 }
 
 Status Reader::read_layer(const std::string& identity, const protocol::ReadReadyBatch& ready) {

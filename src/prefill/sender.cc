@@ -119,12 +119,12 @@ void Sender::send(const std::string& url, const protocol::ReadReadyBatch& ready,
                   std::vector<GateTicket> tickets, std::shared_ptr<WriteEvent> event,
                   std::string server_key) {
   send(url, ready.layer_idx, protocol::encode(ready), std::move(tickets), std::move(event),
-       std::move(server_key));
+       std::move(server_key), ready.done_ext_ids);
 }
 
 void Sender::send(const std::string& url, int64_t layer_idx, std::vector<std::byte> payload,
                   std::vector<GateTicket> tickets, std::shared_ptr<WriteEvent> event,
-                  std::string server_key) {
+                  std::string server_key, std::vector<std::string> final_ids) {
   Task t;
   t.url = url;
   t.layer_idx = layer_idx;
@@ -132,10 +132,11 @@ void Sender::send(const std::string& url, int64_t layer_idx, std::vector<std::by
   t.tickets = std::move(tickets);
   t.event = std::move(event);
   t.server_key = std::move(server_key);
+  t.final_ids = std::move(final_ids);
   t.event_deadline = Clock::now() + config_.event_timeout;
   std::lock_guard lock(mu_);
   if (stopping_.load()) {
-    return settle(t.tickets, false, "the Prefill sender stopped");
+    return settle(t.tickets, failed_precondition("the Prefill sender stopped"));
   }
   queued_.push_back(std::move(t));
   pump();
@@ -151,11 +152,11 @@ void Sender::count(uint64_t SenderStats::*field) {
   ++(stats_.*field);
 }
 
-void Sender::settle(const std::vector<GateTicket>& tickets, bool ok, const std::string& why,
+void Sender::settle(const std::vector<GateTicket>& tickets, const Status& outcome,
                     bool from_decode) {
   // Counted before the gates open, so whoever a gate wakes sees the count.
   count(from_decode ? &SenderStats::answers : &SenderStats::failures);
-  for (const auto& t : tickets) t.gate->answer(t.generation, ok, why);
+  for (const auto& t : tickets) t.gate->answer(t.generation, outcome);
 }
 
 bool Sender::serve_until(const std::function<bool()>& done, const Deadline& deadline) {
@@ -243,11 +244,11 @@ void Sender::run() {
     lock.lock();
     drain_fd(wake_fd_.get());
   }
-  const std::string stopped = "the Prefill sender stopped";
+  const Status stopped = failed_precondition("the Prefill sender stopped");
   for (auto& [url, ep] : endpoints_) fail_endpoint(url, ep, stopped);
   std::deque<Task> unsent;
   unsent.swap(queued_);
-  for (auto& t : unsent) settle(t.tickets, false, stopped);  // queued last: failed all the same
+  for (auto& t : unsent) settle(t.tickets, stopped);  // queued last: failed all the same
 }
 
 std::optional<Status> Sender::write_outcome(Task& t) {
@@ -286,9 +287,9 @@ void Sender::pump() {
       if (!*st) {
         Task failed = std::move(t);
         queued_.pop_front();
-        settle(
-            failed.tickets, false,
-            "layer " + std::to_string(failed.layer_idx) + " was not published: " + st->message());
+        settle(failed.tickets,
+               Status(st->code(), "layer " + std::to_string(failed.layer_idx) +
+                                      " was not published: " + st->message()));
         continue;
       }
     }

@@ -62,6 +62,7 @@ struct SenderStats {
   uint64_t answers = 0;
   uint64_t failures = 0;          // gate generations failed by the sender (timeouts, refusals)
   uint64_t connections_lost = 0;  // Decode connections that closed under us
+  uint64_t commits = 0;           // KV_COMMIT sent: requests Decode read whole, released
 };
 
 class Sender {
@@ -80,7 +81,9 @@ class Sender {
   // and the connection is acknowledged, else as soon as both are. Its answer goes to every
   // ticket's gate generation (SlotGate::open counted this endpoint there). Readiness go
   // out in the order they were given.
-  // With CURVE keys, `server_key` is the Decode's public key (Z85).
+  // With CURVE keys, `server_key` is the Decode's public key (Z85). `final_ids`: the
+  // requests the readiness completes (its done_ext_ids), committed (KV_COMMIT) once Decode
+  // answers READ_DONE, where Decode takes commits.
   void send(const std::string& url, const protocol::ReadReadyBatch& ready,
             std::vector<GateTicket> tickets, std::shared_ptr<WriteEvent> event = nullptr,
             std::string server_key = {});
@@ -88,7 +91,7 @@ class Sender {
   // which encodes a step's requests once, not once per layer.
   void send(const std::string& url, int64_t layer_idx, std::vector<std::byte> payload,
             std::vector<GateTicket> tickets, std::shared_ptr<WriteEvent> event = nullptr,
-            std::string server_key = {});
+            std::string server_key = {}, std::vector<std::string> final_ids = {});
 
   // Serves the connections on the calling thread (reads Decode's answers, sends what became
   // ready, enforces deadlines) until `done()` holds or `deadline` passes; returns done().
@@ -110,6 +113,7 @@ class Sender {
     std::vector<GateTicket> tickets;
     std::shared_ptr<WriteEvent> event;
     std::string server_key;
+    std::vector<std::string> final_ids;
     std::chrono::steady_clock::time_point event_deadline{};
     std::shared_ptr<Written> written;  // once notify() was asked
     bool notifies = false;             // the event calls back; else the sender thread waits
@@ -140,10 +144,12 @@ class Sender {
     int64_t layer_idx;
     std::vector<GateTicket> tickets;
     std::chrono::steady_clock::time_point deadline;
+    std::vector<std::string> final_ids;  // committed on READ_DONE (Endpoint::commits)
   };
   struct Endpoint {
     std::unique_ptr<control::DealerChannel> dealer;
     bool acked = false;
+    bool commits = false;  // Decode's ACK promised to complete requests on KV_COMMIT only
     std::chrono::steady_clock::time_point ack_deadline;
     std::deque<Task> waiting;         // given before the ACK
     std::deque<Pending> pending;      // sent, in the order Decode answers
@@ -183,11 +189,12 @@ class Sender {
   // Drops an endpoint whose connection closed (Decode restarted or died): what it owed fails,
   // and the next readiness opens a new connection with MF_META. Returns whether it did.
   bool drop_if_lost(const std::string& url, Endpoint& ep);
-  // Fails every gate waiting on the endpoint and drops its connection.
-  void fail_endpoint(const std::string& url, Endpoint& ep, const std::string& why);
-  // Answers every ticket: ok, or failed with `why`. Counted as an answer when Decode gave
-  // it, else as a failure of the sender's own.
-  void settle(const std::vector<GateTicket>& tickets, bool ok, const std::string& why,
+  // Fails every gate waiting on the endpoint with `why` (its code says what kind of failure:
+  // kPeerDead, kTimeout, ...) and drops its connection.
+  void fail_endpoint(const std::string& url, Endpoint& ep, const Status& why);
+  // Answers every ticket with `outcome`. Counted as an answer when Decode gave it, else as a
+  // failure of the sender's own.
+  void settle(const std::vector<GateTicket>& tickets, const Status& outcome,
               bool from_decode = false);
   void count(uint64_t SenderStats::*field);
 

@@ -23,14 +23,14 @@ void Sender::dispatch(Task task) {
     std::optional<control::ClientSecurity> security;
     if (config_.curve) security = control::ClientSecurity{*config_.curve, task.server_key};
     auto dealer = control::DealerChannel::connect(context_, task.url, security);
-    if (!dealer) return settle(task.tickets, false, dealer.status().message());
+    if (!dealer) return settle(task.tickets, dealer.status());
     ep.dealer = std::move(*dealer);
     ep.acked = false;
     ep.ack_deadline = Clock::now() + config_.ack_timeout;
     if (Status st = ep.dealer->send(offer_link(ep)); !st) {
       const std::string url = task.url;
       ep.waiting.push_back(std::move(task));
-      return fail_endpoint(url, ep, st.message());
+      return fail_endpoint(url, ep, st);
     }
     count(&SenderStats::mf_meta_sent);
     waker_->wake();  // the sender thread watches for the ACK
@@ -75,9 +75,9 @@ void Sender::transmit(Endpoint& ep, Task task) {
   }
   Status st = ep.on_link ? engine_->send_on_link(ep.link_token, task.payload)
                          : ep.dealer->send(task.payload);
-  if (!st) return settle(task.tickets, false, st.message());
-  ep.pending.push_back(
-      {task.layer_idx, std::move(task.tickets), Clock::now() + config_.reply_timeout});
+  if (!st) return settle(task.tickets, st);
+  ep.pending.push_back({task.layer_idx, std::move(task.tickets),
+                        Clock::now() + config_.reply_timeout, std::move(task.final_ids)});
   trace::instant("readiness", "sender", task.layer_idx);
   count(&SenderStats::readiness_sent);
   if (ep.on_link) count(&SenderStats::readiness_on_link);
@@ -107,6 +107,7 @@ void Sender::receive(const std::string& url, Endpoint& ep) {
     if (!ep.acked) {
       if (protocol::is_ack(bytes)) {
         ep.acked = true;
+        ep.commits = protocol::is_commit_ack(bytes);
         trace::instant("mf_meta ack", "sender");
         std::deque<Task> waiting;
         waiting.swap(ep.waiting);
@@ -117,7 +118,7 @@ void Sender::receive(const std::string& url, Endpoint& ep) {
       const std::string why = refusal && std::holds_alternative<protocol::ReadFailed>(*refusal)
                                   ? std::get<protocol::ReadFailed>(*refusal).error
                                   : "Decode answered MF_META with something other than ACK";
-      return fail_endpoint(url, ep, why);
+      return fail_endpoint(url, ep, failed_precondition(why));
     }
     if (ep.on_link) {
       // Decode speaks on ZeroMQ to a connection that moved to the link only when its end
@@ -127,8 +128,8 @@ void Sender::receive(const std::string& url, Endpoint& ep) {
       const auto* failed = told ? std::get_if<protocol::ReadFailed>(&*told) : nullptr;
       count(&SenderStats::connections_lost);
       return fail_endpoint(url, ep,
-                           "Decode " + url + " left the transfer link" +
-                               (failed != nullptr ? ": " + failed->error : std::string()));
+                           peer_dead("Decode " + url + " left the transfer link" +
+                                     (failed != nullptr ? ": " + failed->error : std::string())));
     }
     if (!answer(url, ep, bytes)) return;
   }
@@ -141,6 +142,9 @@ bool Sender::answer(const std::string& url, Endpoint& ep, std::span<const std::b
   ep.pending.pop_front();
   bool ok = false;
   std::string reason;
+  // A READ_FAILED is Decode's read failing (kTransport); anything else it says here, a
+  // Decode that does not keep to the protocol.
+  StatusCode code = StatusCode::kFailedPrecondition;
   int64_t layer = -1;
   if (!message) {
     reason = "undecodable answer from " + url + ": " + message.status().message();
@@ -148,7 +152,8 @@ bool Sender::answer(const std::string& url, Endpoint& ep, std::span<const std::b
     ok = true;
     layer = done->layer_idx;
   } else if (auto* failed = std::get_if<protocol::ReadFailed>(&*message)) {
-    reason = failed->error;
+    reason = failed->error.empty() ? "read failed" : failed->error;
+    code = StatusCode::kTransport;
     layer = failed->layer_idx;
   } else {
     reason = "unexpected message from " + url;
@@ -157,12 +162,27 @@ bool Sender::answer(const std::string& url, Endpoint& ep, std::span<const std::b
     // Answers come in request order; one out of order means the connection lost track.
     ep.pending.push_front(std::move(p));
     fail_endpoint(url, ep,
-                  "answer for layer " + std::to_string(layer) + " while layer " +
-                      std::to_string(ep.pending.front().layer_idx) + " was expected from " + url);
+                  failed_precondition("answer for layer " + std::to_string(layer) +
+                                      " while layer " +
+                                      std::to_string(ep.pending.front().layer_idx) +
+                                      " was expected from " + url));
     return false;
   }
   trace::instant(ok ? "answer" : "read failed", "sender", p.layer_idx);
-  settle(p.tickets, ok, reason, /*from_decode=*/true);
+  if (ok && ep.commits && !p.final_ids.empty()) {
+    // Decode read these requests whole and no slot of theirs was reused before it answered
+    // (this connection was never given up): they may complete. On the path the answer took.
+    const auto commit = protocol::encode(protocol::KvCommit{p.layer_idx, std::move(p.final_ids)});
+    Status st = ep.on_link ? engine_->send_on_link(ep.link_token, commit) : ep.dealer->send(commit);
+    if (!st) {
+      // Uncommitted, Decode fails those requests; this connection is not to be trusted.
+      settle(p.tickets, Status::ok(), /*from_decode=*/true);
+      fail_endpoint(url, ep, Status(st.code(), "cannot commit to " + url + ": " + st.message()));
+      return false;
+    }
+    count(&SenderStats::commits);
+  }
+  settle(p.tickets, ok ? Status::ok() : Status(code, reason), /*from_decode=*/true);
   return true;
 }
 
@@ -180,7 +200,8 @@ bool Sender::drop_if_lost(const std::string& url, Endpoint& ep) {
       ep.link.reset();
     } else if (closed) {
       count(&SenderStats::connections_lost);
-      fail_endpoint(url, ep, "the transfer link to " + url + " closed (Decode restarted or died)");
+      fail_endpoint(url, ep,
+                    peer_dead("the transfer link to " + url + " closed (Decode restarted or died)"));
       return true;
     }
   }
@@ -188,8 +209,8 @@ bool Sender::drop_if_lost(const std::string& url, Endpoint& ep) {
   count(&SenderStats::connections_lost);
   fail_endpoint(url, ep,
                 ep.dealer->refusal().empty()
-                    ? "the connection to " + url + " closed (Decode restarted or died)"
-                    : ep.dealer->refusal());
+                    ? peer_dead("the connection to " + url + " closed (Decode restarted or died)")
+                    : unreachable(ep.dealer->refusal()));
   return true;
 }
 
@@ -199,24 +220,25 @@ void Sender::check_deadlines() {
     if (!ep.dealer) continue;
     if (!ep.acked && now >= ep.ack_deadline) {
       fail_endpoint(url, ep,
-                    "no ACK for MF_META from " + url + " within " +
-                        std::to_string(config_.ack_timeout.count()) + " ms");
+                    timeout_error("no ACK for MF_META from " + url + " within " +
+                                  std::to_string(config_.ack_timeout.count()) + " ms"));
     } else if (!ep.pending.empty() && now >= ep.pending.front().deadline) {
       fail_endpoint(url, ep,
-                    "no answer from " + url + " for layer " +
-                        std::to_string(ep.pending.front().layer_idx) + " within " +
-                        std::to_string(config_.reply_timeout.count()) + " ms");
+                    timeout_error("no answer from " + url + " for layer " +
+                                  std::to_string(ep.pending.front().layer_idx) + " within " +
+                                  std::to_string(config_.reply_timeout.count()) + " ms"));
     }
   }
 }
 
-void Sender::fail_endpoint(const std::string& /*url*/, Endpoint& ep, const std::string& why) {
-  for (auto& p : ep.pending) settle(p.tickets, false, why);
-  for (auto& t : ep.waiting) settle(t.tickets, false, why);
+void Sender::fail_endpoint(const std::string& /*url*/, Endpoint& ep, const Status& why) {
+  for (auto& p : ep.pending) settle(p.tickets, why);
+  for (auto& t : ep.waiting) settle(t.tickets, why);
   ep.pending.clear();
   ep.waiting.clear();
   ep.dealer.reset();  // the next readiness reconnects and sends MF_META again
   ep.acked = false;
+  ep.commits = false;
   if (ep.link) engine_->close_link(ep.link_token);
   ep.link.reset();
   ep.on_link = false;

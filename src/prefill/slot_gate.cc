@@ -9,27 +9,27 @@ uint64_t SlotGate::open(int64_t layer_idx, size_t endpoints, uint64_t tag) {
   tag_ = tag;
   expected_ = endpoints;
   answered_ = 0;
-  failure_.clear();
+  failure_ = Status::ok();
   failure_raised_ = false;
   changed_.notify_all();
   return generation_;
 }
 
-void SlotGate::answer(uint64_t generation, bool ok, const std::string& reason) {
+void SlotGate::answer(uint64_t generation, const Status& outcome) {
   std::lock_guard lock(mu_);
   if (generation != generation_ || answered_ >= expected_) {
     ++ignored_;
     return;
   }
   ++answered_;
-  if (!ok && failure_.empty()) failure_ = reason.empty() ? "read failed" : reason;
+  if (!outcome && failure_.is_ok()) failure_ = outcome;
   changed_.notify_all();
 }
 
 void SlotGate::fail(const std::string& reason) {
   std::lock_guard lock(mu_);
   if (answered_ < expected_) {
-    if (failure_.empty()) failure_ = reason;
+    if (failure_.is_ok()) failure_ = transport_error(reason);
     answered_ = expected_;
   }
   changed_.notify_all();
@@ -49,9 +49,9 @@ Status SlotGate::wait_answers(std::unique_lock<std::mutex>& lock, const Deadline
 Status SlotGate::wait(const Deadline& deadline) {
   std::unique_lock lock(mu_);
   RD2H_RETURN_IF_ERROR(wait_answers(lock, deadline));
-  if (!failure_.empty()) {
+  if (!failure_.is_ok()) {
     failure_raised_ = true;
-    return transport_error("layer " + std::to_string(layer_) + ": " + failure_);
+    return Status(failure_.code(), "layer " + std::to_string(layer_) + ": " + failure_.message());
   }
   return Status::ok();
 }
@@ -59,9 +59,9 @@ Status SlotGate::wait(const Deadline& deadline) {
 Status SlotGate::settle(const Deadline& deadline) {
   std::unique_lock lock(mu_);
   RD2H_RETURN_IF_ERROR(wait_answers(lock, deadline));
-  if (!failure_.empty() && !failure_raised_) {
+  if (!failure_.is_ok() && !failure_raised_) {
     failure_raised_ = true;
-    return transport_error("layer " + std::to_string(layer_) + ": " + failure_);
+    return Status(failure_.code(), "layer " + std::to_string(layer_) + ": " + failure_.message());
   }
   return Status::ok();
 }

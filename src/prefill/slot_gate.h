@@ -25,9 +25,13 @@ class SlotGate {
   // `tag` travels with the generation (the worker's step), for whoever settles it.
   uint64_t open(int64_t layer_idx, size_t endpoints, uint64_t tag = 0);
 
-  // One endpoint's answer (READ_DONE: ok; READ_FAILED: !ok with its reason). Answers for a
+  // One endpoint's answer: ok (READ_DONE), or the failure with its kind (a READ_FAILED is
+  // kTransport; a dead Decode kPeerDead; no answer in time kTimeout). Answers for a
   // generation other than the current one, or beyond the expected count, are ignored.
-  void answer(uint64_t generation, bool ok, const std::string& reason = {});
+  void answer(uint64_t generation, const Status& outcome);
+  void answer(uint64_t generation, bool ok, const std::string& reason = {}) {
+    answer(generation, ok ? Status::ok() : transport_error(reason.empty() ? "read failed" : reason));
+  }
 
   // Every pending generation fails with `reason` (the sender thread died, the peer is gone).
   void fail(const std::string& reason);
@@ -58,7 +62,7 @@ class SlotGate {
   uint64_t tag_ = 0;
   size_t expected_ = 0;
   size_t answered_ = 0;
-  std::string failure_;  // first failure of the current generation
+  Status failure_;  // first failure of the current generation
   bool failure_raised_ = false;
   size_t ignored_ = 0;
 };

@@ -6,6 +6,7 @@
 #include "control/curve.h"
 #include "prefill/layer_meta.h"
 #include "topology/topology.h"
+#include "util/log.h"
 
 namespace rd2h::prefill {
 
@@ -163,21 +164,39 @@ Status Worker::bind_step(std::vector<SendRequest> requests) {
     if (!seen.insert(r.ext_id).second) {
       return invalid_argument("request " + r.ext_id + " appears twice in one step");
     }
-    RD2H_RETURN_IF_ERROR(check_request(r));
+    // A request its Decode cannot be sent to (an address, a TP size or a key that does not
+    // work out) fails alone, unless failures are to raise.
+    auto refuse = [&](const Status& why) {
+      if (config_.raise_on_peer_failure) return why;
+      ++stats_.peer_failures;
+      log::warn("prefill rank {}: {}; the request is not sent", config_.p_rank, why.to_string());
+      return Status::ok();
+    };
+    if (Status st = check_request(r); !st) {
+      RD2H_RETURN_IF_ERROR(refuse(st));
+      continue;
+    }
     auto tp = topology::make_tp_mapping(config_.p_tp, r.d_tp);
-    if (!tp) return tp.status().with_context("request " + r.ext_id);
-    auto position = topology::contributor_of(*tp, config_.p_rank);
-    if (!position) return position.status().with_context("request " + r.ext_id);
-    auto port = topology::remote_rank_port(r.d_base_port, *tp, config_.p_rank);
-    if (!port) return port.status().with_context("request " + r.ext_id);
+    auto position = tp ? topology::contributor_of(*tp, config_.p_rank)
+                       : Expected<topology::ContributorPosition>(tp.status());
+    auto port = tp ? topology::remote_rank_port(r.d_base_port, *tp, config_.p_rank)
+                   : Expected<int>(tp.status());
+    auto server_key = decode_key(r);
+    if (!tp || !position || !port || !server_key) {
+      const Status why = !tp         ? tp.status()
+                         : !position ? position.status()
+                         : !port     ? port.status()
+                                     : server_key.status();
+      RD2H_RETURN_IF_ERROR(refuse(why.with_context("request " + r.ext_id)));
+      continue;
+    }
     const std::string url = control::endpoint_url(r.d_host, *port);
-    RD2H_TRY(server_key, decode_key(r));
     auto target =
         std::find_if(targets.begin(), targets.end(), [&](const Target& t) { return t.url == url; });
     if (target == targets.end()) {
       Target t;
       t.url = url;
-      t.server_key = server_key;
+      t.server_key = *server_key;
       t.ready.group_member_idx = position->group_member_idx;
       t.ready.tp_ratio = tp->ratio;
       targets.push_back(std::move(t));
@@ -231,7 +250,7 @@ Status Worker::save_kv_layer(std::string_view layer_name, std::shared_ptr<WriteE
     sender_->send(
         t->url, layer.index,
         protocol::encode_readiness(layer.index, layer.name, last ? t->body_last : t->body), tickets,
-        event, t->server_key);
+        event, t->server_key, last ? t->final_ids : std::vector<std::string>{});
   }
   ++stats_.layers_saved;
   stats_.readiness_queued += sending.size();
@@ -272,12 +291,21 @@ Status Worker::settle(SlotGate& gate, const Deadline& deadline) {
   // The answers are read off the sockets on this thread: no hand-off on the way back.
   if (!gate.answered()) sender_->serve_until([&gate] { return gate.answered(); }, deadline);
   Status st = gate.settle(deadline);
-  if (st.is_ok() || st.code() == StatusCode::kTimeout) return st;
+  // Not answered in time: this rank's own wait ran out (the sender fails a Decode that
+  // does not answer within reply_timeout, before).
+  if (st.is_ok() || !gate.answered()) return st;
   const uint64_t step = gate.tag();
-  if (raised_steps_.count(step) != 0) return Status::ok();  // that step raised already
-  raised_steps_.insert(step);
+  const bool first = raised_steps_.insert(step).second;
   while (raised_steps_.size() > 64) raised_steps_.erase(raised_steps_.begin());
-  return st;
+  if (!config_.raise_on_peer_failure) {
+    ++stats_.peer_failures;
+    if (first) {
+      log::warn("prefill rank {}: {}; only the requests sent to that Decode fail", config_.p_rank,
+                st.to_string());
+    }
+    return Status::ok();
+  }
+  return first ? st : Status::ok();  // a step raises once
 }
 
 WorkerStats Worker::stats() const {

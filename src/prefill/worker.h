@@ -46,11 +46,17 @@ struct WorkerConfig {
   // only trusted key. Without keys, only loopback Decode hosts unless `insecure`.
   std::vector<std::string> trusted_decode_keys;
   bool insecure = false;
+  // A Decode's failure raises on the compute path (the design's fail-fast). Otherwise (the
+  // default) it fails only what was sent to that Decode: the slots it held are released,
+  // the failure is logged once per step and counted, and the Decode never completes the
+  // requests (it gets no KV_COMMIT for them).
+  bool raise_on_peer_failure = false;
 };
 
 struct WorkerStats {
   uint64_t layers_saved = 0;
   uint64_t readiness_queued = 0;
+  uint64_t peer_failures = 0;  // slot generations a failing Decode released (not raised)
   SenderStats sender;
 };
 
@@ -125,7 +131,8 @@ class Worker {
   // The gates of a layer's slots: main, then indexer when it has one.
   std::vector<SlotGate*> gates_of(size_t layer);
   // Settles `gate` (see SlotGate::settle); a failure of a step that already raised is
-  // swallowed, any other marks its step raised.
+  // swallowed, any other marks its step raised. A Decode's failure is not raised unless
+  // config_.raise_on_peer_failure (counted and, once per step, logged instead).
   Status settle(SlotGate& gate, const Deadline& deadline);
 
   WorkerConfig config_;

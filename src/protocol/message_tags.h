@@ -10,5 +10,6 @@ inline constexpr std::string_view kTagMfMeta = "mf_meta";
 inline constexpr std::string_view kTagReadReadyBatch = "read_ready_batch";
 inline constexpr std::string_view kTagReadDone = "read_done";
 inline constexpr std::string_view kTagReadFailed = "read_failed";
+inline constexpr std::string_view kTagKvCommit = "kv_commit";
 
 }  // namespace rd2h::protocol

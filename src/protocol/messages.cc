@@ -283,9 +283,18 @@ std::optional<std::pair<size_t, std::string_view>> cursor_tag(Cursor& c) {
 
 }  // namespace
 
+namespace {
+bool equals(std::span<const std::byte> payload, std::string_view raw) {
+  return payload.size() == raw.size() && std::memcmp(payload.data(), raw.data(), raw.size()) == 0;
+}
+}  // namespace
+
 bool is_ack(std::span<const std::byte> payload) {
-  return payload.size() == kAckPayload.size() &&
-         std::memcmp(payload.data(), kAckPayload.data(), kAckPayload.size()) == 0;
+  return equals(payload, kAckPayload) || equals(payload, kAckCommitPayload);
+}
+
+bool is_commit_ack(std::span<const std::byte> payload) {
+  return equals(payload, kAckCommitPayload);
 }
 
 Expected<Message> decode_message(std::span<const std::byte> payload) {
@@ -334,6 +343,20 @@ Expected<Message> decode_message(std::span<const std::byte> payload) {
   }
   if (tag == kTagMfMeta) {
     RD2H_TRY(m, decode_mf_meta(t));
+    return Message(std::move(m));
+  }
+  if (tag == kTagKvCommit) {
+    if (t.size() < 3) {
+      return invalid_argument("KV_COMMIT: " + std::to_string(t.size()) +
+                              " elements, expected at least 3");
+    }
+    RD2H_TRY(layer, t[1].integer(0, kMaxLayerIndex));
+    RD2H_TRY(ids, t[2].array(0, kMaxDoneExtIds));
+    KvCommit m{layer, {}};
+    for (size_t i = 0; i < ids.size(); ++i) {
+      RD2H_TRY(id, ids[i].str(kMaxExtIdBytes));
+      m.ext_ids.emplace_back(id);
+    }
     return Message(std::move(m));
   }
   std::string shown(tag.substr(0, 32));

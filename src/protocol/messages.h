@@ -19,10 +19,16 @@
 namespace rd2h::protocol {
 
 // Versions rd2h states in MF_META. A peer stating a different one is refused.
-inline constexpr uint64_t kProtocolVersion = 1;
+// Version 2: Prefill commits each request Decode has read whole (KV_COMMIT), and Decode
+// finishes a request only on its commit.
+inline constexpr uint64_t kProtocolVersion = 2;
 inline constexpr uint64_t kCacheLayoutVersion = 1;
 
 inline constexpr std::string_view kAckPayload = "ACK";  // raw bytes, not msgpack
+// What an rd2h Decode answers an rd2h Prefill's MF_META with (raw bytes too): the ACK, and
+// the promise to take a request as complete only once Prefill commits it (KvCommit). A
+// Prefill that gets the plain ACK (the existing Python Decode) commits nothing.
+inline constexpr std::string_view kAckCommitPayload = "ACK commit";
 
 // Limits every decoder enforces, sized to what one layer of one step can carry: a step
 // schedules at most kMaxReadReqs requests, each of at most kMaxBlockIdsPerRequest blocks
@@ -102,7 +108,19 @@ struct ReadFailed {
   std::string error;
 };
 
-using Message = std::variant<MfMeta, ReadReadyBatch, ReadDone, ReadFailed>;
+// KV_COMMIT (P -> D, rd2h peers only; see kAckCommitPayload): Prefill got READ_DONE for the
+// readiness of `layer_idx` that completed `ext_ids`, on a connection it never gave up on, so
+// no slot those requests were read from was reused before Decode's reads: the requests are
+// complete. A Prefill that gives up on a Decode (a deadline, a lost connection) drops the
+// connection before it reuses a slot, and commits nothing on it again: a Decode that stalled
+// mid-read and read overwritten bytes never completes those requests.
+// `[bin "kv_commit", int layer_idx, array of str ext_ids]`.
+struct KvCommit {
+  int64_t layer_idx = 0;
+  std::vector<std::string> ext_ids;
+};
+
+using Message = std::variant<MfMeta, ReadReadyBatch, ReadDone, ReadFailed, KvCommit>;
 
 std::vector<std::byte> encode(const MfMeta& m);
 std::vector<std::byte> encode(const ReadReadyBatch& m);
@@ -115,10 +133,14 @@ std::vector<std::byte> encode_readiness(int64_t layer_idx, std::string_view laye
                                         std::span<const std::byte> body);
 std::vector<std::byte> encode(const ReadDone& m);
 std::vector<std::byte> encode(const ReadFailed& m);
+std::vector<std::byte> encode(const KvCommit& m);
 
 // Decodes any msgpack message of the protocol (not the raw ACK).
 Expected<Message> decode_message(std::span<const std::byte> payload);
+// The ACK, plain or committing.
 bool is_ack(std::span<const std::byte> payload);
+// The committing ACK (kAckCommitPayload).
+bool is_commit_ack(std::span<const std::byte> payload);
 
 // The layer index of a message too broken to decode, when it can still be read: lets
 // Decode answer READ_FAILED for it rather than stay silent.

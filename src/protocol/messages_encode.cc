@@ -123,6 +123,16 @@ std::vector<std::byte> encode(const ReadDone& m) {
   });
 }
 
+std::vector<std::byte> encode(const KvCommit& m) {
+  return packed([&](Packer& pk) {
+    pk.pack_array(3);
+    pack_bin(pk, kTagKvCommit);
+    pk.pack_int64(m.layer_idx);
+    pk.pack_array(static_cast<uint32_t>(m.ext_ids.size()));
+    for (const auto& id : m.ext_ids) pack_str(pk, id);
+  });
+}
+
 std::vector<std::byte> encode(const ReadFailed& m) {
   return packed([&](Packer& pk) {
     pk.pack_array(3);

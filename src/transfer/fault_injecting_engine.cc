@@ -21,9 +21,10 @@ int FaultInjectingEngine::injected_failures() const {
   return injected_;
 }
 
-void FaultInjectingEngine::hold_reads() {
+void FaultInjectingEngine::hold_reads(int after) {
   std::lock_guard lock(mu_);
   holding_ = true;
+  hold_after_ = after;
 }
 
 void FaultInjectingEngine::release_reads() {
@@ -47,7 +48,9 @@ Status FaultInjectingEngine::batch_read_sync(std::string_view session,
   std::chrono::milliseconds delay{0};
   {
     std::unique_lock lock(mu_);
-    if (holding_) {
+    if (holding_ && hold_after_ > 0) {
+      --hold_after_;
+    } else if (holding_) {
       ++held_;
       released_.wait_for(lock, std::chrono::minutes(1), [this] { return !holding_; });
       --held_;

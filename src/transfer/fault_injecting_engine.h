@@ -25,9 +25,10 @@ class FaultInjectingEngine final : public TransferEngine {
   // Every batch read first sleeps `delay` (a slow link); zero turns it off.
   void delay_reads(std::chrono::milliseconds delay);
   int injected_failures() const;
-  // Batch reads wait before reading until release_reads() (for at most a minute): a test
-  // can act while a read is in flight. held_reads() counts the reads waiting now.
-  void hold_reads();
+  // Batch reads after the next `after` wait before reading until release_reads() (for at
+  // most a minute): a test can act while a read is in flight, as if the reading process had
+  // stalled. held_reads() counts the reads waiting now.
+  void hold_reads(int after = 0);
   void release_reads();
   int held_reads() const;
 
@@ -78,6 +79,7 @@ class FaultInjectingEngine final : public TransferEngine {
   std::chrono::milliseconds delay_{0};
   int injected_ = 0;
   bool holding_ = false;
+  int hold_after_ = 0;  // reads still let through before holding
   int held_ = 0;
   std::condition_variable released_;
 };

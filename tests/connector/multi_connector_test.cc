@@ -2,6 +2,7 @@
 // physical layer buffers, with real UCX and ZeroMQ on loopback; and the call order of the
 // composition itself.
 #include "rd2h/connector/multi_connector.h"
+#include "rd2h/common/deadline.h"
 
 #include <gtest/gtest.h>
 
@@ -124,13 +125,21 @@ class OffloadWithRd2h : public ::testing::Test {
     ASSERT_TRUE(decode_->bind_connector_metadata(m).is_ok());
     ASSERT_TRUE(decode_->start_load_kv().is_ok());
   }
+  // What Decode reports once something ended, polled as vLLM polls it each step (a request
+  // completes on Prefill's commit, which follows the step), for at most 10 s.
   std::vector<std::string> decode_finished() {
-    auto f = decode_->get_finished(
-        [](const decode::RankTerminal& mine) -> Expected<std::vector<decode::RankTerminal>> {
-          return std::vector<decode::RankTerminal>{mine};
-        });
-    EXPECT_TRUE(f);
-    return f ? f->recving : std::vector<std::string>{};
+    const Deadline deadline(std::chrono::seconds(10));
+    for (;;) {
+      auto f = decode_->get_finished(
+          [](const decode::RankTerminal& mine) -> Expected<std::vector<decode::RankTerminal>> {
+            return std::vector<decode::RankTerminal>{mine};
+          });
+      EXPECT_TRUE(f);
+      if (!f || !f->recving.empty() || deadline.expired()) {
+        return f ? f->recving : std::vector<std::string>{};
+      }
+      std::this_thread::sleep_for(std::chrono::milliseconds(5));
+    }
   }
 
   std::shared_ptr<HostStore> store_ = std::make_shared<HostStore>();

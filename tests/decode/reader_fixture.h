@@ -54,8 +54,16 @@ class ReaderTest : public ::testing::Test {
     EXPECT_TRUE(m) << m.status().to_string();
     return m ? *m : protocol::Message{};
   }
+  // Sends MF_META as an rd2h Prefill does; its requests then complete on commit().
   void send_mf_meta(const protocol::MfMeta& m) {
-    EXPECT_TRUE(protocol::is_ack(exchange(protocol::encode(m))));
+    EXPECT_TRUE(protocol::is_commit_ack(exchange(protocol::encode(m))));
+  }
+  // What an rd2h Prefill sends on the READ_DONE of a readiness that completed `ids`; returns
+  // once the reader took it (an empty readiness behind it is answered after).
+  void commit(int layer, std::vector<std::string> ids) {
+    EXPECT_TRUE(dealer_->send(protocol::encode(protocol::KvCommit{layer, std::move(ids)})).is_ok());
+    EXPECT_TRUE(std::holds_alternative<protocol::ReadDone>(
+        exchange_message(protocol::encode(ready(0, {})))));
   }
   // Decode reads its destinations after the reader reports the request finished, which
   // synchronises through the reader's lock; a test checking bytes right after a READ_DONE

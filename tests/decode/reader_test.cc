@@ -30,10 +30,10 @@ TEST_F(ReaderTest, EveryLayerIsReadIntoItsDestinationsAndTheRequestCompletes) {
         exchange_message(protocol::encode(ready(l, {{"req-0", src_main, src_idx, 0, 0}}, done)));
     ASSERT_TRUE(std::holds_alternative<protocol::ReadDone>(m)) << "layer " << l;
     EXPECT_EQ(std::get<protocol::ReadDone>(m).layer_idx, l);
-    if (l < kLayers - 1) {
-      EXPECT_TRUE(reader_->get_finished(kAlone)->finished.empty());
-    }
+    EXPECT_TRUE(reader_->get_finished(kAlone)->finished.empty())
+        << "complete before Prefill committed it, at layer " << l;
   }
+  commit(kLayers - 1, {"req-0"});
   sync_with_reader();
   for (int l = 0; l < kLayers; ++l) {
     const std::vector<int64_t> dst_main{3, 9, 4}, dst_idx{11, 12, 13};
@@ -106,6 +106,7 @@ TEST_F(ReaderTest, AnAbortedLoadIsReportedFinishedOnceSoItsBlocksCanBeFreed) {
   send_mf_meta(mf_meta(prefill_));
   auto m = exchange_message(protocol::encode(ready(0, {{"done", {7}, {7}, 0, 0}}, {"done"})));
   ASSERT_TRUE(std::holds_alternative<protocol::ReadDone>(m));
+  commit(0, {"done"});
   auto first = reader_->get_finished(kAlone);
   ASSERT_TRUE(first);
   EXPECT_EQ(first->finished, std::vector<std::string>{"int-done"});
@@ -168,6 +169,36 @@ TEST_F(ReaderTest, AClosedConnectionTakesItsStateAlong) {
   }
 }
 
+TEST_F(ReaderTest, ARequestReadWholeButNeverCommittedFailsWhenItsConnectionEnds) {
+  // Prefill gave this Decode up after the last layer was read (its answer came too late):
+  // no commit comes, and the connection's end fails the request rather than complete it.
+  send_mf_meta(mf_meta(prefill_));
+  ASSERT_TRUE(reader_->add_request("late", "int-late", {3}, {11}).is_ok());
+  ASSERT_TRUE(reader_->add_request("committed", "int-committed", {4}, {12}).is_ok());
+  auto m = exchange_message(protocol::encode(
+      ready(kLayers - 1, {{"late", {1}, {5}, 0, 0}, {"committed", {2}, {6}, 0, 0}},
+            {"late", "committed"})));
+  ASSERT_TRUE(std::holds_alternative<protocol::ReadDone>(m));
+  commit(kLayers - 1, {"committed"});  // a commit names what it commits, nothing else
+  auto before = reader_->get_finished(kAlone);
+  ASSERT_TRUE(before) << before.status().to_string();
+  EXPECT_EQ(before->finished, std::vector<std::string>{"int-committed"});
+  EXPECT_TRUE(before->failed.empty());
+  dealer_.reset();
+  Finished ended;
+  Deadline deadline(10s);
+  while (ended.failed.empty() && ended.finished.empty()) {
+    ASSERT_FALSE(deadline.expired()) << "the uncommitted request outlived its connection";
+    auto f = reader_->get_finished(kAlone);
+    ASSERT_TRUE(f) << f.status().to_string();
+    ended.finished = f->finished;
+    ended.failed = f->failed;
+    std::this_thread::yield();
+  }
+  EXPECT_TRUE(ended.finished.empty()) << "completed without Prefill's commit";
+  EXPECT_EQ(ended.failed, std::vector<std::string>{"int-late"});
+}
+
 TEST_F(ReaderTest, APrefillConnectionThatClosesMidRequestFailsItAtOnce) {
   // Prefill's process died between two layers: no final layer will come for its requests,
   // and Decode must not wait out its arrival deadline for them.
@@ -180,6 +211,7 @@ TEST_F(ReaderTest, APrefillConnectionThatClosesMidRequestFailsItAtOnce) {
   m = exchange_message(
       protocol::encode(ready(kLayers - 1, {{"req-1", {2}, {6}, 0, 0}}, {"req-1"})));
   ASSERT_TRUE(std::holds_alternative<protocol::ReadDone>(m));
+  commit(kLayers - 1, {"req-1"});
   auto before = reader_->get_finished(kAlone);
   ASSERT_TRUE(before) << before.status().to_string();
   EXPECT_TRUE(before->failed.empty());

@@ -43,6 +43,9 @@ struct ClusterShape {
   std::vector<uint64_t> decode_bytes;  // empty: as Prefill
   std::chrono::milliseconds reply_timeout = 10s;
   std::chrono::milliseconds send_timeout = 20s;
+  // Prefill's compute path raises a Decode's failure (the design's fail-fast, which most of
+  // these tests check); false: only that Decode's requests fail (the connector's default).
+  bool raise_on_peer_failure = true;
 };
 
 inline std::string layer_name(int l) {
@@ -123,12 +126,16 @@ class Cluster {
     return decode(instance).ranks[static_cast<size_t>(rank)];
   }
 
-  // Decode's scheduler allocated the request on every (live) rank of its instance.
-  void expect_request(const PdRequest& r) {
+  // Decode's scheduler allocated the request on every (live) rank of its instance; its KV
+  // must arrive by `arrival_deadline`.
+  void expect_request(const PdRequest& r, std::chrono::steady_clock::time_point arrival_deadline =
+                                              std::chrono::steady_clock::time_point::max()) {
     for (auto& rank : decode(r.instance).ranks) {
       if (!rank.worker) continue;
-      ASSERT_TRUE(
-          rank.worker->add_request(r.id, "internal-" + r.id, r.d_main, r.d_indexer).is_ok());
+      ASSERT_TRUE(rank.worker
+                      ->add_request(r.id, "internal-" + r.id, r.d_main, r.d_indexer,
+                                    arrival_deadline)
+                      .is_ok());
     }
   }
 
@@ -165,6 +172,30 @@ class Cluster {
     return out[0];
   }
 
+  // gather_finished until `n` requests ended (finished or failed) on the instance, or
+  // `within` passed: what they all returned. get_finished is polled as vLLM polls it each
+  // step; a request from an rd2h Prefill completes when its commit (KV_COMMIT) arrives,
+  // which is after Prefill's step returned.
+  Expected<decode::Finished> ended(int instance, size_t n,
+                                   std::chrono::milliseconds within = std::chrono::seconds(10)) {
+    decode::Finished all;
+    const auto until = std::chrono::steady_clock::now() + within;
+    for (;;) {
+      auto done = gather_finished(instance);
+      if (!done) return done;
+      auto add = [](auto& to, const auto& from) { to.insert(to.end(), from.begin(), from.end()); };
+      add(all.finished, done->finished);
+      add(all.failed, done->failed);
+      add(all.invalid_main_blocks, done->invalid_main_blocks);
+      add(all.invalid_indexer_blocks, done->invalid_indexer_blocks);
+      if (all.finished.size() + all.failed.size() >= n ||
+          std::chrono::steady_clock::now() > until) {
+        return all;
+      }
+      std::this_thread::sleep_for(std::chrono::milliseconds(5));  // a step loop's interval
+    }
+  }
+
   // Whether every destination of `r` in `layer` holds its source block: main in the
   // instance's pool, indexer (and scale) on every rank. `why` says what is wrong.
   bool holds(const PdRequest& r, int layer, std::string* why = nullptr) const {
@@ -195,6 +226,9 @@ class Cluster {
     }
     return true;
   }
+
+  // What the compute of layer `l` writes, on Prefill rank `p_rank`, into that layer's slot.
+  void write_layer(int p_rank, int l) { write_layer(prefill(p_rank), l); }
 
   // Whether no byte of the instance's destinations was written.
   bool untouched(int instance = 0) const {
@@ -324,6 +358,7 @@ class Cluster {
     cfg.sender.reply_timeout = shape_.reply_timeout;
     cfg.sender.ack_timeout = shape_.reply_timeout;
     cfg.send_timeout = shape_.send_timeout;
+    cfg.raise_on_peer_failure = shape_.raise_on_peer_failure;
     cfg.register_memory = false;  // engine-allocated
     auto w = prefill::Worker::create(cfg, p.engine, context_, layers);
     ASSERT_TRUE(w) << w.status().to_string();

@@ -72,13 +72,13 @@ TEST_P(PdTopology, ConcurrentAndChunkedRequestsLandByteExactOnEveryDecodeRank) {
   ASSERT_TRUE(first && last && whole_tiny && whole_mid);
 
   expect_all_ok(c.run_step({{&chunked, *first, false}, {&tiny, *whole_tiny, true}}));
-  auto done = c.gather_finished();
+  auto done = c.ended(0, 1);
   ASSERT_TRUE(done) << done.status().to_string();
   EXPECT_EQ(done->finished, std::vector<std::string>{"internal-tiny"});
   EXPECT_TRUE(done->failed.empty());
 
   expect_all_ok(c.run_step({{&chunked, *last, true}, {&mid, *whole_mid, true}}));
-  done = c.gather_finished();
+  done = c.ended(0, 2);
   ASSERT_TRUE(done) << done.status().to_string();
   EXPECT_EQ(sorted(done->finished), (std::vector<std::string>{"internal-chunked", "internal-mid"}));
   for (int l = 0; l < shape.layers; ++l) {
@@ -109,7 +109,7 @@ TEST(PdTransfer, ZeroBlockContributorsStillAnswerAndCompleteTheRequest) {
   const PdRequest r = make_request("one", 1, 3, 4, shape.blocks);
   c.expect_request(r);
   expect_all_ok(c.run_step({{&r, {0, 1}, true}}));
-  auto done = c.gather_finished();
+  auto done = c.ended(0, 1);
   ASSERT_TRUE(done);
   EXPECT_EQ(done->finished, std::vector<std::string>{"internal-one"});
   for (int l = 0; l < shape.layers; ++l) EXPECT_TRUE(c.holds(r, l)) << "layer " << l;
@@ -169,7 +169,7 @@ TEST(PdTransfer, EachLayoutMismatchFailsTheLayerOnBothSidesAndWritesNothing) {
       EXPECT_NE(results[p].message().find("layer 0"), std::string::npos) << results[p].message();
     }
     EXPECT_TRUE(c.untouched()) << "a layer that failed validation wrote bytes";
-    auto done = c.gather_finished();
+    auto done = c.ended(0, 1);
     ASSERT_TRUE(done) << done.status().to_string();
     EXPECT_EQ(done->failed, std::vector<std::string>{"internal-r"});
     EXPECT_TRUE(done->finished.empty());
@@ -194,7 +194,7 @@ TEST(PdTransfer, AFailedReadReachesDecodeStateAndThePrefillComputePathAndFreesTh
   EXPECT_NE(results[1].message().find("injected link failure"), std::string::npos)
       << results[1].message();
   EXPECT_NE(results[1].message().find("layer 0"), std::string::npos) << results[1].message();
-  auto done = c.gather_finished();
+  auto done = c.ended(0, 1);
   ASSERT_TRUE(done) << done.status().to_string();
   EXPECT_EQ(done->failed, std::vector<std::string>{"internal-bad"}) << "failed on any rank";
   EXPECT_EQ(done->invalid_indexer_blocks.size(), bad.d_indexer.size());
@@ -203,7 +203,7 @@ TEST(PdTransfer, AFailedReadReachesDecodeStateAndThePrefillComputePathAndFreesTh
   const PdRequest good = make_request("good", 4, 8, 8, shape.blocks);
   c.expect_request(good);
   expect_all_ok(c.run_step({{&good, {0, 4}, true}}));
-  done = c.gather_finished();
+  done = c.ended(0, 1);
   ASSERT_TRUE(done);
   EXPECT_EQ(done->finished, std::vector<std::string>{"internal-good"});
   for (int l = 0; l < shape.layers; ++l) EXPECT_TRUE(c.holds(good, l)) << "layer " << l;
@@ -223,11 +223,82 @@ TEST(PdTransfer, AKilledDecodeRankMakesPrefillWaitsFailInsteadOfHanging) {
   EXPECT_TRUE(results[0].is_ok()) << results[0].to_string();
   ASSERT_FALSE(results[1].is_ok()) << "Prefill rank 1 waited on a dead Decode rank and passed";
   // Depending on when the sender notices: the connection closed, the readiness got no
-  // answer, a new connection found nothing listening, or its MF_META got no ACK.
+  // answer, a new connection found nothing listening, or its MF_META got no ACK. The kind
+  // survives: a dead peer, or a deadline.
   const std::string& why = results[1].message();
   EXPECT_TRUE(why.find("Decode restarted or died") != std::string::npos ||
               why.find("no answer") != std::string::npos || why.find("no ACK") != std::string::npos)
       << why;
+  EXPECT_TRUE(results[1].code() == StatusCode::kPeerDead ||
+              results[1].code() == StatusCode::kUnreachable ||
+              results[1].code() == StatusCode::kTimeout)
+      << results[1].to_string();
+}
+
+TEST(PdTransfer, ADeadDecodeFailsOnlyItsRequestsAndThePrefillComputePathGoesOn) {
+  ClusterShape shape = with_tp(2, 1);
+  shape.decode_instances = 2;
+  shape.reply_timeout = 300ms;
+  shape.raise_on_peer_failure = false;  // the connector's default
+  Cluster c(shape);
+  const PdRequest first = make_request("first", 2, 0, 0, shape.blocks, 0);
+  c.expect_request(first);
+  expect_all_ok(c.run_step({{&first, {0, 2}, true}}));  // the connections to instance 0 are up
+  ASSERT_TRUE(c.ended(0, 1));
+  c.decode_rank(0, 0).worker.reset();  // instance 0 dies
+  const PdRequest lost = make_request("lost", 2, 4, 4, shape.blocks, 0);
+  const PdRequest kept = make_request("kept", 2, 8, 8, shape.blocks, 1);
+  c.expect_request(kept);
+  expect_all_ok(c.run_step({{&lost, {0, 2}, true}, {&kept, {0, 2}, true}}));
+  for (int r = 0; r < shape.p_tp; ++r) {
+    EXPECT_GT(c.prefill(r).worker->stats().peer_failures, 0u) << "Prefill rank " << r;
+  }
+  const auto done = c.ended(1, 1);
+  ASSERT_TRUE(done);
+  EXPECT_EQ(done->finished, std::vector<std::string>{"internal-kept"});
+  for (int l = 0; l < shape.layers; ++l) EXPECT_TRUE(c.holds(kept, l)) << "layer " << l;
+  // And the next step runs as any other.
+  const PdRequest next = make_request("next", 2, 12, 12, shape.blocks, 1);
+  c.expect_request(next);
+  expect_all_ok(c.run_step({{&next, {0, 2}, true}}));
+  EXPECT_EQ(c.ended(1, 1)->finished, std::vector<std::string>{"internal-next"});
+}
+
+// The fence: a Decode stalls in the read of a request's last layer; Prefill gives it up at
+// its deadline and the next step overwrites the slot. When the Decode resumes, its read
+// copies the overwritten bytes, and the request must fail, never complete: Prefill commits
+// nothing on a connection it gave up (KV_COMMIT).
+TEST(PdTransfer, ADecodeStalledMidReadNeverCompletesFromASlotPrefillReused) {
+  ClusterShape shape;
+  shape.decode_instances = 2;
+  shape.layers = 2;
+  shape.prefill_slots = 1;  // both layers in one slot: the next step's layer 0 overwrites it
+  shape.reply_timeout = 300ms;
+  shape.raise_on_peer_failure = false;
+  Cluster c(shape);
+  const PdRequest stalled = make_request("stalled", 2, 0, 0, shape.blocks, 0);
+  const PdRequest healthy = make_request("healthy", 2, 4, 4, shape.blocks, 1);
+  c.expect_request(stalled, std::chrono::steady_clock::now() + 10s);
+  c.expect_request(healthy);
+  c.decode_rank(0, 0).engine->hold_reads(/*after=*/1);  // layer 0 is read; layer 1 stalls
+  expect_all_ok(c.run_step({{&stalled, {0, 2}, true}, {&healthy, {0, 2}, true}}));
+  EXPECT_GT(c.prefill(0).worker->stats().peer_failures, 0u);
+  EXPECT_EQ(c.ended(1, 1)->finished, std::vector<std::string>{"internal-healthy"});
+
+  const PdRequest next = make_request("next", 2, 8, 8, shape.blocks, 1);
+  c.expect_request(next);
+  expect_all_ok(c.run_step({{&next, {0, 2}, true}}));
+  EXPECT_EQ(c.ended(1, 1)->finished, std::vector<std::string>{"internal-next"});
+  // The step ended with layer 1 in the slot again (the same bytes the stalled request was
+  // sent): the next compute puts layer 0's there, and the stalled read resumes into that.
+  c.write_layer(0, 0);
+
+  c.decode_rank(0, 0).engine->release_reads();
+  const auto done = c.ended(0, 1, 20s);
+  ASSERT_TRUE(done);
+  EXPECT_FALSE(c.holds(stalled, 1)) << "the stalled read did not read the overwritten slot";
+  EXPECT_TRUE(done->finished.empty()) << "a request completed from bytes Prefill overwrote";
+  EXPECT_EQ(done->failed, std::vector<std::string>{"internal-stalled"});
 }
 
 TEST(PdTransfer, SixtyOneLayersShareThreeSlotsAndNoSlotIsOverwrittenBeforeItIsRead) {
@@ -247,7 +318,7 @@ TEST(PdTransfer, SixtyOneLayersShareThreeSlotsAndNoSlotIsOverwrittenBeforeItIsRe
   c.expect_request(b);
   expect_all_ok(c.run_step({{&a, {0, 6}, true}, {&b, {0, 6}, true}}));
   for (int d = 0; d < 2; ++d) {
-    auto done = c.gather_finished(d);
+    auto done = c.ended(d, 1);
     ASSERT_TRUE(done);
     EXPECT_EQ(done->finished.size(), 1u) << "instance " << d;
   }

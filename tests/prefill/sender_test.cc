@@ -86,6 +86,12 @@ class SenderTest : public ::testing::Test {
     if (!s || !send_and_wait(*s, ready(0, {}), gate).is_ok()) return nullptr;
     return s;
   }
+  // Returns once the reader took what `s` sent before, commits included (KV_COMMIT follows
+  // a final layer's answer; an empty readiness behind it comes back after it was taken).
+  void through(Sender& s) {
+    SlotGate gate;
+    ASSERT_TRUE(send_and_wait(s, ready(0, {}), gate).is_ok());
+  }
   std::string reader_url_or_() const {
     return url_override_.empty() ? reader_->url() : url_override_;
   }
@@ -115,9 +121,11 @@ TEST_F(SenderTest, LayersFlowThroughTheSlotGatesAndTheBytesArrive) {
     EXPECT_TRUE(decode_.holds(l, 0, 9, 7)) << "layer " << l;
     EXPECT_TRUE(decode_.holds(l, 2, 13, 0)) << "layer " << l;
   }
-  EXPECT_EQ(reader_->get_finished(kAlone)->finished, std::vector<std::string>{"i"});
   EXPECT_EQ(s->stats().mf_meta_sent, 1u) << "MF_META goes once per connection";
   EXPECT_EQ(s->stats().answers, static_cast<uint64_t>(kLayers));
+  EXPECT_EQ(s->stats().commits, 1u) << "the final layer's answer is committed";
+  through(*s);
+  EXPECT_EQ(reader_->get_finished(kAlone)->finished, std::vector<std::string>{"i"});
 }
 
 TEST_F(SenderTest, TwoContributorsSplitTheIndexerAndBothMustFinish) {
@@ -127,11 +135,14 @@ TEST_F(SenderTest, TwoContributorsSplitTheIndexerAndBothMustFinish) {
   const protocol::ReadReq req{"r", {10, 11, 12, 13}, {0, 1, 2, 3}, 0, 0};
   SlotGate g0, g1;
   ASSERT_TRUE(send_and_wait(*member0, ready(0, {req}, {"r"}, 0, 2), g0).is_ok());
+  through(*member0);
   EXPECT_TRUE(reader_->get_finished(kAlone)->finished.empty()) << "finished on one contributor";
   // A duplicate final signal from member 0 does not finish it either.
   ASSERT_TRUE(send_and_wait(*member0, ready(0, {}, {"r"}, 0, 2), g0).is_ok());
+  through(*member0);
   EXPECT_TRUE(reader_->get_finished(kAlone)->finished.empty());
   ASSERT_TRUE(send_and_wait(*member1, ready(0, {req}, {"r"}, 1, 2), g1).is_ok());
+  through(*member1);
   sync_with_reader();
   for (size_t i = 0; i < 4; ++i) {
     EXPECT_TRUE(decode_.holds(0, 0, 1 + static_cast<int64_t>(i), 10 + static_cast<int64_t>(i)));
@@ -151,8 +162,11 @@ TEST_F(SenderTest, OneDecodeServesPrefillInstancesOfDifferentTpSizes) {
   SlotGate g0, g1, g2;
   ASSERT_TRUE(send_and_wait(*single, ready(0, {b}, {"b"}, 0, 1), g2).is_ok());
   ASSERT_TRUE(send_and_wait(*pair0, ready(0, {a}, {"a"}, 0, 2), g0).is_ok());
+  through(*single);
+  through(*pair0);
   EXPECT_EQ(reader_->get_finished(kAlone)->finished, std::vector<std::string>{"ib"});
   ASSERT_TRUE(send_and_wait(*pair1, ready(0, {a}, {"a"}, 1, 2), g1).is_ok());
+  through(*pair1);
   EXPECT_EQ(reader_->get_finished(kAlone)->finished, std::vector<std::string>{"ia"});
   sync_with_reader();
   for (int64_t i = 0; i < 2; ++i) {
@@ -257,7 +271,7 @@ TEST_F(SenderTest, AWriteThatNeverCompletesFailsItsLayerInTimeAndOutlivesTheSend
   const uint64_t g = gate.open(2, 1);
   s->send(reader_->url(), ready(2, {}), {{&gate, g}}, never);
   Status st = gate.wait(Deadline(10s));
-  EXPECT_EQ(st.code(), StatusCode::kTransport) << st.to_string();
+  EXPECT_EQ(st.code(), StatusCode::kTimeout) << st.to_string();
   EXPECT_NE(st.message().find("layer 2 was not published: the layer's KV write did not complete"),
             std::string::npos)
       << st.message();
@@ -268,7 +282,7 @@ TEST_F(SenderTest, AWriteThatNeverCompletesFailsItsLayerInTimeAndOutlivesTheSend
   s->send(reader_->url(), ready(3, {}), {{&other, h}}, late);
   s.reset();
   late->complete();
-  EXPECT_EQ(other.wait(Deadline(10s)).code(), StatusCode::kTransport);
+  EXPECT_EQ(other.wait(Deadline(10s)).code(), StatusCode::kFailedPrecondition);
 }
 
 TEST_F(SenderTest, ADecodeThatNeverAcknowledgesFailsTheGateInTime) {
@@ -280,7 +294,7 @@ TEST_F(SenderTest, ADecodeThatNeverAcknowledgesFailsTheGateInTime) {
   auto s = sender(config);
   SlotGate gate;
   Status st = send_and_wait(*s, ready(0, {}), gate);
-  EXPECT_EQ(st.code(), StatusCode::kTransport) << st.to_string();
+  EXPECT_EQ(st.code(), StatusCode::kTimeout) << st.to_string();
   EXPECT_NE(st.message().find("no ACK for MF_META"), std::string::npos) << st.message();
   EXPECT_EQ(s->stats().readiness_sent, 0u) << "a readiness went out before the ACK";
 }
@@ -322,7 +336,7 @@ TEST_F(SenderTest, StoppingTheSenderFailsWhatIsStillPending) {
   s->send((*silent)->url(), ready(4, {}), {{&gate, g}});
   s.reset();  // the sender thread ends with the answer still owed
   Status st = gate.wait(Deadline(10s));
-  EXPECT_EQ(st.code(), StatusCode::kTransport) << st.to_string();
+  EXPECT_EQ(st.code(), StatusCode::kFailedPrecondition) << st.to_string();
   EXPECT_NE(st.message().find("layer 4: the Prefill sender stopped"), std::string::npos)
       << st.message();
 }
@@ -402,7 +416,7 @@ TEST_F(SenderTest, AReadinessForADecodeThatIsDownFailsAtOnceAndNeverReachesItsSu
   ASSERT_TRUE(eventually([&] { return s->stats().connections_lost == 1; }));
   // A readiness for the dead Decode's request goes on a new connection nobody accepts.
   Status st = send_and_wait(*s, ready(1, {{"gone", {2}, {2}, 1, 1}}), gate);
-  EXPECT_EQ(st.code(), StatusCode::kTransport) << st.to_string();
+  EXPECT_EQ(st.code(), StatusCode::kUnreachable) << st.to_string();
   EXPECT_NE(st.message().find("nothing listens at " + url), std::string::npos) << st.message();
 
   // The Decode that comes back on the port never hears of it: it holds no readiness for a
@@ -440,6 +454,7 @@ TEST_F(SenderTest, ReadinessAndAnswersMoveToTheLinkDecodeOpensAndTheBytesArrive)
     EXPECT_TRUE(decode_.holds(l, 0, 9, 7)) << "layer " << l;
     EXPECT_TRUE(decode_.holds(l, 2, 13, 0)) << "layer " << l;
   }
+  through(*s);
   EXPECT_EQ(reader_->get_finished(kAlone)->finished, std::vector<std::string>{"i"});
   EXPECT_EQ(s->stats().mf_meta_sent, 1u);
 }

@@ -68,6 +68,7 @@ TEST(PrefillWorker, AStepThatCannotBePublishedIsRefusedNamingTheRequest) {
   WorkerConfig config;
   config.p_rank = 1;
   config.p_tp = 2;
+  config.raise_on_peer_failure = true;
   auto w = Worker::create(config, shm_engine(), control::Context::create(), layers(kv));
   ASSERT_TRUE(w);
   struct Case {
@@ -96,6 +97,22 @@ TEST(PrefillWorker, AStepThatCannotBePublishedIsRefusedNamingTheRequest) {
   SendRequest r{"dup", "127.0.0.1", 9000, 1, {0}, {0}, 0, 0, false, {}};
   EXPECT_FALSE((*w)->bind_step({r, r}).is_ok()) << "one request twice in a step";
   EXPECT_EQ((*w)->save_kv_layer("model.layers.9.self_attn").code(), StatusCode::kNotFound);
+}
+
+TEST(PrefillWorker, ARequestThatCannotBeSentFailsAloneAndTheStepGoesOn) {
+  HostBuffer kv(6 * 4096);
+  WorkerConfig config;  // the default: a Decode's failure fails its requests only
+  config.p_rank = 1;
+  config.p_tp = 2;
+  auto w = Worker::create(config, shm_engine(), control::Context::create(), layers(kv));
+  ASSERT_TRUE(w);
+  const SendRequest bad{"bad", "127.0.0.1", 65535, 2, {0}, {0}, 0, 0, true, {}};  // port 65536
+  ASSERT_TRUE((*w)->bind_step({bad}).is_ok());
+  EXPECT_EQ((*w)->stats().peer_failures, 1u);
+  ASSERT_TRUE((*w)->save_kv_layer(layers(kv)[0].name).is_ok());
+  EXPECT_EQ((*w)->stats().readiness_queued, 0u) << "a readiness went out for the refused request";
+  SendRequest dup{"dup", "127.0.0.1", 9000, 1, {0}, {0}, 0, 0, false, {}};
+  EXPECT_FALSE((*w)->bind_step({dup, dup}).is_ok()) << "a scheduler's error stays an error";
 }
 
 TEST(PrefillWorker, ALayerIsPublishedOnlyAfterItsWriteEventCompletes) {

@@ -89,6 +89,13 @@ struct ConnectorConfig {
   // Prefill publishing the next layer does not pay for waking it (decode::ReaderConfig::
   // busy_poll). 0: Decode always sleeps.
   int busy_poll_us = 50000;
+  // Prefill, "on_peer_failure": what a failing Decode (dead, stalled past reply_timeout_ms,
+  // refusing, unreachable, a READ_FAILED) does to the compute path. "fail" (false, the
+  // default): only that Decode's requests fail; the step goes on, the failure is logged and
+  // counted (TransferStats::peer_failures), and the Decode never completes those requests
+  // (KV_COMMIT). "raise" (true): wait_for_save and the reuse waits return the failure, as
+  // the design's fail-fast has it.
+  bool raise_on_peer_failure = false;
   // Fills `curve` from the two files.
   Status load_curve_keys(std::string secret_key_file, std::string trusted_keys_file);
 

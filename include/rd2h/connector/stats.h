@@ -19,6 +19,9 @@ struct TransferStats {
   double read_seconds_sum = 0;
   // Prefill: the layers' readiness messages sent to Decode so far.
   uint64_t readiness_sent = 0;
+  // Prefill: failures of a Decode (dead, stalled, refusing, a failed read) that failed only
+  // that Decode's requests (on_peer_failure "fail"), one per layer slot they reached.
+  uint64_t peer_failures = 0;
 };
 
 // Decode's posts of its rendezvous to the metaserver.
