@@ -263,7 +263,8 @@ def test_a_blocking_call_releases_the_gil():
     silent.bind(("127.0.0.1", 0))
     silent.listen(16)
     silent_decode_port = silent.getsockname()[1]
-    ktc = kv_config("kv_producer", free_ports(1), ack_timeout_ms=1500, send_timeout_ms=5000)
+    ktc = kv_config("kv_producer", free_ports(1), ack_timeout_ms=1500, send_timeout_ms=5000,
+                    on_peer_failure="raise")  # the wait raises when its deadline passes
     c = load(ktc, KVConnectorRole.WORKER)
     s = load(ktc, KVConnectorRole.SCHEDULER)
     try:

@@ -10,6 +10,7 @@ import json
 import os
 import random
 import subprocess
+import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -228,6 +229,27 @@ def test_a_decode_killed_mid_request_fails_it_and_prefill_serves_on(single, pref
     assert prefill.proc.poll() is None, "the Prefill engine died with a Decode"
     p = prompt(rng, 60)
     check_same(complete(proxy.url, p), complete(single.url, p), "after a Decode was killed")
+
+
+def test_a_prefill_whose_decode_is_gone_fails_only_that_transfer_and_serves_on(single, prefill,
+                                                                                  proxy):
+    """Prefill is sent a request whose Decode does not listen (it died, or the rendezvous names
+    the wrong port): before, wait_for_save raised and vLLM ended the engine with every request
+    it held. Now only that transfer fails; the engine answers, and serves the next request."""
+    rng = random.Random(98)
+    params = {"do_remote_decode": True, "do_remote_prefill": False,
+              "request_id": "cmpl-nodecode-0", "remote_engine_id": "gone",
+              "remote_host": "127.0.0.1", "remote_port": free_port(), "remote_tp_size": 1}
+    body = {"model": MODEL_NAME, "prompt": prompt(rng, 70), "max_tokens": 1,
+            "kv_transfer_params": params}
+    req = urllib.request.Request(prefill.url + "/v1/completions", data=json.dumps(body).encode(),
+                                 headers={"Content-Type": "application/json",
+                                          "X-Request-Id": "nodecode"}, method="POST")
+    with urllib.request.urlopen(req, timeout=300) as r:
+        assert r.status == 200, "the Prefill engine failed the request of a gone Decode"
+    assert prefill.proc.poll() is None, "the Prefill engine died with a Decode that is gone"
+    p = prompt(rng, 60)
+    check_same(complete(proxy.url, p), complete(single.url, p), "after a gone Decode's request")
 
 
 # ---- the official npm client -----------------------------------------------------------------
