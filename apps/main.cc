@@ -211,6 +211,24 @@ void add_proxy(CLI::App& app, Commands& c) {
                    "exponential backoff, before the client gets a 502")
       ->check(CLI::Range(1, 100));
   proxy
+      ->add_option("--decode-attempts", px.decode_attempts,
+                   "attempts of a client request whose Decode gets no answer or answers a 5xx "
+                   "before anything reached the client, each on another Decode")
+      ->check(CLI::Range(1, 100));
+  proxy
+      ->add_option_function<int64_t>(
+          "--probe-interval-ms",
+          [&px](int64_t ms) { px.probe_interval = std::chrono::milliseconds(ms); },
+          "how often every engine's /health is probed (an engine that fails leaves the "
+          "rotation until it answers again; default 1000), 0: never")
+      ->check(CLI::Range(int64_t{0}, int64_t{3600000}));
+  proxy
+      ->add_option_function<int64_t>(
+          "--probe-timeout-ms",
+          [&px](int64_t ms) { px.probe_timeout = std::chrono::milliseconds(ms); },
+          "how long a health probe may take (default 1000)")
+      ->check(CLI::Range(int64_t{1}, int64_t{600000}));
+  proxy
       ->add_option("--max-reissues", px.max_reissues,
                    "times a stream Decode ends with stop reason recomputed is continued from "
                    "a new Prefill and Decode (prompt plus text so far), 0: never")

@@ -18,8 +18,8 @@ Expected<std::unique_ptr<Proxy>> Proxy::start(ProxyConfig config) {
   if (sodium_init() < 0) return internal_error("libsodium could not be initialised");
   auto impl = std::make_unique<Impl>();
   impl->config = config;
-  impl->decode_load.assign(config.decode.size(), 0);
-  impl->prefill_load.assign(config.prefill.size(), 0);
+  impl->decodes.assign("decode", config.decode);
+  impl->prefills.assign("prefill", config.prefill);
   impl->dispatchers = std::make_unique<ThreadPool>(config.max_concurrent);
   if (!config.token.empty()) impl->auth.emplace("Authorization", http::bearer(config.token));
   Impl* p = impl.get();
@@ -29,6 +29,7 @@ Expected<std::unique_ptr<Proxy>> Proxy::start(ProxyConfig config) {
   RD2H_RETURN_IF_ERROR(p->rendezvous->start());
   p->api_port = p->api->port();
   p->rendezvous_port = p->rendezvous->port();
+  if (config.probe_interval.count() > 0) p->prober = std::thread([p] { p->probe_loop(); });
   return std::unique_ptr<Proxy>(new Proxy(std::move(impl)));
 }
 
@@ -110,7 +111,8 @@ Proxy::~Proxy() {
     p.stopping = true;
     in_flight.assign(p.parents.begin(), p.parents.end());
   }
-  p.idle_cv.notify_all();  // a dispatch backing off before its next attempt stops waiting
+  p.idle_cv.notify_all();  // a dispatch backing off (or the prober) stops waiting
+  if (p.prober.joinable()) p.prober.join();
   // Failed first, so that the dispatches cut below are not taken for Prefill's failures.
   for (auto& parent : in_flight) {
     parent->fail(503, http::api_error_json(503, "the proxy is stopping"));

@@ -110,7 +110,9 @@ std::variant<Round, std::pair<int, std::string>> Proxy::Impl::begin_round(
       return std::pair{503,
                        http::api_error_json(503, "the proxy has no Prefill or no Decode instance")};
     }
-    parent->decode = least_loaded(decode_load, decode_cursor);
+    const auto taken = decodes.take();
+    if (!taken) return std::pair{503, http::api_error_json(503, "the proxy has no Decode instance")};
+    parent->decode = *taken;
     upstream_in_flight.with({"decode", config.decode[parent->decode]}).add(1);
     for (const auto& c : parent->children) by_child[c] = parent;
     parents.insert(parent);
@@ -351,13 +353,56 @@ void Proxy::Impl::handle_client(const httplib::Request& req, httplib::Response& 
     std::lock_guard lock(mu);
     ++stats.requests;
   }
+  // Decode's status, or the end of its answer. A client that hangs up meanwhile gives its
+  // request up: both legs are closed, so the engines free its blocks at once. A Decode that
+  // fails before anything reached the client leaves the rotation, and the request starts
+  // again on another (its Prefill dispatch, if any, is stopped).
+  for (int attempt = 1;; ++attempt) {
+    auto& leg = *round->leg;
+    wait_on_leg(leg, round->parent, [&] { return leg.status != 0 || leg.done; });
+    std::string why;
+    {
+      std::lock_guard lock(leg.mu);
+      const std::string& origin = config.decode[round->parent->decode];
+      if (leg.status >= 500) {
+        why = "Decode " + origin + " answered HTTP " + std::to_string(leg.status);
+      } else if (leg.status == 0 && leg.done) {
+        why = leg.error.empty() ? "Decode " + origin + " did not answer" : leg.error;
+      }
+    }
+    // A failure of the request's own (its Prefill dispatch, its client) is not Decode's.
+    if (why.empty() || !round->parent->failed().second.empty()) break;
+    {
+      std::lock_guard lock(mu);
+      take_out(decodes, round->parent->decode, why);
+      // Only another Decode is worth a try: the same one would fail the same way.
+      if (attempt >= std::max(1, config.decode_attempts) || !decodes.any_up()) break;
+      ++stats.decode_retries;
+    }
+    log::info("proxy: request {}: {}; attempt {} on another Decode", round->parent->id, why,
+              attempt + 1);
+    round->parent->fail(why);  // closes its Prefill dispatch, if one began
+    round->leg.reset();        // joins the leg before its round is finished
+    finish(round->parent);
+    auto again = begin_round(path, body, *prompts);
+    if (auto* refused = std::get_if<std::pair<int, std::string>>(&again)) {
+      // No other Decode to try: the client learns both why.
+      const auto e = ordered_json::parse(refused->second, nullptr, false);
+      std::string then = "no other Decode";
+      if (e.is_object() && e.contains("error") && e["error"].is_object() &&
+          e["error"].contains("message") && e["error"]["message"].is_string()) {
+        then = e["error"]["message"].get<std::string>();
+      }
+      if (!client_id.empty()) res.set_header("X-Request-Id", client_id);
+      res.status = 502;
+      return res.set_content(http::api_error_json(502, why + "; then " + then), "application/json");
+    }
+    *round = std::get<Round>(std::move(again));
+  }
   // The client's id is echoed; the transfer is named by the proxy's own, which no client can
   // predict or reuse.
   res.set_header("X-Request-Id", client_id.empty() ? round->parent->id : client_id);
-  // Decode's status, or the end of its answer. A client that hangs up meanwhile gives its
-  // request up: both legs are closed, so the engines free its blocks at once.
   auto& leg = *round->leg;
-  wait_on_leg(leg, round->parent, [&] { return leg.status != 0 || leg.done; });
   bool streaming = false;
   {
     std::lock_guard lock(leg.mu);
@@ -380,7 +425,7 @@ void Proxy::Impl::finish(const std::shared_ptr<Parent>& parent) {
       if (it != by_child.end() && it->second == parent) by_child.erase(it);
     }
     if (parents.erase(parent) != 0) {
-      --decode_load[parent->decode];
+      --decodes.load[parent->decode];
       upstream_in_flight.with({"decode", config.decode[parent->decode]}).add(-1);
     }
   }

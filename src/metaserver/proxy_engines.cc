@@ -101,6 +101,61 @@ std::string Proxy::Impl::prefill_payload(Parent& parent) const {
   return body.dump();
 }
 
+void Proxy::Impl::take_out(Pool& pool, size_t i, const std::string& why) {
+  if (!pool.down[i].empty()) return;
+  pool.down[i] = why;
+  ++stats.taken_out;
+  log::warn("proxy: {} {} is out of rotation: {}", pool.role, pool.origins[i], why);
+}
+
+void Proxy::Impl::bring_back(Pool& pool, size_t i) {
+  if (pool.down[i].empty()) return;
+  pool.down[i].clear();
+  ++stats.brought_back;
+  log::info("proxy: {} {} answers its health probe again: back in rotation", pool.role,
+            pool.origins[i]);
+}
+
+std::optional<std::string> Proxy::Impl::probe(const std::string& origin) const {
+  httplib::Client c(origin);
+  c.set_connection_timeout(config.probe_timeout);
+  c.set_read_timeout(config.probe_timeout);
+  c.set_write_timeout(config.probe_timeout);
+  const EngineAnswer a = ask_engine(c, "GET", "/health", auth);
+  if (!a && a.status == 0) return "its health probe " + a.error;
+  // An engine without the route (404) still serves; a 5xx says it does not.
+  if (a.status >= 500) return "its health probe answered HTTP " + std::to_string(a.status);
+  return std::nullopt;
+}
+
+void Proxy::Impl::probe_loop() {
+  std::unique_lock lock(mu);
+  while (!stopping) {
+    std::vector<std::pair<Pool*, size_t>> targets;
+    std::vector<std::string> origins;
+    for (Pool* pool : {&prefills, &decodes}) {
+      for (size_t i = 0; i < pool->origins.size(); ++i) {
+        targets.emplace_back(pool, i);
+        origins.push_back(pool->origins[i]);
+      }
+    }
+    lock.unlock();
+    std::vector<std::optional<std::string>> verdicts;
+    for (const auto& origin : origins) verdicts.push_back(probe(origin));
+    lock.lock();
+    if (stopping) break;
+    for (size_t k = 0; k < targets.size(); ++k) {
+      auto [pool, i] = targets[k];
+      if (verdicts[k]) {
+        take_out(*pool, i, *verdicts[k]);
+      } else {
+        bring_back(*pool, i);
+      }
+    }
+    idle_cv.wait_for(lock, config.probe_interval, [&] { return stopping; });
+  }
+}
+
 Proxy::Impl::PrefillAttempt Proxy::Impl::attempt_prefill(const std::shared_ptr<Parent>& parent,
                                                          const std::string& payload) {
   size_t which;
@@ -109,7 +164,13 @@ Proxy::Impl::PrefillAttempt Proxy::Impl::attempt_prefill(const std::shared_ptr<P
   {
     std::lock_guard lock(mu);
     ++stats.prefill_dispatches;
-    which = least_loaded(prefill_load, prefill_cursor);
+    const auto taken = prefills.take();
+    if (!taken) {
+      PrefillAttempt none;
+      none.why = "the proxy has no Prefill instance";
+      return none;
+    }
+    which = *taken;
     dispatches.with({config.prefill[which]}).inc();
     upstream_in_flight.with({"prefill", config.prefill[which]}).add(1);
     client = std::make_shared<httplib::Client>(config.prefill[which]);
@@ -150,12 +211,15 @@ Proxy::Impl::PrefillAttempt Proxy::Impl::attempt_prefill(const std::shared_ptr<P
     a.retry = r.status >= 500;
   }
   std::lock_guard lock(mu);
-  --prefill_load[which];
+  --prefills.load[which];
   upstream_in_flight.with({"prefill", config.prefill[which]}).add(-1);
   std::erase(dispatch_clients, client);
   if (!a.why.empty() && !a.given_up) {
     ++stats.prefill_failures;
     dispatch_failures.with({config.prefill[which]}).inc();
+    // No answer, or a 5xx: the instance leaves the rotation, so the next attempt (and every
+    // other request) goes elsewhere until its health probe answers again.
+    if (a.retry) take_out(prefills, which, a.why);
   }
   return a;
 }
@@ -182,32 +246,45 @@ void Proxy::Impl::dispatch_prefill(std::shared_ptr<Parent> parent) {
 }
 
 void Proxy::Impl::handle_health(httplib::Response& res) {
+  Pool pools[2];
   {
     std::lock_guard lock(mu);
     if (stopping || draining) return http::set_api_error(res, 503, "the proxy is shutting down");
+    pools[0] = prefills;
+    pools[1] = decodes;
   }
+  if (config.probe_interval.count() == 0) {
+    // No prober: each engine is asked now.
+    for (Pool& pool : pools) {
+      for (size_t i = 0; i < pool.origins.size(); ++i) {
+        pool.down[i] = probe(pool.origins[i]).value_or(std::string());
+      }
+    }
+  }
+  // Serving while one of each role is in rotation; what is out is named.
   ordered_json out = {{"status", "ok"}};
   std::vector<std::string> down;
-  for (const auto* role : {"prefill", "decode"}) {
-    const auto& list = role == std::string("prefill") ? config.prefill : config.decode;
+  bool serving = true;
+  for (const Pool& pool : pools) {
     ordered_json instances = ordered_json::array();
-    for (const auto& origin : list) {
-      httplib::Client c(origin);
-      c.set_connection_timeout(std::chrono::seconds(1));
-      c.set_read_timeout(std::chrono::seconds(2));
-      const bool ok = ask_engine(c, "GET", "/health", {}).status == 200;
-      if (!ok) down.push_back(std::string(role) + " " + origin);
-      instances.push_back({{"url", origin}, {"healthy", ok}});
+    for (size_t i = 0; i < pool.origins.size(); ++i) {
+      ordered_json one = {{"url", pool.origins[i]}, {"healthy", pool.down[i].empty()}};
+      if (!pool.down[i].empty()) {
+        one["reason"] = pool.down[i];
+        down.push_back(pool.role + " " + pool.origins[i]);
+      }
+      instances.push_back(std::move(one));
     }
-    out[role] = instances;
+    out[pool.role] = std::move(instances);
+    serving = serving && pool.any_up();
   }
   if (!down.empty()) {
     std::string names;
     for (const auto& d : down) names += (names.empty() ? "" : ", ") + d;
-    out["status"] = "unhealthy";
-    out["error"] = {{"message", "not answering /health: " + names}, {"type", "server_error"}};
-    res.status = 503;
+    out["status"] = serving ? "degraded" : "unhealthy";
+    out["error"] = {{"message", "out of rotation: " + names}, {"type", "server_error"}};
   }
+  if (!serving) res.status = 503;
   res.set_content(out.dump(), "application/json");
 }
 

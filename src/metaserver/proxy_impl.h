@@ -154,6 +154,41 @@ struct Continuation {
   }
 };
 
+// The instances of one role: their requests in flight, and whether they are in the rotation.
+// Guarded by Proxy::Impl::mu.
+struct Pool {
+  std::string role;  // "prefill" or "decode"
+  std::vector<std::string> origins;
+  std::vector<int> load;
+  std::vector<std::string> down;  // why each is out of the rotation; empty: in it
+  size_t cursor = 0;
+
+  void assign(std::string r, const std::vector<std::string>& o) {
+    role = std::move(r);
+    origins = o;
+    load.assign(o.size(), 0);
+    down.assign(o.size(), std::string());
+  }
+  bool any_up() const {
+    return std::any_of(down.begin(), down.end(), [](const std::string& d) { return d.empty(); });
+  }
+  // The least loaded instance in the rotation, counted as one more in flight; ties go
+  // round, so an idle fleet is used evenly. With every instance out, the least loaded of
+  // them all (one may be back before its probe says so). None without instances.
+  std::optional<size_t> take() {
+    const bool any = any_up();
+    std::optional<size_t> best;
+    for (size_t k = 0; k < load.size(); ++k) {
+      const size_t i = (cursor + k) % load.size();
+      if ((!any || down[i].empty()) && (!best || load[i] < load[*best])) best = i;
+    }
+    if (!best) return std::nullopt;
+    cursor = *best + 1;
+    ++load[*best];
+    return best;
+  }
+};
+
 struct Proxy::Impl {
   ProxyConfig config;
   // GET /metrics on the client API.
@@ -190,8 +225,7 @@ struct Proxy::Impl {
   std::condition_variable idle_cv;  // a client request finished (drain waits on it)
   std::map<std::string, std::shared_ptr<Parent>> by_child;
   std::set<std::shared_ptr<Parent>> parents;  // client requests in flight
-  std::vector<int> decode_load, prefill_load;
-  size_t decode_cursor = 0, prefill_cursor = 0;
+  Pool prefills, decodes;
   ProxyStats stats;
   bool stopping = false;
   bool draining = false;
@@ -199,18 +233,15 @@ struct Proxy::Impl {
   std::unique_ptr<ThreadPool> dispatchers;
   std::vector<std::shared_ptr<httplib::Client>> dispatch_clients;
 
-  // The instance with the fewest requests in flight; ties go round, so an idle fleet is
-  // used evenly. Caller holds mu.
-  size_t least_loaded(std::vector<int>& load, size_t& cursor) {
-    size_t best = cursor % load.size();
-    for (size_t k = 1; k < load.size(); ++k) {
-      const size_t i = (cursor + k) % load.size();
-      if (load[i] < load[best]) best = i;
-    }
-    cursor = best + 1;
-    ++load[best];
-    return best;
-  }
+  // Takes instance `i` of `pool` out of the rotation (it failed: `why`), or brings it back.
+  // Caller holds mu.
+  void take_out(Pool& pool, size_t i, const std::string& why);
+  void bring_back(Pool& pool, size_t i);
+  // The health probes: every probe_interval, GET /health of each instance.
+  std::thread prober;
+  void probe_loop();
+  // Whether an engine answers GET /health within the probe timeout, not with a 5xx; why not.
+  std::optional<std::string> probe(const std::string& origin) const;
 
   std::string metaserver_url() const {
     return "http://" + config.host + ":" + std::to_string(rendezvous_port) + "/v1/metaserver";

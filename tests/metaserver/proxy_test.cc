@@ -29,6 +29,9 @@ class Engine {
   explicit Engine(Handler handle, std::atomic<int>* resets = nullptr) {
     server_.Post("/v1/completions", handle);
     server_.Post("/v1/chat/completions", handle);
+    server_.Get("/health", [this](const httplib::Request&, httplib::Response& res) {
+      res.status = health_.load();
+    });
     server_.Post("/reset_prefix_cache", [resets](const httplib::Request&, httplib::Response& res) {
       if (resets) ++*resets;
       res.set_content("{}", "application/json");
@@ -40,6 +43,8 @@ class Engine {
   }
   ~Engine() { kill(); }
   std::string origin() const { return "http://127.0.0.1:" + std::to_string(port_); }
+  // What its /health answers (200 by default; 503: an engine whose core died).
+  void set_health(int status) { health_.store(status); }
 
   // Gone as a killed engine is: its port refuses connections (and stays this test's).
   void kill() {
@@ -51,6 +56,7 @@ class Engine {
 
  private:
   httplib::Server server_;
+  std::atomic<int> health_{200};
   int port_ = 0;
   std::thread thread_;
   std::optional<ClosedPort> closed_;
@@ -70,19 +76,24 @@ struct PrefillLog {
 
 class ProxyTest : public ::testing::Test {
  protected:
-  void start(int prefill_status = 200, int prefills = 1) {
+  void start(int prefill_status = 200, int prefills = 1, int decodes = 1) {
     ClientConfig mc;
     mc.token = token_;
     metaserver_ = std::make_unique<Client>(mc);
     for (int i = 0; i < prefills; ++i) start_prefill(prefill_status, i);
-    decode_ = std::make_unique<Engine>(
-        [this](const httplib::Request& req, httplib::Response& res) { serve_decode(req, res); },
-        &resets_);
+    for (int i = 0; i < decodes; ++i) {
+      decodes_.push_back(std::make_unique<Engine>(
+          [this, i](const httplib::Request& req, httplib::Response& res) {
+            serve_decode(req, res, i);
+          },
+          &resets_));
+    }
     ProxyConfig config;
     config.prefill_attempts = attempts_;
     config.token = token_;
+    config.probe_interval = probe_interval_;
     for (const auto& p : prefill_) config.prefill.push_back(p->origin());
-    config.decode = {decode_->origin()};
+    for (const auto& d : decodes_) config.decode.push_back(d->origin());
     config.max_body_bytes = 1 << 20;
     auto p = Proxy::start(config);
     ASSERT_TRUE(p) << p.status().to_string();
@@ -124,13 +135,19 @@ class ProxyTest : public ::testing::Test {
 
   // Decode as vLLM's server is toward the proxy: child ids from X-Request-Id, one
   // rendezvous per child, an answer once Prefill ran.
-  void serve_decode(const httplib::Request& req, httplib::Response& res) {
+  void serve_decode(const httplib::Request& req, httplib::Response& res, int index = 0) {
     const json body = json::parse(req.body);
     size_t mine = 0;  // this is the mine-th request Decode got; Prefill runs once for each
     {
       std::lock_guard lock(log_.mu);
       decode_bodies_.push_back(body);
+      decode_index_.push_back(index);
       mine = decode_bodies_.size();
+      if (decode_status_ != 0) {  // a Decode that fails the request at once
+        res.status = decode_status_;
+        res.set_content("engine error", "text/plain");
+        return;
+      }
     }
     const std::string parent = req.get_header_value("X-Request-Id");
     std::vector<std::string> children;
@@ -190,9 +207,12 @@ class ProxyTest : public ::testing::Test {
   int attempts_ = 3;
   std::atomic<int> resets_{0};
   std::vector<json> decode_bodies_;
+  std::vector<int> decode_index_;  // which Decode got each request
+  int decode_status_ = 0;          // set: every Decode answers this at once
+  std::chrono::milliseconds probe_interval_{1000};
   std::unique_ptr<Client> metaserver_;  // Decode's rendezvous posts, with the token
   std::vector<std::unique_ptr<Engine>> prefill_;
-  std::unique_ptr<Engine> decode_;
+  std::vector<std::unique_ptr<Engine>> decodes_;
   std::unique_ptr<Proxy> proxy_;
 };
 
@@ -426,6 +446,96 @@ TEST_F(ProxyTest, IdleInstancesAreUsedInTurn) {
   }
   std::lock_guard lock(log_.mu);
   EXPECT_EQ(log_.prefill_index, (std::vector<int>{0, 1, 0, 1}));
+}
+
+// GET /health of the proxy: its status and JSON body.
+std::pair<int, json> health(const std::string& url) {
+  httplib::Client c(url);
+  auto r = c.Get("/health");
+  EXPECT_TRUE(r);
+  if (!r) return {0, json()};
+  return {r->status, json::parse(r->body, nullptr, false)};
+}
+
+TEST_F(ProxyTest, ADecodeThatIsGoneLeavesTheRotationAtOnceAndItsRequestGoesToAnother) {
+  start(200, /*prefills=*/1, /*decodes=*/2);
+  decodes_[0]->kill();
+  for (int i = 0; i < 10; ++i) {
+    auto r = client_post("/v1/completions", {{"model", "m"}, {"prompt", "p"}});
+    ASSERT_TRUE(r) << httplib::to_string(r.error());
+    EXPECT_EQ(r->status, 200) << "request " << i << ": " << r->body;
+  }
+  // The first request may meet the dead Decode (before a probe did); no other does.
+  EXPECT_LE(proxy_->stats().decode_retries, 1u);
+  {
+    std::lock_guard lock(log_.mu);
+    EXPECT_EQ(log_.succeeded, 10) << "a Prefill dispatch per request, each served";
+    for (int d : decode_index_) EXPECT_EQ(d, 1) << "the dead Decode got a request";
+  }
+  ASSERT_TRUE(eventually([&] { return health(proxy_->url()).second.value("status", "") == "degraded"; }))
+      << health(proxy_->url()).second.dump();
+  const auto [status, body] = health(proxy_->url());
+  EXPECT_EQ(status, 200) << "one Prefill and one Decode serve";
+  EXPECT_EQ(body["decode"][0]["healthy"], false) << body.dump();
+  EXPECT_NE(body["decode"][0].value("reason", "").find("did not answer"), std::string::npos)
+      << body.dump();
+  EXPECT_EQ(body["decode"][1]["healthy"], true) << body.dump();
+}
+
+TEST_F(ProxyTest, ADecodeThatFailsARequestWithA5xxBeforeAnswerIsTriedOnAnother) {
+  decode_status_ = 500;  // every Decode fails at once: both are tried, then the client hears
+  start(200, /*prefills=*/1, /*decodes=*/2);
+  auto r = client_post("/v1/completions", {{"model", "m"}, {"prompt", "p"}});
+  ASSERT_TRUE(r) << httplib::to_string(r.error());
+  EXPECT_EQ(r->status, 500) << r->body;  // the last Decode's own answer
+  EXPECT_EQ(proxy_->stats().decode_retries, 1u);
+  std::lock_guard lock(log_.mu);
+  EXPECT_EQ(decode_index_.size(), 2u);
+  ASSERT_EQ(decode_index_.size(), 2u);
+  EXPECT_NE(decode_index_[0], decode_index_[1]) << "the second attempt went to the same Decode";
+}
+
+TEST_F(ProxyTest, APrefillThatFailsLeavesTheRotationAndComesBackWhenItsProbeAnswers) {
+  probe_interval_ = 100ms;
+  fail_first_ = 1;  // the first dispatch gets a 503 from whichever Prefill takes it
+  start(200, /*prefills=*/2);
+  auto r = client_post("/v1/completions", {{"model", "m"}, {"prompt", "p"}});
+  ASSERT_TRUE(r && r->status == 200) << (r ? r->body : httplib::to_string(r.error()));
+  int failed_one = 0;
+  {
+    std::lock_guard lock(log_.mu);
+    ASSERT_EQ(log_.prefill_index.size(), 2u);
+    failed_one = log_.prefill_index[0];
+    EXPECT_NE(log_.prefill_index[1], failed_one) << "the retry went to the Prefill that failed";
+  }
+  EXPECT_GE(proxy_->stats().taken_out, 1u);
+  // Its probe answers: it is back, and takes requests in turn again.
+  ASSERT_TRUE(eventually([&] { return proxy_->stats().brought_back >= 1; }));
+  for (int i = 0; i < 4; ++i) {
+    auto again = client_post("/v1/completions", {{"model", "m"}, {"prompt", "p"}});
+    ASSERT_TRUE(again && again->status == 200);
+  }
+  std::lock_guard lock(log_.mu);
+  EXPECT_EQ(std::count(log_.prefill_index.begin() + 2, log_.prefill_index.end(), failed_one), 2)
+      << "the Prefill that came back is not used in turn";
+}
+
+TEST_F(ProxyTest, HealthIs503OnlyWhenNoInstanceOfARoleServesAndNamesWhatIsOut) {
+  probe_interval_ = 50ms;
+  start(200, /*prefills=*/2, /*decodes=*/1);
+  prefill_[0]->set_health(503);  // an engine whose core died
+  ASSERT_TRUE(eventually([&] { return health(proxy_->url()).second.value("status", "") == "degraded"; }));
+  auto [status, body] = health(proxy_->url());
+  EXPECT_EQ(status, 200);
+  EXPECT_NE(body["prefill"][0].value("reason", "").find("HTTP 503"), std::string::npos)
+      << body.dump();
+  decodes_[0]->set_health(503);
+  ASSERT_TRUE(eventually([&] { return health(proxy_->url()).first == 503; }));
+  std::tie(status, body) = health(proxy_->url());
+  EXPECT_EQ(body["status"], "unhealthy") << body.dump();
+  decodes_[0]->set_health(200);
+  prefill_[0]->set_health(200);
+  ASSERT_TRUE(eventually([&] { return health(proxy_->url()).second.value("status", "") == "ok"; }));
 }
 
 TEST(Proxy, RefusesEngineAddressesThatAreNotOrigins) {

@@ -15,6 +15,14 @@
 // so the engines give the request up and free its blocks at once. Errors are OpenAI
 // error objects; the client's X-Request-Id is echoed (the transfer is named by the proxy's
 // own random id).
+//
+// Instances fail over: one that fails (no answer or a refused connection, a 5xx, no answer
+// within its deadline, a failed health probe) leaves the rotation at once and is probed
+// (GET /health) in the background until it answers again; requests go to the least loaded
+// instance in rotation. A client request whose Decode fails before anything reached the
+// client goes to another Decode (decode_attempts); a Prefill dispatch that fails goes to
+// another Prefill (prefill_attempts). /health is 200 while at least one Prefill and one
+// Decode are in rotation, and names each instance's state.
 #pragma once
 
 #include <atomic>
@@ -56,6 +64,15 @@ struct ProxyConfig {
   // Prefill and Decode again, up to this many times, and the client sees one answer. For
   // a single prompt (a text prompt or chat messages); 0: never.
   int max_reissues = 3;
+  // Every instance is probed (GET /health, answered within probe_timeout, not with a 5xx)
+  // this often: a failed probe takes it out of the rotation, a good one brings it back.
+  // Zero: no probes (an instance that failed comes back at its next probe only, so never;
+  // /health then asks every engine itself).
+  std::chrono::milliseconds probe_interval{1000};
+  std::chrono::milliseconds probe_timeout{1000};
+  // A client request whose Decode gets no answer or answers a 5xx before anything reached
+  // the client is tried on another Decode in rotation, up to this many attempts in all.
+  int decode_attempts = 2;
 };
 
 struct ProxyStats {
@@ -66,6 +83,9 @@ struct ProxyStats {
   uint64_t prefill_failures = 0;
   uint64_t client_cancelled = 0;  // requests given up because their client went away
   uint64_t reissued = 0;          // rounds begun to continue a stream Decode recomputed
+  uint64_t decode_retries = 0;    // client requests sent to another Decode after a failure
+  uint64_t taken_out = 0;         // times an instance left the rotation
+  uint64_t brought_back = 0;      // times one came back
 };
 
 class Proxy {
