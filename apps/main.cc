@@ -226,7 +226,7 @@ void add_proxy(CLI::App& app, Commands& c) {
       ->add_option_function<int64_t>(
           "--probe-timeout-ms",
           [&px](int64_t ms) { px.probe_timeout = std::chrono::milliseconds(ms); },
-          "how long a health probe may take (default 1000)")
+          "how long a health probe may take (default 2000)")
       ->check(CLI::Range(int64_t{1}, int64_t{600000}));
   proxy
       ->add_option("--max-reissues", px.max_reissues,

@@ -120,7 +120,7 @@ Proxy::~Proxy() {
   in_flight.clear();
   {
     std::lock_guard lock(p.mu);
-    for (auto& c : p.dispatch_clients) c->stop();
+    for (auto& [which, c] : p.dispatch_clients) c->stop();
   }
   {
     // Their handlers wake within a look and answer 503 before the connections close.

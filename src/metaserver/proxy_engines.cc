@@ -106,6 +106,13 @@ void Proxy::Impl::take_out(Pool& pool, size_t i, const std::string& why) {
   pool.down[i] = why;
   ++stats.taken_out;
   log::warn("proxy: {} {} is out of rotation: {}", pool.role, pool.origins[i], why);
+  if (&pool != &prefills || !pool.any_up()) return;
+  // Dispatches waiting on a Prefill that stopped answering (a stalled host) would wait out
+  // their deadline: they are cut, and go to another Prefill as any dispatch without an
+  // answer does.
+  for (auto& [which, client] : dispatch_clients) {
+    if (which == i) client->stop();
+  }
 }
 
 void Proxy::Impl::bring_back(Pool& pool, size_t i) {
@@ -175,7 +182,7 @@ Proxy::Impl::PrefillAttempt Proxy::Impl::attempt_prefill(const std::shared_ptr<P
     upstream_in_flight.with({"prefill", config.prefill[which]}).add(1);
     client = std::make_shared<httplib::Client>(config.prefill[which]);
     set_timeouts(*client, config.upstream_timeout);
-    dispatch_clients.push_back(client);  // the destructor stops it while in flight
+    dispatch_clients.emplace_back(which, client);  // the destructor stops it while in flight
     stopped = stopping;
   }
   {
@@ -213,7 +220,7 @@ Proxy::Impl::PrefillAttempt Proxy::Impl::attempt_prefill(const std::shared_ptr<P
   std::lock_guard lock(mu);
   --prefills.load[which];
   upstream_in_flight.with({"prefill", config.prefill[which]}).add(-1);
-  std::erase(dispatch_clients, client);
+  std::erase_if(dispatch_clients, [&](const auto& d) { return d.second == client; });
   if (!a.why.empty() && !a.given_up) {
     ++stats.prefill_failures;
     dispatch_failures.with({config.prefill[which]}).inc();

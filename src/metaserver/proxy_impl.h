@@ -231,7 +231,8 @@ struct Proxy::Impl {
   bool draining = false;
   // Prefill dispatches: at most one per client request in flight.
   std::unique_ptr<ThreadPool> dispatchers;
-  std::vector<std::shared_ptr<httplib::Client>> dispatch_clients;
+  // The dispatches in flight, by the Prefill instance they went to.
+  std::vector<std::pair<size_t, std::shared_ptr<httplib::Client>>> dispatch_clients;
 
   // Takes instance `i` of `pool` out of the rotation (it failed: `why`), or brings it back.
   // Caller holds mu.

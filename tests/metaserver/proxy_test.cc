@@ -30,6 +30,8 @@ class Engine {
     server_.Post("/v1/completions", handle);
     server_.Post("/v1/chat/completions", handle);
     server_.Get("/health", [this](const httplib::Request&, httplib::Response& res) {
+      std::unique_lock lock(stall_mu_);
+      stall_cv_.wait_for(lock, 30s, [this] { return !stalled_; });  // a stalled host
       res.status = health_.load();
     });
     server_.Post("/reset_prefix_cache", [resets](const httplib::Request&, httplib::Response& res) {
@@ -42,6 +44,11 @@ class Engine {
     EXPECT_TRUE(eventually([this] { return server_.is_running(); }));
   }
   ~Engine() { kill(); }
+  // Its /health stops answering (a host that froze) until the engine is killed.
+  void stall_health() {
+    std::lock_guard lock(stall_mu_);
+    stalled_ = true;
+  }
   std::string origin() const { return "http://127.0.0.1:" + std::to_string(port_); }
   // What its /health answers (200 by default; 503: an engine whose core died).
   void set_health(int status) { health_.store(status); }
@@ -49,6 +56,11 @@ class Engine {
   // Gone as a killed engine is: its port refuses connections (and stays this test's).
   void kill() {
     if (!thread_.joinable()) return;
+    {
+      std::lock_guard lock(stall_mu_);
+      stalled_ = false;
+    }
+    stall_cv_.notify_all();
     server_.stop();
     thread_.join();
     closed_.emplace(port_);
@@ -57,6 +69,9 @@ class Engine {
  private:
   httplib::Server server_;
   std::atomic<int> health_{200};
+  std::mutex stall_mu_;
+  std::condition_variable stall_cv_;
+  bool stalled_ = false;
   int port_ = 0;
   std::thread thread_;
   std::optional<ClosedPort> closed_;
@@ -92,6 +107,7 @@ class ProxyTest : public ::testing::Test {
     config.prefill_attempts = attempts_;
     config.token = token_;
     config.probe_interval = probe_interval_;
+    config.probe_timeout = probe_timeout_;
     for (const auto& p : prefill_) config.prefill.push_back(p->origin());
     for (const auto& d : decodes_) config.decode.push_back(d->origin());
     config.max_body_bytes = 1 << 20;
@@ -111,10 +127,14 @@ class ProxyTest : public ::testing::Test {
           }
           int status = prefill_status;
           {
-            std::lock_guard lock(log_.mu);
+            std::unique_lock lock(log_.mu);
             if (fail_first_ > 0) {
               --fail_first_;
               status = 503;
+            }
+            if (index == stalled_prefill_) {  // a Prefill whose host froze: no answer
+              log_.cv.wait_for(lock, 30s, [&] { return log_.released; });
+              return;
             }
           }
           res.status = status;
@@ -210,6 +230,8 @@ class ProxyTest : public ::testing::Test {
   std::vector<int> decode_index_;  // which Decode got each request
   int decode_status_ = 0;          // set: every Decode answers this at once
   std::chrono::milliseconds probe_interval_{1000};
+  std::chrono::milliseconds probe_timeout_{2000};
+  int stalled_prefill_ = -1;  // set: that Prefill never answers a dispatch
   std::unique_ptr<Client> metaserver_;  // Decode's rendezvous posts, with the token
   std::vector<std::unique_ptr<Engine>> prefill_;
   std::vector<std::unique_ptr<Engine>> decodes_;
@@ -518,6 +540,26 @@ TEST_F(ProxyTest, APrefillThatFailsLeavesTheRotationAndComesBackWhenItsProbeAnsw
   std::lock_guard lock(log_.mu);
   EXPECT_EQ(std::count(log_.prefill_index.begin() + 2, log_.prefill_index.end(), failed_one), 2)
       << "the Prefill that came back is not used in turn";
+}
+
+TEST_F(ProxyTest, ADispatchHeldByAPrefillThatStallsIsCutWhenItsProbeFailsAndServedByAnother) {
+  probe_interval_ = 100ms;
+  probe_timeout_ = 300ms;
+  stalled_prefill_ = 0;  // the first dispatch goes to Prefill 0, which never answers it
+  start(200, /*prefills=*/2);
+  std::optional<httplib::Result> r;
+  std::thread client([&] { r = client_post("/v1/completions", {{"model", "m"}, {"prompt", "p"}}); });
+  ASSERT_TRUE(eventually([&] {
+    std::lock_guard lock(log_.mu);
+    return !log_.prefill_index.empty();
+  }));
+  prefill_[0]->stall_health();  // now its host freezes: its probe fails
+  client.join();
+  ASSERT_TRUE(r && *r) << "no answer";
+  EXPECT_EQ((*r)->status, 200) << (*r)->body;
+  EXPECT_GE(proxy_->stats().taken_out, 1u);
+  std::lock_guard lock(log_.mu);
+  EXPECT_EQ(log_.prefill_index, (std::vector<int>{0, 1})) << "not cut and sent to Prefill 1";
 }
 
 TEST_F(ProxyTest, HealthIs503OnlyWhenNoInstanceOfARoleServesAndNamesWhatIsOut) {

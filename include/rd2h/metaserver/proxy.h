@@ -68,8 +68,9 @@ struct ProxyConfig {
   // this often: a failed probe takes it out of the rotation, a good one brings it back.
   // Zero: no probes (an instance that failed comes back at its next probe only, so never;
   // /health then asks every engine itself).
+  // A Prefill taken out has its dispatches in flight cut and sent to another Prefill.
   std::chrono::milliseconds probe_interval{1000};
-  std::chrono::milliseconds probe_timeout{1000};
+  std::chrono::milliseconds probe_timeout{2000};
   // A client request whose Decode gets no answer or answers a 5xx before anything reached
   // the client is tried on another Decode in rotation, up to this many attempts in all.
   int decode_attempts = 2;
