@@ -137,6 +137,9 @@ std::optional<std::string> Proxy::Impl::probe(const std::string& origin) const {
 
 void Proxy::Impl::probe_loop() {
   std::unique_lock lock(mu);
+  // The first round after one interval: what starts the proxy says it serves before any
+  // probe has a word to say.
+  idle_cv.wait_for(lock, config.probe_interval, [&] { return stopping; });
   while (!stopping) {
     std::vector<std::pair<Pool*, size_t>> targets;
     std::vector<std::string> origins;
