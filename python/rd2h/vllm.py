@@ -316,6 +316,7 @@ class Rd2hConnector(KVConnectorBase_V1, SupportsHMA):
         self._kv_buffer_device = str(getattr(ktc, "kv_buffer_device", "cpu") or "cpu")
         self._staging: Optional[staging.HostStaging] = None  # worker: device caches only
         self._host_copy: Optional[staging.CopyOp] = None
+        self._step_blocks: tuple = ([], [])  # worker, staged: the bound step's blocks
         if role == KVConnectorRole.SCHEDULER:
             self._scheduler = rd2h.Scheduler(
                 self._config, self._parallel, self._groups(vllm_config, kv_cache_config)
@@ -581,6 +582,9 @@ class Rd2hConnector(KVConnectorBase_V1, SupportsHMA):
         assert self._worker is not None, "a worker-role call on the scheduler role"
         super().bind_connector_metadata(connector_metadata)
         self._worker.bind_connector_metadata(connector_metadata.data)
+        if self._staging is not None:
+            # What every layer of the step copies to the host: found once per step.
+            self._step_blocks = self._worker.step_blocks()
         if self._test_corrupt:
             self._corrupt_pending.update(getattr(connector_metadata, "corrupt", {}))
         if self._digest_dir:
@@ -610,8 +614,7 @@ class Rd2hConnector(KVConnectorBase_V1, SupportsHMA):
             # Every layer of the step is written, and no Decode has the last one yet.
             self._write_digests(list(self._digest_pending))
         if self._staging is not None:
-            main_blocks, indexer_blocks = self._worker.step_blocks()
-            event = self._staging.save_layer(layer_name, main_blocks, indexer_blocks)
+            event = self._staging.save_layer(layer_name, *self._step_blocks)
             self._worker.save_kv_layer(layer_name, event)
             return
         self._worker.save_kv_layer(layer_name)

@@ -6,7 +6,6 @@
 #include <algorithm>
 
 #include "decode/layer_meta.h"
-#include "protocol/message_tags.h"
 #include "layout/cache.h"
 #include "rd2h/common/trace.h"
 #include "util/log.h"
@@ -249,15 +248,7 @@ bool Reader::drain_links(bool polled) {
     if (peer == link_peer_.end()) continue;  // closed meanwhile
     const std::string identity = peer->second;
     link_of_[identity].answer_on_link = true;
-    if (protocol::peek_tag(payload) == std::optional<std::string>(protocol::kTagReadReadyBatch)) {
-      std::lock_guard lock(mu_);
-      // Polling stops once nothing is owed: a message taken in the same batch after the one
-      // that settled the last request did not find the reader polling for it.
-      polled = polled && !owed_.empty();
-      ++stats_.readiness_on_link;
-      if (polled) ++stats_.readiness_polled;
-    }
-    handle(control::Inbound{identity, std::move(payload)});
+    handle(control::Inbound{identity, std::move(payload)}, &polled);
   }
   for (uint64_t token : closed) {
     auto peer = link_peer_.find(token);
@@ -305,12 +296,20 @@ void Reader::close_link(const std::string& identity) {
   link_of_.erase(link);
 }
 
-void Reader::handle(const control::Inbound& in) {
+void Reader::handle(const control::Inbound& in, bool* polled) {
   auto message = protocol::decode_message(in.payload);
   if (!message) return handle_undecodable(in, message.status().message());
   if (auto* meta = std::get_if<protocol::MfMeta>(&*message)) {
     handle_mf_meta(in.identity, *meta);
   } else if (auto* ready = std::get_if<protocol::ReadReadyBatch>(&*message)) {
+    if (polled != nullptr) {
+      std::lock_guard lock(mu_);
+      // Polling stops once nothing is owed: a readiness taken in the same batch after the
+      // message that settled the last request did not find the reader polling for it.
+      *polled = *polled && !owed_.empty();
+      ++stats_.readiness_on_link;
+      if (*polled) ++stats_.readiness_polled;
+    }
     take_readiness(in.identity, std::move(*ready));
   } else if (auto* commit = std::get_if<protocol::KvCommit>(&*message)) {
     // It answers a READ_DONE already sent, which no held readiness precedes: taken at once.

@@ -143,7 +143,9 @@ class Reader {
   Reader(ReaderConfig config, std::shared_ptr<transfer::TransferEngine> engine, DecodeLayout layout,
          std::unique_ptr<control::RouterChannel> router);
   void run();
-  void handle(const control::Inbound& in);
+  // `polled`, for a message that came on a link: whether the reader was polling the links
+  // for it (counted in the stats if it is a readiness; cleared once nothing is owed).
+  void handle(const control::Inbound& in, bool* polled = nullptr);
   // A message that could not be decoded: a readiness is answered READ_FAILED in its turn,
   // an MF_META refused, anything else drops the connection.
   void handle_undecodable(const control::Inbound& in, const std::string& why);
