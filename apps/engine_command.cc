@@ -85,10 +85,18 @@ int run_engine(const EngineCommandOptions& o, connector::KvRole role) {
   }
   std::fflush(stdout);
   const int signal = stop.wait();
+  // Drain: new requests get 503 (so a proxy's probe takes this engine out of its rotation)
+  // while those in flight finish; what is left after the bound fails.
+  std::printf("rd2h %s: signal %d: draining for up to %lld s\n", name, signal,
+              static_cast<long long>(o.drain_timeout_s));
+  std::fflush(stdout);
+  const bool drained = (*engine)->drain(std::chrono::seconds(o.drain_timeout_s));
   const auto stats = (*engine)->stats();
-  std::printf("rd2h %s: stopping on signal %d after %llu requests (%llu failed)\n", name, signal,
+  engine->reset();
+  std::printf("rd2h %s: stopped after %llu requests (%llu failed; %s)\n", name,
               static_cast<unsigned long long>(stats.requests),
-              static_cast<unsigned long long>(stats.failed_requests));
+              static_cast<unsigned long long>(stats.failed_requests),
+              drained ? "all finished" : "the rest failed");
   return 0;
 }
 

@@ -1,5 +1,6 @@
 // rd2h prefill / rd2h decode: a simulated inference engine (src/sim/engine.h) as
-// an HTTP server, driving the connector as a host engine would, until SIGINT or SIGTERM.
+// an HTTP server, driving the connector as a host engine would, until SIGINT or SIGTERM;
+// then it drains (new requests and /health get 503 while those in flight finish).
 #pragma once
 
 #include <cstdint>
@@ -32,6 +33,7 @@ struct EngineCommandOptions {
   std::string token_file;  // the bearer token of the HTTP API (empty: $RD2H_TOKEN, if set)
   size_t max_prompts = 1024;
   size_t max_prompt_tokens = 262144;
+  int64_t drain_timeout_s = 30;  // after SIGTERM: how long requests in flight may take
 };
 
 int run_engine(const EngineCommandOptions& options, connector::KvRole role);

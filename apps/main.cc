@@ -288,6 +288,10 @@ void add_engines(CLI::App& app, Commands& c) {
         ->check(CLI::Range(1u, 1u << 24));
     cmd->add_option("--max-prompt-tokens", eo.max_prompt_tokens, "tokens in one prompt")
         ->check(CLI::Range(1u, 1u << 30));
+    cmd->add_option("--drain-timeout", eo.drain_timeout_s,
+                    "seconds requests in flight may take to finish after SIGTERM (new ones get "
+                    "503) before they are failed")
+        ->check(CLI::Range(int64_t{0}, int64_t{86400}));
   };
   auto* prefill_cmd = c.prefill_cmd =
       app.add_subcommand("prefill", "A simulated Prefill engine (HTTP server)");

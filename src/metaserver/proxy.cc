@@ -75,12 +75,19 @@ void Proxy::Impl::add_routes() {
            [this](const httplib::Request&, httplib::Response& res) { handle_models(res); });
   // The existing proxy's operator routes.
   api->get("/healthcheck", Auth::kNone, [this](const httplib::Request&, httplib::Response& res) {
+    std::lock_guard lock(mu);
     res.set_content(ordered_json{{"status", "ok"},
-                                 {"prefill_instances", config.prefill.size()},
-                                 {"decode_instances", config.decode.size()}}
+                                 {"prefill_instances", prefills.members().size()},
+                                 {"decode_instances", decodes.members().size()}}
                         .dump(),
                     "application/json");
   });
+  // The pools, listed and set while the proxy runs: with the engines' token.
+  auto instances = [this](const httplib::Request& req, httplib::Response& res) {
+    handle_instances(req, res);
+  };
+  api->get("/admin/instances", Auth::kToken, instances);
+  api->post("/admin/instances", Auth::kToken, instances);
   api->post(
       "/reset_prefix_cache", Auth::kApiKey,
       [this](const httplib::Request&, httplib::Response& res) { handle_reset_prefix_cache(res); });

@@ -30,7 +30,8 @@ bool printable_id(const std::string& id) {
 
 void Proxy::Impl::start_decode_leg(const std::shared_ptr<Parent>& parent, DecodeLeg& leg,
                                    httplib::Headers headers, std::string payload) {
-  auto upstream = std::make_shared<httplib::Client>(config.decode[parent->decode]);
+  const std::string origin = parent->decode_origin;
+  auto upstream = std::make_shared<httplib::Client>(origin);
   set_timeouts(*upstream, config.upstream_timeout);
   {
     std::lock_guard lock(parent->mu);
@@ -38,7 +39,6 @@ void Proxy::Impl::start_decode_leg(const std::shared_ptr<Parent>& parent, Decode
   }
   const bool stream = parent->body.value("stream", ordered_json(false)).is_boolean() &&
                       parent->body.value("stream", false);
-  const std::string origin = config.decode[parent->decode];
   leg.thread = std::thread([parent, &leg, upstream, stream, origin, headers = std::move(headers),
                             payload = std::move(payload)] {
     httplib::Request up;
@@ -106,14 +106,15 @@ std::variant<Round, std::pair<int, std::string>> Proxy::Impl::begin_round(
     if (stopping || draining) {
       return std::pair{503, http::api_error_json(503, "the proxy is shutting down")};
     }
-    if (config.decode.empty() || config.prefill.empty()) {
+    if (decodes.members().empty() || prefills.members().empty()) {
       return std::pair{503,
                        http::api_error_json(503, "the proxy has no Prefill or no Decode instance")};
     }
     const auto taken = decodes.take();
     if (!taken) return std::pair{503, http::api_error_json(503, "the proxy has no Decode instance")};
     parent->decode = *taken;
-    upstream_in_flight.with({"decode", config.decode[parent->decode]}).add(1);
+    parent->decode_origin = decodes.origins[*taken];
+    upstream_in_flight.with({"decode", parent->decode_origin}).add(1);
     for (const auto& c : parent->children) by_child[c] = parent;
     parents.insert(parent);
   }
@@ -363,7 +364,7 @@ void Proxy::Impl::handle_client(const httplib::Request& req, httplib::Response& 
     std::string why;
     {
       std::lock_guard lock(leg.mu);
-      const std::string& origin = config.decode[round->parent->decode];
+      const std::string& origin = round->parent->decode_origin;
       if (leg.status >= 500) {
         why = "Decode " + origin + " answered HTTP " + std::to_string(leg.status);
       } else if (leg.status == 0 && leg.done) {
@@ -372,12 +373,19 @@ void Proxy::Impl::handle_client(const httplib::Request& req, httplib::Response& 
     }
     // A failure of the request's own (its Prefill dispatch, its client) is not Decode's.
     if (why.empty() || !round->parent->failed().second.empty()) break;
+    bool retry = true;
     {
       std::lock_guard lock(mu);
       take_out(decodes, round->parent->decode, why);
       // Only another Decode is worth a try: the same one would fail the same way.
-      if (attempt >= std::max(1, config.decode_attempts) || !decodes.any_up()) break;
-      ++stats.decode_retries;
+      retry = attempt < std::max(1, config.decode_attempts) && decodes.any_up();
+      if (retry) ++stats.decode_retries;
+    }
+    if (!retry) {
+      // The client gets Decode's own answer; the KV Prefill would compute has no reader.
+      log::warn("proxy: request {}: {}; its Prefill dispatch is stopped", round->parent->id, why);
+      round->parent->abandon_prefill();
+      break;
     }
     log::info("proxy: request {}: {}; attempt {} on another Decode", round->parent->id, why,
               attempt + 1);
@@ -426,7 +434,7 @@ void Proxy::Impl::finish(const std::shared_ptr<Parent>& parent) {
     }
     if (parents.erase(parent) != 0) {
       --decodes.load[parent->decode];
-      upstream_in_flight.with({"decode", config.decode[parent->decode]}).add(-1);
+      upstream_in_flight.with({"decode", parent->decode_origin}).add(-1);
     }
   }
   idle_cv.notify_all();

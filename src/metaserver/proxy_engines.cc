@@ -1,3 +1,4 @@
+#include "control/curve.h"
 #include "metaserver/proxy_impl.h"
 
 namespace rd2h::metaserver {
@@ -144,7 +145,7 @@ void Proxy::Impl::probe_loop() {
     std::vector<std::pair<Pool*, size_t>> targets;
     std::vector<std::string> origins;
     for (Pool* pool : {&prefills, &decodes}) {
-      for (size_t i = 0; i < pool->origins.size(); ++i) {
+      for (size_t i : pool->members()) {
         targets.emplace_back(pool, i);
         origins.push_back(pool->origins[i]);
       }
@@ -156,6 +157,7 @@ void Proxy::Impl::probe_loop() {
     if (stopping) break;
     for (size_t k = 0; k < targets.size(); ++k) {
       auto [pool, i] = targets[k];
+      if (pool->removed[i]) continue;  // removed while it was probed
       if (verdicts[k]) {
         take_out(*pool, i, *verdicts[k]);
       } else {
@@ -169,6 +171,7 @@ void Proxy::Impl::probe_loop() {
 Proxy::Impl::PrefillAttempt Proxy::Impl::attempt_prefill(const std::shared_ptr<Parent>& parent,
                                                          const std::string& payload) {
   size_t which;
+  std::string origin;
   std::shared_ptr<httplib::Client> client;
   bool stopped;
   {
@@ -181,9 +184,10 @@ Proxy::Impl::PrefillAttempt Proxy::Impl::attempt_prefill(const std::shared_ptr<P
       return none;
     }
     which = *taken;
-    dispatches.with({config.prefill[which]}).inc();
-    upstream_in_flight.with({"prefill", config.prefill[which]}).add(1);
-    client = std::make_shared<httplib::Client>(config.prefill[which]);
+    origin = prefills.origins[which];
+    dispatches.with({origin}).inc();
+    upstream_in_flight.with({"prefill", origin}).add(1);
+    client = std::make_shared<httplib::Client>(origin);
     set_timeouts(*client, config.upstream_timeout);
     dispatch_clients.emplace_back(which, client);  // the destructor stops it while in flight
     stopped = stopping;
@@ -191,7 +195,7 @@ Proxy::Impl::PrefillAttempt Proxy::Impl::attempt_prefill(const std::shared_ptr<P
   {
     std::lock_guard lock(parent->mu);
     parent->prefill = client;  // a failure of the request closes it too
-    stopped = stopped || !parent->failure.empty();
+    stopped = stopped || !parent->failure.empty() || parent->prefill_abandoned;
   }
   // Client::stop() only cuts a request in flight: one not started must not start.
   EngineAnswer r;
@@ -202,14 +206,14 @@ Proxy::Impl::PrefillAttempt Proxy::Impl::attempt_prefill(const std::shared_ptr<P
     r = ask_engine(*client, "POST", parent->path, headers, payload);
   }
   PrefillAttempt a;
-  a.given_up = stopped || !parent->failed().second.empty();  // given up meanwhile
+  a.given_up = stopped || parent->prefill_given_up();  // given up meanwhile
   if (a.given_up) {
     a.why = "the request was given up before Prefill";
   } else if (!r) {
-    a.why = "Prefill " + config.prefill[which] + " " + r.error;
+    a.why = "Prefill " + origin + " " + r.error;
     a.retry = !r.too_long;  // no answer: another try; an answer too long: none
   } else if (r.status != 200) {
-    a.why = "Prefill " + config.prefill[which] + " answered HTTP " + std::to_string(r.status) +
+    a.why = "Prefill " + origin + " answered HTTP " + std::to_string(r.status) +
             ": " + r.body.substr(0, 200);
     // A 4xx about the body (not the proxy's own token) is the client's to see as it is.
     const auto e = ordered_json::parse(r.body, nullptr, false);
@@ -220,13 +224,19 @@ Proxy::Impl::PrefillAttempt Proxy::Impl::attempt_prefill(const std::shared_ptr<P
     }
     a.retry = r.status >= 500;
   }
+  bool abandoned = false;
+  {
+    std::lock_guard lock(parent->mu);
+    abandoned = a.given_up && parent->prefill_abandoned;
+  }
   std::lock_guard lock(mu);
+  if (abandoned) ++stats.prefill_abandoned;
   --prefills.load[which];
-  upstream_in_flight.with({"prefill", config.prefill[which]}).add(-1);
+  upstream_in_flight.with({"prefill", origin}).add(-1);
   std::erase_if(dispatch_clients, [&](const auto& d) { return d.second == client; });
   if (!a.why.empty() && !a.given_up) {
     ++stats.prefill_failures;
-    dispatch_failures.with({config.prefill[which]}).inc();
+    dispatch_failures.with({origin}).inc();
     // No answer, or a 5xx: the instance leaves the rotation, so the next attempt (and every
     // other request) goes elsewhere until its health probe answers again.
     if (a.retry) take_out(prefills, which, a.why);
@@ -266,9 +276,7 @@ void Proxy::Impl::handle_health(httplib::Response& res) {
   if (config.probe_interval.count() == 0) {
     // No prober: each engine is asked now.
     for (Pool& pool : pools) {
-      for (size_t i = 0; i < pool.origins.size(); ++i) {
-        pool.down[i] = probe(pool.origins[i]).value_or(std::string());
-      }
+      for (size_t i : pool.members()) pool.down[i] = probe(pool.origins[i]).value_or("");
     }
   }
   // Serving while one of each role is in rotation; what is out is named.
@@ -277,7 +285,7 @@ void Proxy::Impl::handle_health(httplib::Response& res) {
   bool serving = true;
   for (const Pool& pool : pools) {
     ordered_json instances = ordered_json::array();
-    for (size_t i = 0; i < pool.origins.size(); ++i) {
+    for (size_t i : pool.members()) {
       ordered_json one = {{"url", pool.origins[i]}, {"healthy", pool.down[i].empty()}};
       if (!pool.down[i].empty()) {
         one["reason"] = pool.down[i];
@@ -288,6 +296,7 @@ void Proxy::Impl::handle_health(httplib::Response& res) {
     out[pool.role] = std::move(instances);
     serving = serving && pool.any_up();
   }
+  if (!serving && down.empty()) down.emplace_back("no instance");
   if (!down.empty()) {
     std::string names;
     for (const auto& d : down) names += (names.empty() ? "" : ", ") + d;
@@ -298,10 +307,117 @@ void Proxy::Impl::handle_health(httplib::Response& res) {
   res.set_content(out.dump(), "application/json");
 }
 
+bool Proxy::Impl::admin_allowed(httplib::Response& res) const {
+  // With a token, the route checked it already. Without one, only a proxy that nobody
+  // off this host can reach lets its pools be changed.
+  if (!config.token.empty() || control::is_loopback_host(config.host)) return true;
+  http::set_api_error(res, 403,
+                      "the admin routes need the proxy's token (--token-file) on a proxy bound "
+                      "to a non-loopback address");
+  return false;
+}
+
+ordered_json Proxy::Impl::instances_json() const {
+  ordered_json out = ordered_json::object();
+  for (const Pool* pool : {&prefills, &decodes}) {
+    ordered_json list = ordered_json::array();
+    for (size_t i = 0; i < pool->origins.size(); ++i) {
+      if (pool->removed[i] && pool->load[i] == 0) continue;  // gone
+      const char* state = pool->removed[i]       ? "leaving"
+                          : pool->down[i].empty() ? "serving"
+                                                  : "out of rotation";
+      ordered_json one = {{"url", pool->origins[i]}, {"state", state}, {"in_flight", pool->load[i]}};
+      if (!pool->removed[i] && !pool->down[i].empty()) one["reason"] = pool->down[i];
+      list.push_back(std::move(one));
+    }
+    out[pool->role] = std::move(list);
+  }
+  return out;
+}
+
+void Proxy::Impl::set_instances(Pool& pool, const std::vector<std::string>& wanted,
+                                const std::vector<std::optional<std::string>>& verdicts) {
+  for (size_t i : pool.members()) {
+    if (std::find(wanted.begin(), wanted.end(), pool.origins[i]) != wanted.end()) continue;
+    pool.removed[i] = true;
+    log::info("proxy: {} {} leaves the pool ({} requests in flight finish there)", pool.role,
+              pool.origins[i], pool.load[i]);
+  }
+  for (size_t k = 0; k < wanted.size(); ++k) {
+    const size_t before = pool.members().size();
+    const size_t i = pool.add(wanted[k]);
+    if (pool.members().size() == before) continue;  // one of the pool already
+    pool.down[i] = verdicts[k].value_or("");
+    log::info("proxy: {} {} joins the pool{}", pool.role, wanted[k],
+              verdicts[k] ? " out of rotation: " + *verdicts[k] : "");
+  }
+}
+
+void Proxy::Impl::handle_instances(const httplib::Request& req, httplib::Response& res) {
+  if (!admin_allowed(res)) return;
+  if (req.method == "GET") {
+    std::lock_guard lock(mu);
+    return res.set_content(instances_json().dump(), "application/json");
+  }
+  const auto body = ordered_json::parse(req.body, nullptr, /*allow_exceptions=*/false);
+  if (body.is_discarded() || !body.is_object()) {
+    return http::set_api_error(res, 400, "the body is not a JSON object");
+  }
+  // Each list given is checked whole before anything changes.
+  std::map<std::string, std::vector<std::string>> lists;
+  for (const auto& [key, value] : body.items()) {
+    if (key != "prefill" && key != "decode") {
+      return http::set_api_error(res, 400, "unknown key '" + key + "': the keys are prefill and decode",
+                                 key);
+    }
+    if (!value.is_array() || value.empty() || value.size() > kMaxInstances) {
+      return http::set_api_error(res, 400,
+                                 key + " must be a list of 1 to " + std::to_string(kMaxInstances) +
+                                     " engine origins",
+                                 key);
+    }
+    auto& list = lists[key];
+    for (const auto& origin : value) {
+      const std::string text = origin.is_string() ? origin.get<std::string>() : origin.dump();
+      const auto u = parse_url(text);
+      if (!origin.is_string() || !u || u->path != "/") {
+        return http::set_api_error(res, 400, key + ": '" + text + "' is not http://host:port",
+                                   key);
+      }
+      if (std::find(list.begin(), list.end(), origin.get<std::string>()) != list.end()) {
+        return http::set_api_error(res, 400, key + ": " + origin.get<std::string>() +
+                                                 " is listed twice", key);
+      }
+      list.push_back(origin.get<std::string>());
+    }
+  }
+  // Instances that join are probed first (not under the lock): one that does not answer
+  // joins out of rotation, and its probes bring it in.
+  std::map<std::string, std::vector<std::optional<std::string>>> verdicts;
+  for (const auto& [key, list] : lists) {
+    for (const auto& origin : list) {
+      verdicts[key].push_back(config.probe_interval.count() > 0 ? probe(origin) : std::nullopt);
+    }
+  }
+  std::lock_guard lock(mu);
+  if (stopping || draining) return http::set_api_error(res, 503, "the proxy is shutting down");
+  for (const auto& [key, list] : lists) {
+    set_instances(key == "prefill" ? prefills : decodes, list, verdicts[key]);
+  }
+  res.set_content(instances_json().dump(), "application/json");
+}
+
+std::vector<std::string> Proxy::Impl::member_origins(const Pool& pool) const {
+  std::lock_guard lock(mu);
+  std::vector<std::string> out;
+  for (size_t i : pool.members()) out.push_back(pool.origins[i]);
+  return out;
+}
+
 void Proxy::Impl::handle_reset_prefix_cache(httplib::Response& res) {
   std::vector<std::string> failed;
-  for (const auto* list : {&config.prefill, &config.decode}) {
-    for (const auto& origin : *list) {
+  for (const Pool* pool : {&prefills, &decodes}) {
+    for (const auto& origin : member_origins(*pool)) {
       httplib::Client c(origin);
       set_timeouts(c, std::chrono::seconds(10));
       const auto r = ask_engine(c, "POST", "/reset_prefix_cache", auth);
@@ -319,7 +435,7 @@ void Proxy::Impl::handle_reset_prefix_cache(httplib::Response& res) {
 
 void Proxy::Impl::handle_models(httplib::Response& res) {
   std::string last = "no Decode instance";
-  for (const auto& origin : config.decode) {
+  for (const auto& origin : member_origins(decodes)) {
     httplib::Client c(origin);
     set_timeouts(c, std::chrono::seconds(5));
     const auto r = ask_engine(c, "GET", "/v1/models", auth);

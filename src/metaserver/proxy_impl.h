@@ -42,6 +42,8 @@ inline constexpr size_t kMaxHeldAnswerBytes = 64u << 20;
 // What the proxy reads of an engine's answer to a request of its own (Prefill's one-token
 // answer, /health, /v1/models, /reset_prefix_cache): more is an error, never buffered.
 inline constexpr size_t kMaxEngineAnswerBytes = 1u << 20;
+// Instances of one role the admin route takes in one list.
+inline constexpr size_t kMaxInstances = 1024;
 
 // An engine's answer, its body bounded by kMaxEngineAnswerBytes.
 struct EngineAnswer {
@@ -64,9 +66,12 @@ struct Parent {
   ordered_json body;
   std::vector<std::string> children;
   std::map<std::string, ordered_json> params;  // child -> Decode's rendezvous
-  size_t decode = 0;
+  size_t decode = 0;          // its Decode instance: an index into Impl::decodes
+  std::string decode_origin;  // and that instance's origin
   std::mutex mu;
   bool dispatched = false;
+  // Its Decode failed and it is not tried again: no Prefill dispatch starts or goes on.
+  bool prefill_abandoned = false;
   // Set when the request failed outside Decode (the Prefill dispatch, the client, the
   // proxy stopping): the status and OpenAI error object the client gets.
   int failure_status = 0;
@@ -89,6 +94,22 @@ struct Parent {
     if (pre) pre->stop();
   }
   void fail(const std::string& why) { fail(502, http::api_error_json(502, why)); }
+  // Stops its Prefill dispatch (in flight, or any still to come), the client's answer
+  // left as it is: the KV it would compute has nowhere to go.
+  void abandon_prefill() {
+    std::shared_ptr<httplib::Client> pre;
+    {
+      std::lock_guard lock(mu);
+      prefill_abandoned = true;
+      pre = prefill;
+    }
+    if (pre) pre->stop();
+  }
+  // Whether its Prefill dispatch is not to go on (the request failed, or was abandoned).
+  bool prefill_given_up() {
+    std::lock_guard lock(mu);
+    return prefill_abandoned || !failure.empty();
+  }
   std::pair<int, std::string> failed() {
     std::lock_guard lock(mu);
     return {failure_status, failure};
@@ -155,22 +176,55 @@ struct Continuation {
 };
 
 // The instances of one role: their requests in flight, and whether they are in the rotation.
-// Guarded by Proxy::Impl::mu.
+// An index names one instance for good (requests in flight hold it): an instance removed
+// stays listed, marked removed, and is the same entry if it is added again. Guarded by
+// Proxy::Impl::mu.
 struct Pool {
   std::string role;  // "prefill" or "decode"
   std::vector<std::string> origins;
   std::vector<int> load;
   std::vector<std::string> down;  // why each is out of the rotation; empty: in it
+  std::vector<bool> removed;      // no longer one of the pool: gets nothing new
   size_t cursor = 0;
 
   void assign(std::string r, const std::vector<std::string>& o) {
     role = std::move(r);
-    origins = o;
-    load.assign(o.size(), 0);
-    down.assign(o.size(), std::string());
+    origins.clear();
+    load.clear();
+    down.clear();
+    removed.clear();
+    for (const auto& origin : o) add(origin);
   }
+  // Adds `origin` (in the rotation), or brings a removed entry of it back; its index.
+  size_t add(const std::string& origin) {
+    for (size_t i = 0; i < origins.size(); ++i) {
+      if (origins[i] != origin) continue;
+      if (removed[i]) {
+        removed[i] = false;
+        down[i].clear();
+      }
+      return i;
+    }
+    origins.push_back(origin);
+    load.push_back(0);
+    down.emplace_back();
+    removed.push_back(false);
+    return origins.size() - 1;
+  }
+  // The instances of the pool (not removed), by index.
+  std::vector<size_t> members() const {
+    std::vector<size_t> out;
+    for (size_t i = 0; i < origins.size(); ++i) {
+      if (!removed[i]) out.push_back(i);
+    }
+    return out;
+  }
+  bool serves(size_t i) const { return !removed[i] && down[i].empty(); }
   bool any_up() const {
-    return std::any_of(down.begin(), down.end(), [](const std::string& d) { return d.empty(); });
+    for (size_t i = 0; i < origins.size(); ++i) {
+      if (serves(i)) return true;
+    }
+    return false;
   }
   // The least loaded instance in the rotation, counted as one more in flight; ties go
   // round, so an idle fleet is used evenly. With every instance out, the least loaded of
@@ -180,7 +234,8 @@ struct Pool {
     std::optional<size_t> best;
     for (size_t k = 0; k < load.size(); ++k) {
       const size_t i = (cursor + k) % load.size();
-      if ((!any || down[i].empty()) && (!best || load[i] < load[*best])) best = i;
+      if (removed[i] || (any && !down[i].empty())) continue;
+      if (!best || load[i] < load[*best]) best = i;
     }
     if (!best) return std::nullopt;
     cursor = *best + 1;
@@ -277,7 +332,20 @@ struct Proxy::Impl {
                         httplib::Headers headers, std::string payload);
   void handle_rendezvous(const httplib::Request& req, httplib::Response& res);
   void handle_health(httplib::Response& res);
+  // The admin routes: GET lists the instances of both pools, POST sets them.
+  void handle_instances(const httplib::Request& req, httplib::Response& res);
+  // Whether this request may use the admin routes (an error answered if not).
+  bool admin_allowed(httplib::Response& res) const;
+  // Makes `wanted` the instances of `pool`: those not in it leave (their requests in flight
+  // finish), new ones join once their health probe answers (at once without a prober).
+  // Caller holds mu.
+  void set_instances(Pool& pool, const std::vector<std::string>& wanted,
+                     const std::vector<std::optional<std::string>>& verdicts);
+  // The pools as GET /admin/instances shows them. Caller holds mu.
+  ordered_json instances_json() const;
   void handle_models(httplib::Response& res);
+  // The origins of the instances of `pool` now.
+  std::vector<std::string> member_origins(const Pool& pool) const;
   void handle_reset_prefix_cache(httplib::Response& res);
   void dispatch_prefill(std::shared_ptr<Parent> parent);
   // What Prefill is sent for a client request: its body for one token, with every child's

@@ -142,7 +142,7 @@ void Engine::Impl::add_routes() {
   // Probes take no token, as load balancers and orchestrators send none.
   server->get("/health", Auth::kNone, [this](const httplib::Request&, httplib::Response& s) {
     std::lock_guard lock(mu);
-    if (stopping) return http::set_api_error(s, 503, "the engine is stopping");
+    if (auto why = refusal()) return http::set_api_error(s, 503, *why);
     s.set_content(json{{"status", "ok"}, {"role", prefill ? "prefill" : "decode"}}.dump(),
                   "application/json");
   });
@@ -182,6 +182,20 @@ void Engine::Impl::add_metrics() {
 }
 
 Engine::Engine(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
+
+std::optional<std::string> Engine::Impl::refusal() const {
+  if (stopping) return "the engine is stopping";
+  if (!broken.empty()) return broken;
+  if (draining) return "the engine is draining: it takes no new requests";
+  return std::nullopt;
+}
+
+bool Engine::drain(std::chrono::milliseconds bound) {
+  Impl& p = *impl_;
+  std::unique_lock lock(p.mu);
+  p.draining = true;
+  return p.idle_cv.wait_for(lock, bound, [&] { return p.in_flight.empty(); });
+}
 
 Engine::~Engine() {
   Impl& p = *impl_;

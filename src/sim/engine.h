@@ -86,6 +86,10 @@ class Engine {
   Engine(const Engine&) = delete;
   Engine& operator=(const Engine&) = delete;
 
+  // Stops taking requests (they get 503, and so does /health) and waits up to `bound` for
+  // those in flight to end; true if they all did. The destructor fails whatever is left.
+  bool drain(std::chrono::milliseconds bound);
+
   std::string origin() const;  // http://host:port
   int kv_base_port() const;    // Decode: what it advertises
   EngineStats stats() const;

@@ -1,4 +1,5 @@
 #include "sim/engine_impl.h"
+#include "util/log.h"
 
 namespace rd2h::sim {
 
@@ -69,6 +70,7 @@ void Engine::Impl::complete(const std::shared_ptr<EngineRequest>& r, Result resu
     stats.verified_blocks += result.verified_blocks;
     in_flight.erase(r->ext_id);
   }
+  idle_cv.notify_all();
   if (auto it = verifying.find(r->ext_id); it != verifying.end() && it->second == r) {
     verifying.erase(it);
   }
@@ -353,8 +355,15 @@ void Engine::Impl::run_core() {
       waiting_blocks.back().push_back(r);
     }
     if (cancels) give_up_cancelled();
+    // A rank that died while the engine was idle is noticed within a look, not at the next
+    // request.
+    if (const auto now = std::chrono::steady_clock::now(); now - last_rank_look >= kLook) {
+      last_rank_look = now;
+      (void)rank_died();
+    }
     admit_waiting();
     if (Status st = step(); !st) {
+      (void)rank_died();  // the engine is broken before the requests fail
       for (auto r : std::vector<std::shared_ptr<EngineRequest>>(active)) {
         complete(r, {false, "", st.message()});
       }
@@ -366,6 +375,26 @@ void Engine::Impl::run_core() {
     stats.waiting_for_blocks = waiting;
   }
   end_everything();
+}
+
+bool Engine::Impl::rank_died() {
+  auto why = ranks->any_exited();
+  if (!why) return false;
+  const std::string message = *why + ": the engine cannot serve";
+  {
+    std::lock_guard lock(mu);
+    if (!broken.empty()) return true;
+    broken = message;
+  }
+  log::error("engine: {}", message);
+  for (auto r : std::vector<std::shared_ptr<EngineRequest>>(active)) {
+    complete(r, {false, "", message});
+  }
+  for (auto& group : waiting_blocks) {
+    for (auto& r : group) complete(r, {false, "", message});
+  }
+  waiting_blocks.clear();
+  return true;
 }
 
 void Engine::Impl::admit_waiting() {
@@ -405,6 +434,7 @@ void Engine::Impl::end_everything() {
     r->ended();
   }
   incoming.clear();
+  idle_cv.notify_all();
 }
 
 }  // namespace rd2h::sim

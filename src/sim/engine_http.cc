@@ -341,7 +341,7 @@ std::optional<HttpFault> Engine::Impl::enqueue(Call& call, Asked& asked) {
   std::vector<std::shared_ptr<EngineRequest>> requests;
   {
     std::lock_guard lock(mu);
-    if (stopping) return HttpFault{503, "the engine is stopping", "", ""};
+    if (auto why = refusal()) return HttpFault{503, *why, "", ""};
     for (auto& [id, tokens] : asked.prompts) {
       // Both sides of the transfer know a request by this id: two at once would mix.
       if (in_flight.count(id) != 0) {

@@ -148,6 +148,11 @@ struct Engine::Impl {
   // Reports waiting for the ranks' timeline events (the core thread alone talks to them).
   std::vector<std::promise<void>> event_drains;
   bool stopping = false;
+  bool draining = false;  // new requests are refused (503) while those in flight finish
+  // Why the engine cannot serve (a TP rank process died), once it knows: new requests are
+  // refused with it and /health answers 503 naming the rank.
+  std::string broken;
+  std::condition_variable idle_cv;  // a request ended (drain waits on it)
   bool cancels_pending = false;  // a client went away: the core looks for what it gave up
   EngineStats stats;
   std::thread core;
@@ -211,6 +216,13 @@ struct Engine::Impl {
   std::optional<HttpFault> await_first_token(Call& call);
   void report(httplib::Response& res);
   void run_core();
+  // Whether a TP rank process has died; if so the engine is broken from now on and what it
+  // holds fails, naming the rank (core thread).
+  bool rank_died();
+  std::chrono::steady_clock::time_point last_rank_look;
+  // Why the engine refuses new requests now (stopping, draining, a rank dead), if it does.
+  // Caller holds mu.
+  std::optional<std::string> refusal() const;
   // Admits the requests waiting for blocks, in order, while their blocks are free (core).
   void admit_waiting();
   // The engine stops: every request it holds, queued or running, fails (core).

@@ -1,5 +1,8 @@
 #include "sim/rank_set.h"
 
+#include <fcntl.h>
+#include <sys/file.h>
+#include <sys/stat.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -22,6 +25,35 @@ std::chrono::milliseconds slice(const Deadline& d) {
   return std::min(kPollSlice, std::chrono::milliseconds(d.remaining_ms()));
 }
 
+// Each engine core holds an exclusive lock on this file in its private directory for as
+// long as it lives; the kernel drops it when the core dies, however it dies.
+constexpr const char* kOwnerFile = "owner";
+constexpr const char* kDirPrefix = "rd2h-sim-";
+// A directory whose lock is free is left alone this long after it last changed: its
+// engine may be starting (between creating the directory and locking it).
+constexpr std::chrono::seconds kAbandonedAfter{10};
+
+// Removes the private directories that engine cores of this user left behind when they
+// were killed (SIGKILL leaves no chance to clean up): those whose owner lock is free.
+void remove_abandoned_dirs(const std::filesystem::path& parent) {
+  namespace fs = std::filesystem;
+  std::error_code ec;
+  for (const auto& entry : fs::directory_iterator(parent, ec)) {
+    const std::string name = entry.path().filename();
+    if (name.rfind(kDirPrefix, 0) != 0) continue;
+    struct stat st{};
+    if (::lstat(entry.path().c_str(), &st) != 0 || !S_ISDIR(st.st_mode) || st.st_uid != getuid()) {
+      continue;
+    }
+    const auto changed = std::chrono::system_clock::from_time_t(st.st_mtime);
+    if (std::chrono::system_clock::now() - changed < kAbandonedAfter) continue;
+    const UniqueFd lock(::open((entry.path() / kOwnerFile).c_str(), O_RDONLY | O_CLOEXEC));
+    if (lock.valid() && ::flock(lock.get(), LOCK_EX | LOCK_NB) != 0) continue;  // its core lives
+    std::error_code ignored;
+    fs::remove_all(entry.path(), ignored);
+  }
+}
+
 }  // namespace
 
 Expected<std::unique_ptr<RankSet>> RankSet::start(const std::string& executable, int size,
@@ -29,12 +61,19 @@ Expected<std::unique_ptr<RankSet>> RankSet::start(const std::string& executable,
   std::unique_ptr<RankSet> set(new RankSet());
   // The core and its ranks talk over Unix sockets in a directory only this user can enter
   // (mkdtemp makes it 0700), not over TCP where any local process could connect.
-  std::string dir = "/tmp/rd2h-sim-XXXXXX";
+  remove_abandoned_dirs("/tmp");
+  std::string dir = std::string("/tmp/") + kDirPrefix + "XXXXXX";
   if (::mkdtemp(dir.data()) == nullptr) {
     return internal_error("engine core: cannot create a private directory under /tmp: " +
                           std::string(std::strerror(errno)));
   }
   set->ipc_dir_ = dir;
+  set->owner_lock_.reset(
+      ::open((dir + "/" + kOwnerFile).c_str(), O_CREAT | O_RDWR | O_CLOEXEC | O_NOFOLLOW, 0600));
+  if (!set->owner_lock_.valid() || ::flock(set->owner_lock_.get(), LOCK_EX | LOCK_NB) != 0) {
+    return internal_error("engine core: cannot lock " + dir + "/" + kOwnerFile + ": " +
+                          std::strerror(errno));
+  }
   auto router = IpcRouter::bind("ipc://" + dir + "/core");
   if (!router) return router.status().with_context("engine core");
   set->router_ = std::move(*router);
@@ -88,6 +127,13 @@ std::optional<std::string> RankSet::exited(size_t k, std::chrono::milliseconds w
          ") " +
          (WIFSIGNALED(s) ? "was killed by signal " + std::to_string(WTERMSIG(s))
                          : "exited with status " + std::to_string(WEXITSTATUS(s)));
+}
+
+std::optional<std::string> RankSet::any_exited() {
+  for (size_t k = 0; k < ranks_.size(); ++k) {
+    if (auto why = exited(k)) return why;
+  }
+  return std::nullopt;
 }
 
 Expected<std::vector<json>> RankSet::call(const std::vector<json>& jobs,

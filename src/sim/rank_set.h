@@ -13,6 +13,7 @@
 
 #include "sim/ipc.h"
 #include "util/subprocess.h"
+#include "util/unique_fd.h"
 
 namespace rd2h::sim {
 
@@ -34,7 +35,10 @@ class RankSet {
   void stop(std::chrono::milliseconds timeout);
 
   size_t size() const { return ranks_.size(); }
-  // The private directory (mode 0700) holding the set's Unix sockets; removed with the set.
+  // Why a rank process is gone (the lowest such rank), if one is; never waits.
+  std::optional<std::string> any_exited();
+  // The private directory (mode 0700) holding the set's Unix sockets; removed with the set,
+  // or (the core killed) by the next engine core that starts.
   const std::string& ipc_dir() const { return ipc_dir_; }
   // Answers that came after their job's deadline, since the last call (their verification
   // results still count).
@@ -51,6 +55,7 @@ class RankSet {
                                     std::chrono::milliseconds wait = std::chrono::milliseconds(0));
 
   std::string ipc_dir_;
+  UniqueFd owner_lock_;  // held while this core lives: its directory is not abandoned
   std::optional<IpcRouter> router_;
   std::vector<RankProcess> ranks_;
   bool stopped_ = false;

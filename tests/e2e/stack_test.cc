@@ -1,8 +1,8 @@
 // The stack an operator runs (a proxy over a Prefill and a Decode engine), as operators see
 // it. A request nobody waits for any more is given up on every engine, at once: a client
 // that hangs up on the proxy, streamed or not, and what a stopping proxy still has in
-// flight. SIGTERM to a proxy drains it: new requests are refused while those in flight
-// finish. GET /metrics counts what happened.
+// flight. SIGTERM to a proxy or an engine drains it: new requests are refused while those in
+// flight finish. GET /metrics counts what happened.
 #include <gtest/gtest.h>
 #include <httplib.h>
 
@@ -134,6 +134,32 @@ TEST_F(Stack, ADrainingProxyRefusesNewRequestsAndLetsTheOnesInFlightFinish) {
   EXPECT_EQ(r->status, 200) << r->body;
   EXPECT_TRUE(drained.get()) << "the drain did not see the request finish";
   EXPECT_EQ(decode_->stats().failed_requests, 0u);
+}
+
+TEST_F(Stack, DrainingEnginesRefuseNewRequestsAndFinishTheOnesInFlight) {
+  httplib::Client client(proxy_->url());
+  auto answer = post(client, body(false));
+  ASSERT_TRUE(rd2h::testing::eventually([&] { return in_both_engines(); }));
+  auto prefill_drained = std::async(std::launch::async, [&] { return prefill_->drain(60s); });
+  auto decode_drained = std::async(std::launch::async, [&] { return decode_->drain(60s); });
+  for (Engine* engine : {prefill_.get(), decode_.get()}) {
+    httplib::Client probe(engine->origin());
+    ASSERT_TRUE(rd2h::testing::eventually([&] {
+      auto h = probe.Get("/health");
+      return h && h->status == 503 && h->body.find("draining") != std::string::npos;
+    })) << engine->origin() << " does not say it is draining";
+    auto refused = probe.Post("/v1/completions", body(false).dump(), "application/json");
+    ASSERT_TRUE(refused);
+    EXPECT_EQ(refused->status, 503) << refused->body;
+    EXPECT_NE(refused->body.find("draining"), std::string::npos) << refused->body;
+  }
+  auto r = answer.get();
+  ASSERT_TRUE(r) << httplib::to_string(r.error());
+  EXPECT_EQ(r->status, 200) << r->body;
+  EXPECT_TRUE(prefill_drained.get()) << "Prefill's drain did not see the request finish";
+  EXPECT_TRUE(decode_drained.get()) << "Decode's drain did not see the request finish";
+  EXPECT_EQ(decode_->stats().failed_requests, 0u);
+  EXPECT_EQ(prefill_->stats().failed_requests, 0u);
 }
 
 TEST_F(Stack, WhatAStoppingProxyStillHasInFlightIsAbortedOnDecode) {

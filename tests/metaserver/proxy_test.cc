@@ -86,6 +86,7 @@ struct PrefillLog {
   std::vector<std::string> authorization;  // the Authorization header of each dispatch
   std::vector<int> prefill_index;  // which Prefill got each dispatch
   int succeeded = 0;               // Prefill runs that answered 200
+  int decoding = 0;                // Decode requests whose Prefill ran
   bool released = false;           // the test lets Decode's handlers return
 };
 
@@ -96,13 +97,7 @@ class ProxyTest : public ::testing::Test {
     mc.token = token_;
     metaserver_ = std::make_unique<Client>(mc);
     for (int i = 0; i < prefills; ++i) start_prefill(prefill_status, i);
-    for (int i = 0; i < decodes; ++i) {
-      decodes_.push_back(std::make_unique<Engine>(
-          [this, i](const httplib::Request& req, httplib::Response& res) {
-            serve_decode(req, res, i);
-          },
-          &resets_));
-    }
+    for (int i = 0; i < decodes; ++i) start_decode(i);
     ProxyConfig config;
     config.prefill_attempts = attempts_;
     config.token = token_;
@@ -115,6 +110,13 @@ class ProxyTest : public ::testing::Test {
     ASSERT_TRUE(p) << p.status().to_string();
     proxy_ = std::move(*p);
   }
+  void start_decode(int index) {
+    decodes_.push_back(std::make_unique<Engine>(
+        [this, index](const httplib::Request& req, httplib::Response& res) {
+          serve_decode(req, res, index);
+        },
+        &resets_));
+  }
   void start_prefill(int prefill_status, int index) {
     prefill_.push_back(std::make_unique<Engine>(
         [this, prefill_status, index](const httplib::Request& req, httplib::Response& res) {
@@ -125,6 +127,7 @@ class ProxyTest : public ::testing::Test {
             log_.authorization.push_back(req.get_header_value("Authorization"));
             log_.prefill_index.push_back(index);
           }
+          log_.cv.notify_all();
           int status = prefill_status;
           {
             std::unique_lock lock(log_.mu);
@@ -185,11 +188,20 @@ class ProxyTest : public ::testing::Test {
                 {"remote_host", "127.0.0.1"}, {"remote_port", 30000 + static_cast<int>(i)}};
       EXPECT_TRUE(metaserver_->post(children[i], url, r.dump()).is_ok());
     }
-    // Like a Decode whose KV arrives only if Prefill ran: without it, it waits on.
     std::unique_lock lock(log_.mu);
+    if (fail_after_dispatch_ != 0) {  // a Decode that fails once Prefill has the request
+      log_.cv.wait_for(lock, 30s, [&] { return log_.prefill_index.size() >= mine || log_.released; });
+      res.status = fail_after_dispatch_;
+      res.set_content("engine error", "text/plain");
+      return;
+    }
+    // Like a Decode whose KV arrives only if Prefill ran: without it, it waits on.
     log_.cv.wait_for(lock, 30s, [&] {
       return static_cast<size_t>(log_.succeeded) >= mine || log_.released;
     });
+    ++log_.decoding;
+    log_.cv.notify_all();
+    log_.cv.wait_for(lock, 30s, [&] { return !hold_decodes_ || log_.released; });
     if (body.value("stream", false)) {
       std::vector<std::string> events = decode_stream_;
       if (events.empty()) events = {R"({"t":"a"})", R"({"t":"b"})", "[DONE]"};
@@ -229,6 +241,8 @@ class ProxyTest : public ::testing::Test {
   std::vector<json> decode_bodies_;
   std::vector<int> decode_index_;  // which Decode got each request
   int decode_status_ = 0;          // set: every Decode answers this at once
+  int fail_after_dispatch_ = 0;    // set: Decode answers this once Prefill got the request
+  bool hold_decodes_ = false;      // Decode answers only once this is false (under log_.mu)
   std::chrono::milliseconds probe_interval_{1000};
   std::chrono::milliseconds probe_timeout_{2000};
   int stalled_prefill_ = -1;  // set: that Prefill never answers a dispatch
@@ -578,6 +592,119 @@ TEST_F(ProxyTest, HealthIs503OnlyWhenNoInstanceOfARoleServesAndNamesWhatIsOut) {
   decodes_[0]->set_health(200);
   prefill_[0]->set_health(200);
   ASSERT_TRUE(eventually([&] { return health(proxy_->url()).second.value("status", "") == "ok"; }));
+}
+
+TEST_F(ProxyTest, ADecodeThatFailsWithNoOtherToTryHasItsPrefillDispatchStoppedNotRetried) {
+  fail_after_dispatch_ = 500;
+  stalled_prefill_ = 0;  // Prefill holds the dispatch: only the proxy can end it
+  start(200, /*prefills=*/1, /*decodes=*/1);
+  auto r = client_post("/v1/completions", {{"model", "m"}, {"prompt", "p"}});
+  ASSERT_TRUE(r) << httplib::to_string(r.error());
+  EXPECT_EQ(r->status, 500) << "not Decode's own answer: " << r->body;
+  ASSERT_TRUE(eventually([&] { return proxy_->stats().prefill_abandoned == 1; }))
+      << "the Prefill dispatch of a request whose Decode failed goes on";
+  const auto stats = proxy_->stats();
+  EXPECT_EQ(stats.prefill_dispatches, 1u) << "the dispatch was tried again";
+  EXPECT_EQ(stats.prefill_failures, 0u) << "a dispatch the proxy stopped is no Prefill failure";
+  EXPECT_EQ(health(proxy_->url()).second["prefill"][0]["healthy"], true);
+}
+
+// GET or POST /admin/instances with the engines' token: status and JSON body.
+std::pair<int, json> admin(const std::string& url, const std::optional<json>& set,
+                           const std::string& token) {
+  httplib::Client c(url);
+  httplib::Headers h;
+  if (!token.empty()) h.emplace("Authorization", "Bearer " + token);
+  auto r = set ? c.Post("/admin/instances", h, set->dump(), "application/json")
+               : c.Get("/admin/instances", h);
+  EXPECT_TRUE(r);
+  if (!r) return {0, json()};
+  return {r->status, json::parse(r->body, nullptr, false)};
+}
+
+// The states of a pool's instances as GET /admin/instances lists them: url -> state.
+std::map<std::string, std::string> states(const json& pool) {
+  std::map<std::string, std::string> out;
+  for (const auto& i : pool) out[i.value("url", "")] = i.value("state", "");
+  return out;
+}
+
+TEST_F(ProxyTest, InstancesAreAddedAndRemovedWhileTheProxyRunsWithoutDroppingRequestsInFlight) {
+  token_ = "an-operator-token-of-some-length";
+  hold_decodes_ = true;
+  start(200, /*prefills=*/1, /*decodes=*/2);
+  const std::string d0 = decodes_[0]->origin(), d1 = decodes_[1]->origin();
+  EXPECT_EQ(admin(proxy_->url(), std::nullopt, "").first, 401) << "the admin routes take a token";
+
+  std::optional<httplib::Result> held;
+  std::thread client([&] { held = client_post("/v1/completions", {{"model", "m"}, {"prompt", "p"}}); });
+  ASSERT_TRUE(eventually([&] {
+    std::lock_guard lock(log_.mu);
+    return log_.decoding == 1;
+  }));
+  int holder = 0;
+  {
+    std::lock_guard lock(log_.mu);
+    holder = decode_index_.at(0);
+  }
+  const std::string leaving = holder == 0 ? d0 : d1, staying = holder == 0 ? d1 : d0;
+  start_decode(2);  // a new Decode joins, and the one holding the request leaves
+  const std::string joined = decodes_[2]->origin();
+  const ClosedPort dead;
+  const std::string nobody = "http://127.0.0.1:" + std::to_string(dead.port());
+  auto [status, pools] =
+      admin(proxy_->url(), json{{"decode", {staying, joined, nobody}}}, token_);
+  ASSERT_EQ(status, 200) << pools.dump();
+  EXPECT_EQ(states(pools["decode"]),
+            (std::map<std::string, std::string>{{leaving, "leaving"},
+                                                {staying, "serving"},
+                                                {joined, "serving"},
+                                                {nobody, "out of rotation"}}))
+      << pools.dump();
+  EXPECT_EQ(pools["prefill"].size(), 1u) << "a pool the body does not name is changed";
+
+  {
+    std::lock_guard lock(log_.mu);
+    hold_decodes_ = false;
+  }
+  log_.cv.notify_all();
+  client.join();
+  ASSERT_TRUE(held && *held) << "the request in flight on the Decode that left was dropped";
+  EXPECT_EQ((*held)->status, 200) << (*held)->body;
+
+  for (int i = 0; i < 4; ++i) {
+    auto r = client_post("/v1/completions", {{"model", "m"}, {"prompt", "p"}});
+    ASSERT_TRUE(r && r->status == 200) << (r ? r->body : httplib::to_string(r.error()));
+  }
+  {
+    std::lock_guard lock(log_.mu);
+    const std::vector<int> later(decode_index_.begin() + 1, decode_index_.end());
+    EXPECT_EQ(std::count(later.begin(), later.end(), holder), 0) << "the removed Decode got one";
+    EXPECT_EQ(std::count(later.begin(), later.end(), 2), 2) << "the new Decode is not used in turn";
+  }
+  std::tie(status, pools) = admin(proxy_->url(), std::nullopt, token_);
+  EXPECT_EQ(states(pools["decode"]).count(leaving), 0u) << "gone once its request finished";
+  EXPECT_EQ(health(proxy_->url()).second["decode"].size(), 3u);
+}
+
+TEST_F(ProxyTest, ABadInstanceListIsRefusedWholeNamingWhatIsWrong) {
+  start(200, /*prefills=*/1, /*decodes=*/1);
+  const std::string d0 = decodes_[0]->origin();
+  const std::vector<std::pair<json, std::string>> bad = {
+      {json{{"decode", json::array()}}, "list of 1 to"},
+      {json{{"decode", {d0, "127.0.0.1:1"}}}, "'127.0.0.1:1' is not http://host:port"},
+      {json{{"decode", {d0, d0}}}, "listed twice"},
+      {json{{"decode", {d0}}, {"encode", {d0}}}, "unknown key 'encode'"},
+      {json{{"prefill", "http://127.0.0.1:1"}}, "prefill must be a list"},
+  };
+  for (const auto& [body, why] : bad) {
+    auto [status, answer] = admin(proxy_->url(), body, "");
+    EXPECT_EQ(status, 400) << body.dump();
+    EXPECT_NE(answer["error"].value("message", "").find(why), std::string::npos)
+        << body.dump() << " -> " << answer.dump();
+  }
+  auto [status, pools] = admin(proxy_->url(), std::nullopt, "");
+  EXPECT_EQ(states(pools["decode"]), (std::map<std::string, std::string>{{d0, "serving"}}));
 }
 
 TEST(Proxy, RefusesEngineAddressesThatAreNotOrigins) {

@@ -1,7 +1,8 @@
 // A crash is a death, and a death is noticed: a TP rank process that faults dies (UCX's
 // handlers of error signals, which can leave a faulted process hung, are off in rd2h's
 // processes), and its engine fails what it was running, naming the rank and how it ended,
-// long before its step deadline.
+// long before its step deadline; from then on its /health is 503 naming the rank. An engine
+// killed outright leaves nothing the next one keeps.
 #include <gtest/gtest.h>
 #include <httplib.h>
 #include <signal.h>
@@ -15,6 +16,7 @@
 #include <sstream>
 
 #include "sim/engine.h"
+#include "support/http_server.h"
 #include "util/subprocess.h"
 
 namespace rd2h::sim {
@@ -113,6 +115,94 @@ TEST(RankDeath, ARankThatOverflowsItsStackDiesAndItsEngineSaysSoAtOnce) {
   const pid_t pid = std::stoi(m[1].str());
   EXPECT_EQ(::kill(pid, 0), -1) << "rank 1 (pid " << pid << ") is still there";
   EXPECT_EQ(errno, ESRCH);
+  // The engine cannot serve any more, and says so: to probes, and to new requests at once.
+  auto health = client.Get("/health");
+  ASSERT_TRUE(health);
+  EXPECT_EQ(health->status, 503) << health->body;
+  EXPECT_NE(health->body.find("TP rank 1 (pid " + m[1].str() + ")"), std::string::npos)
+      << health->body;
+  auto next = client.Post("/v1/completions", json{{"prompt", "another"}, {"max_tokens", 1}}.dump(),
+                          "application/json");
+  ASSERT_TRUE(next);
+  EXPECT_EQ(next->status, 503) << next->body;
+  EXPECT_NE(next->body.find("TP rank 1"), std::string::npos) << next->body;
+}
+
+EngineConfig two_rank_prefill() {
+  EngineConfig c;
+  c.connector.role = connector::KvRole::kProducer;
+  c.connector.engine_id = "prefill-0";
+  c.connector.kv_port = 1;
+  c.connector.transport = transfer::Transport::kShm;
+  c.connector.prefill_tp_size = 2;
+  c.tp_size = 2;
+  c.model.layers = 2;
+  c.model.bytes_per_token = {64, 8, 16};
+  c.worker_executable = RD2H_BINARY;
+  return c;
+}
+
+TEST(RankDeath, ARankKilledWhileTheEngineIsIdleMakesItsHealth503NamingTheRank) {
+  auto engine = Engine::start(two_rank_prefill());
+  ASSERT_TRUE(engine) << engine.status().to_string();
+  httplib::Client client((*engine)->origin());
+  auto before = client.Get("/health");
+  ASSERT_TRUE(before);
+  EXPECT_EQ(before->status, 200) << before->body;
+  const auto ranks = rank_processes();
+  ASSERT_EQ(ranks.size(), 2u);
+  ASSERT_EQ(::kill(ranks[1], SIGKILL), 0);
+  std::string body;
+  ASSERT_TRUE(rd2h::testing::eventually([&] {
+    auto h = client.Get("/health");
+    body = h ? h->body : "";
+    return h && h->status == 503;
+  })) << "a dead rank goes unnoticed: " << body;
+  EXPECT_NE(body.find("(pid " + std::to_string(ranks[1]) + ") was killed by signal " +
+                      std::to_string(SIGKILL)),
+            std::string::npos)
+      << body;
+}
+
+// The directory an `rd2h prefill` process holds its rank sockets in (the one whose owner
+// lock it holds open).
+std::optional<std::filesystem::path> private_dir_of(pid_t pid) {
+  std::error_code ec;
+  for (const auto& fd : std::filesystem::directory_iterator(
+           "/proc/" + std::to_string(pid) + "/fd", ec)) {
+    const auto target = std::filesystem::read_symlink(fd.path(), ec);
+    if (!ec && target.filename() == "owner" &&
+        target.parent_path().filename().string().rfind("rd2h-sim-", 0) == 0) {
+      return target.parent_path();
+    }
+  }
+  return std::nullopt;
+}
+
+TEST(RankDeath, AnEngineKilledWithSigkillLeavesNothingTheNextStartKeeps) {
+  auto p = Subprocess::spawn({RD2H_BINARY, "prefill", "--layers", "2", "--num-blocks", "8",
+                              "--kv-transfer-config",
+                              R"({"kv_connector":"rd2h","kv_role":"kv_producer","kv_port":1})"});
+  ASSERT_TRUE(p) << p.status().to_string();
+  for (;;) {
+    auto line = p->read_line(60s);
+    ASSERT_TRUE(line) << line.status().to_string();
+    if (line->find("serving") != std::string::npos) break;
+  }
+  const auto dir = private_dir_of(p->pid());
+  ASSERT_TRUE(dir) << "no private directory held by pid " << p->pid();
+  p->kill(SIGKILL);
+  ASSERT_TRUE(p->wait(30s));
+  ASSERT_TRUE(std::filesystem::exists(*dir)) << "a killed process cannot clean up: nothing to see";
+  // Long enough ago that it cannot be an engine starting up.
+  const auto old = std::filesystem::file_time_type::clock::now() - std::chrono::minutes(5);
+  std::filesystem::last_write_time(*dir, old);
+  auto next = Engine::start(two_rank_prefill());
+  ASSERT_TRUE(next) << next.status().to_string();
+  EXPECT_FALSE(std::filesystem::exists(*dir)) << *dir << " is still there";
+  const auto mine = private_dir_of(getpid());
+  ASSERT_TRUE(mine);
+  EXPECT_TRUE(std::filesystem::exists(*mine)) << "the live engine's own directory went";
 }
 
 // Starts `rd2h proxy` with `env` and returns what it catches once it serves.

@@ -22,7 +22,16 @@
 // instance in rotation. A client request whose Decode fails before anything reached the
 // client goes to another Decode (decode_attempts); a Prefill dispatch that fails goes to
 // another Prefill (prefill_attempts). /health is 200 while at least one Prefill and one
-// Decode are in rotation, and names each instance's state.
+// Decode are in rotation, and names each instance's state. A client request whose Decode
+// failed and is not tried again has its Prefill dispatch stopped.
+//
+// The pools change while the proxy runs: GET /admin/instances lists each instance with its
+// state ("serving", "out of rotation", "leaving") and requests in flight; POST
+// /admin/instances {"prefill": [origins], "decode": [origins]} (either list, whole) makes
+// them the pool: an instance left out gets no new request and leaves once those it holds
+// finish; one added joins at once if its health probe answers, else out of rotation until
+// one does. These routes take the engines' token; a proxy without one serves them on a
+// loopback address only.
 #pragma once
 
 #include <atomic>
@@ -85,6 +94,7 @@ struct ProxyStats {
   uint64_t client_cancelled = 0;  // requests given up because their client went away
   uint64_t reissued = 0;          // rounds begun to continue a stream Decode recomputed
   uint64_t decode_retries = 0;    // client requests sent to another Decode after a failure
+  uint64_t prefill_abandoned = 0;  // Prefill dispatches stopped: their Decode failed for good
   uint64_t taken_out = 0;         // times an instance left the rotation
   uint64_t brought_back = 0;      // times one came back
 };
