@@ -213,8 +213,8 @@ Proxy::Impl::PrefillAttempt Proxy::Impl::attempt_prefill(const std::shared_ptr<P
     a.why = "Prefill " + origin + " " + r.error;
     a.retry = !r.too_long;  // no answer: another try; an answer too long: none
   } else if (r.status != 200) {
-    a.why = "Prefill " + origin + " answered HTTP " + std::to_string(r.status) +
-            ": " + r.body.substr(0, 200);
+    a.why = "Prefill " + origin + " answered HTTP " + std::to_string(r.status) + ": " +
+            r.body.substr(0, 200);
     // A 4xx about the body (not the proxy's own token) is the client's to see as it is.
     const auto e = ordered_json::parse(r.body, nullptr, false);
     if (r.status >= 400 && r.status < 500 && r.status != 401 && r.status != 403 && e.is_object() &&
@@ -323,10 +323,11 @@ ordered_json Proxy::Impl::instances_json() const {
     ordered_json list = ordered_json::array();
     for (size_t i = 0; i < pool->origins.size(); ++i) {
       if (pool->removed[i] && pool->load[i] == 0) continue;  // gone
-      const char* state = pool->removed[i]       ? "leaving"
+      const char* state = pool->removed[i]        ? "leaving"
                           : pool->down[i].empty() ? "serving"
                                                   : "out of rotation";
-      ordered_json one = {{"url", pool->origins[i]}, {"state", state}, {"in_flight", pool->load[i]}};
+      ordered_json one = {
+          {"url", pool->origins[i]}, {"state", state}, {"in_flight", pool->load[i]}};
       if (!pool->removed[i] && !pool->down[i].empty()) one["reason"] = pool->down[i];
       list.push_back(std::move(one));
     }
@@ -367,26 +368,25 @@ void Proxy::Impl::handle_instances(const httplib::Request& req, httplib::Respons
   std::map<std::string, std::vector<std::string>> lists;
   for (const auto& [key, value] : body.items()) {
     if (key != "prefill" && key != "decode") {
-      return http::set_api_error(res, 400, "unknown key '" + key + "': the keys are prefill and decode",
-                                 key);
+      return http::set_api_error(res, 400,
+                                 "unknown key '" + key + "': the keys are prefill and decode", key);
     }
     if (!value.is_array() || value.empty() || value.size() > kMaxInstances) {
-      return http::set_api_error(res, 400,
-                                 key + " must be a list of 1 to " + std::to_string(kMaxInstances) +
-                                     " engine origins",
-                                 key);
+      return http::set_api_error(
+          res, 400,
+          key + " must be a list of 1 to " + std::to_string(kMaxInstances) + " engine origins",
+          key);
     }
     auto& list = lists[key];
     for (const auto& origin : value) {
       const std::string text = origin.is_string() ? origin.get<std::string>() : origin.dump();
       const auto u = parse_url(text);
       if (!origin.is_string() || !u || u->path != "/") {
-        return http::set_api_error(res, 400, key + ": '" + text + "' is not http://host:port",
-                                   key);
+        return http::set_api_error(res, 400, key + ": '" + text + "' is not http://host:port", key);
       }
       if (std::find(list.begin(), list.end(), origin.get<std::string>()) != list.end()) {
-        return http::set_api_error(res, 400, key + ": " + origin.get<std::string>() +
-                                                 " is listed twice", key);
+        return http::set_api_error(
+            res, 400, key + ": " + origin.get<std::string>() + " is listed twice", key);
       }
       list.push_back(origin.get<std::string>());
     }

@@ -66,8 +66,8 @@ struct Parent {
   ordered_json body;
   std::vector<std::string> children;
   std::map<std::string, ordered_json> params;  // child -> Decode's rendezvous
-  size_t decode = 0;          // its Decode instance: an index into Impl::decodes
-  std::string decode_origin;  // and that instance's origin
+  size_t decode = 0;                           // its Decode instance: an index into Impl::decodes
+  std::string decode_origin;                   // and that instance's origin
   std::mutex mu;
   bool dispatched = false;
   // Its Decode failed and it is not tried again: no Prefill dispatch starts or goes on.

@@ -41,7 +41,7 @@ void remove_abandoned_dirs(const std::filesystem::path& parent) {
   for (const auto& entry : fs::directory_iterator(parent, ec)) {
     const std::string name = entry.path().filename();
     if (name.rfind(kDirPrefix, 0) != 0) continue;
-    struct stat st{};
+    struct stat st {};
     if (::lstat(entry.path().c_str(), &st) != 0 || !S_ISDIR(st.st_mode) || st.st_uid != getuid()) {
       continue;
     }

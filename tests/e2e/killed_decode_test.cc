@@ -1,17 +1,23 @@
 // A Decode engine that is a real process, SIGKILLed while Prefill still publishes to it:
 // Prefill's waits fail within its deadline instead of hanging, its request fails cleanly,
 // and once a Decode is back on the same ports Prefill serves it again (MF_META re-sent on a
-// new connection). Prefill and the proxy run in this process, over real UCX, ZeroMQ and
-// HTTP on loopback.
+// new connection). SIGSTOPped mid-transfer and resumed after Prefill reused the blocks, it
+// fails the request rather than complete it from overwritten KV. Prefill and the proxy run
+// in this process, over real UCX, ZeroMQ and HTTP on loopback.
 #include <gtest/gtest.h>
 #include <httplib.h>
 #include <sys/wait.h>
 
+#include <filesystem>
+#include <fstream>
+#include <future>
 #include <nlohmann/json.hpp>
 #include <random>
+#include <sstream>
 
 #include "rd2h/metaserver/proxy.h"
 #include "sim/engine.h"
+#include "support/http_server.h"
 #include "util/subprocess.h"
 
 namespace rd2h::sim {
@@ -26,12 +32,14 @@ struct DecodeProcess {
   int kv_base_port = 0;
 };
 
-// `rd2h decode` on `kv_port`, TP 2, a small model; empty when the port is taken.
-std::optional<DecodeProcess> start_decode(int kv_port) {
+// `rd2h decode` on `kv_port`, TP 2, a small model; empty when the port is taken. `extra`:
+// more of kv_connector_extra_config, as `, "key": value` pairs.
+std::optional<DecodeProcess> start_decode(int kv_port, const std::string& extra = "") {
   const std::string config = R"({"kv_connector": "rd2h", "kv_role": "kv_consumer", "kv_port": )" +
                              std::to_string(kv_port) +
                              R"(, "kv_connector_extra_config": {"transport": "shm",
-                                "prefill_tp_size": 2}})";
+                                "prefill_tp_size": 2)" +
+                             extra + "}}";
   Subprocess::Options options;
   options.merge_stderr = true;
   auto p = Subprocess::spawn(
@@ -49,8 +57,10 @@ std::optional<DecodeProcess> start_decode(int kv_port) {
 }
 
 // `on_peer_failure`: "raise" (the request fails with the reason) or "fail" (only what was
-// sent to the dead Decode fails; the Prefill engine answers its request).
-std::unique_ptr<Engine> start_prefill(const std::string& on_peer_failure) {
+// sent to the dead Decode fails; the Prefill engine answers its request). `slots`: Prefill's
+// layer buffers (0: one per layer); `layer_us`: the least time each layer's compute takes.
+std::unique_ptr<Engine> start_prefill(const std::string& on_peer_failure, int slots = 2,
+                                      uint64_t layer_us = 0) {
   EngineConfig c;
   // Deadlines short enough to find the dead Decode soon, long enough for a restarted one
   // (its rank processes seed the request while its readiness is held) under sanitizers.
@@ -73,7 +83,8 @@ std::unique_ptr<Engine> start_prefill(const std::string& on_peer_failure) {
   c.model.block_size = 16;
   c.model.num_blocks = 64;
   c.model.bytes_per_token = {64, 8, 16};
-  c.model.prefill_slots = 2;
+  c.model.prefill_slots = slots;
+  c.compute_min_layer_us = layer_us;
   c.worker_executable = RD2H_BINARY;
   auto e = Engine::start(c);
   EXPECT_TRUE(e) << e.status().to_string();
@@ -154,6 +165,131 @@ TEST_P(KilledDecode, PrefillFailsWithinItsDeadlineAndServesADecodeThatComesBack)
 
   EXPECT_TRUE(back->process.wait(30s));
 }
+
+// The processes `parent` started that run `rd2h worker` (an engine's TP ranks).
+std::vector<pid_t> workers_of(pid_t parent) {
+  std::vector<pid_t> out;
+  for (const auto& entry : std::filesystem::directory_iterator("/proc")) {
+    const std::string name = entry.path().filename();
+    if (name.find_first_not_of("0123456789") != std::string::npos) continue;
+    std::ifstream stat(entry.path() / "stat");
+    std::string line;
+    std::getline(stat, line);
+    const size_t close = line.rfind(')');
+    if (close == std::string::npos) continue;
+    std::istringstream rest(line.substr(close + 2));
+    char state = 0;
+    pid_t ppid = 0;
+    rest >> state >> ppid;
+    std::ifstream cmd(entry.path() / "cmdline");
+    std::string argv((std::istreambuf_iterator<char>(cmd)), std::istreambuf_iterator<char>());
+    if (ppid == parent && argv.find(std::string("worker") + '\0') != std::string::npos) {
+      out.push_back(std::stoi(name));
+    }
+  }
+  return out;
+}
+
+// The sum of every series of counter `name` in `origin`'s /metrics, through `client`.
+std::optional<double> counter_sum(httplib::Client& client, const std::string& name) {
+  auto r = client.Get("/metrics");
+  if (!r || r->status != 200) return std::nullopt;
+  double sum = 0;
+  std::istringstream lines(r->body);
+  for (std::string line; std::getline(lines, line);) {
+    if (line.rfind(name, 0) != 0 || line.size() <= name.size()) continue;
+    if (line[name.size()] != '{' && line[name.size()] != ' ') continue;
+    sum += std::stod(line.substr(line.rfind(' ') + 1));
+  }
+  return sum;
+}
+
+// The fence, with a real stall. Decode's TP rank processes are SIGSTOPped in the middle of a
+// request's transfer (its first layer read, the rest not); Prefill sends the remaining
+// layers' readiness, the final one included, gives that Decode up at its deadline, and
+// computes another prompt into the same blocks of the same layer buffers. Resumed, the ranks
+// find the rest of the readiness waiting, pointing at the other prompt's KV: the request
+// must fail on Decode, never complete (had it completed, Decode's byte check would have found
+// the other prompt's KV: "does not hold its KV"). Two fences hold it, each enough alone:
+// the connection Prefill gave up is closed, and Decode fails what a closed connection owed
+// and reads nothing more from it; and Prefill never commits the request (KV_COMMIT), so its
+// final layer does not complete it. The test fails only with both removed.
+class StoppedDecode : public ::testing::TestWithParam<std::string> {};
+
+TEST_P(StoppedDecode, ResumedAfterPrefillReusedItsBlocksItFailsTheRequestInsteadOfCompletingIt) {
+  std::mt19937 rng(std::random_device{}());
+  std::optional<DecodeProcess> decode;
+  for (int attempt = 0; attempt < 20 && !decode; ++attempt) {
+    decode = start_decode(std::uniform_int_distribution<int>(20000, 60000)(rng),
+                          R"(, "kv_arrival_timeout_ms": 20000, "control_link": )" + GetParam());
+  }
+  ASSERT_TRUE(decode) << "no Decode process came up";
+  // One buffer per layer (no slot gate holds a layer back), a third of a second per layer.
+  auto prefill = start_prefill("fail", /*slots=*/0, /*layer_us=*/300000);
+  ASSERT_TRUE(prefill);
+  metaserver::ProxyConfig pc;
+  pc.prefill = {prefill->origin()};
+  pc.decode = {decode->origin};
+  pc.decode_attempts = 1;  // the client is to see what Decode made of the request
+  auto proxy = metaserver::Proxy::start(pc);
+  ASSERT_TRUE(proxy);
+  const auto warm = post((*proxy)->url(), {{"prompt", std::string(40, 'w')}, {"max_tokens", 2}});
+  ASSERT_TRUE(warm);
+  ASSERT_EQ(warm->status, 200) << warm->body;  // both Decode ranks are connected now
+  const auto ranks = workers_of(decode->process.pid());
+  ASSERT_EQ(ranks.size(), 2u);
+
+  httplib::Client decode_metrics(decode->origin);
+  const auto layers = counter_sum(decode_metrics, "rd2h_kv_layers_total");
+  ASSERT_TRUE(layers);
+  auto answer = std::async(std::launch::async, [&] {
+    return post((*proxy)->url(), {{"prompt", std::string(40, 's')}, {"max_tokens", 2}});
+  });
+  // Decode has read the request's first layer (each layer takes Prefill a third of a
+  // second): its ranks stop in the middle of the request's transfer.
+  ASSERT_TRUE(rd2h::testing::eventually(
+      [&] { return counter_sum(decode_metrics, "rd2h_kv_layers_total") > *layers; }));
+  for (const pid_t rank : ranks) ASSERT_EQ(kill(rank, SIGSTOP), 0);
+  struct Resume {
+    const std::vector<pid_t>& ranks;
+    ~Resume() {
+      for (const pid_t rank : ranks) kill(rank, SIGCONT);
+    }
+  } resume{ranks};
+
+  // Prefill gives the stalled Decode up at its deadline, ends the request and frees its
+  // blocks...
+  httplib::Client metrics(prefill->origin());
+  ASSERT_TRUE(rd2h::testing::eventually(
+      [&] {
+        return counter_sum(metrics, "rd2h_engine_prompts_total") == 2.0 &&
+               prefill->stats().free_blocks == 64;
+      },
+      30s));
+  // ...which the next prompt of the same length takes (the last freed are taken first).
+  auto other = post(prefill->origin(), {{"prompt", std::string(40, 't')}, {"max_tokens", 1}});
+  ASSERT_TRUE(other);
+  ASSERT_EQ(other->status, 200) << other->body;
+  for (const pid_t rank : ranks) ASSERT_EQ(kill(rank, SIGCONT), 0);
+
+  auto r = answer.get();
+  ASSERT_TRUE(r) << httplib::to_string(r.error());
+  EXPECT_NE(r->status, 200) << "a request completed from KV Prefill overwrote: " << r->body;
+  EXPECT_EQ(r->body.find("does not hold its KV"), std::string::npos) << r->body;
+  // Decode serves on.
+  const auto after = post((*proxy)->url(), {{"prompt", std::string(40, 'u')}, {"max_tokens", 2}});
+  ASSERT_TRUE(after);
+  EXPECT_EQ(after->status, 200) << after->body;
+  decode->process.kill(SIGTERM);
+  EXPECT_TRUE(decode->process.wait(30s));
+}
+
+// Readiness and answers on a transfer link, or on ZeroMQ.
+INSTANTIATE_TEST_SUITE_P(Control, StoppedDecode, ::testing::Values("true", "false"),
+                         [](const auto& info) {
+                           return info.param == "true" ? std::string("OnALink")
+                                                       : std::string("OnZeroMq");
+                         });
 
 INSTANTIATE_TEST_SUITE_P(OnPeerFailure, KilledDecode, ::testing::Values("raise", "fail"),
                          [](const auto& info) { return info.param; });

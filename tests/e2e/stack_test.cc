@@ -147,7 +147,8 @@ TEST_F(Stack, DrainingEnginesRefuseNewRequestsAndFinishTheOnesInFlight) {
     ASSERT_TRUE(rd2h::testing::eventually([&] {
       auto h = probe.Get("/health");
       return h && h->status == 503 && h->body.find("draining") != std::string::npos;
-    })) << engine->origin() << " does not say it is draining";
+    })) << engine->origin()
+        << " does not say it is draining";
     auto refused = probe.Post("/v1/completions", body(false).dump(), "application/json");
     ASSERT_TRUE(refused);
     EXPECT_EQ(refused->status, 503) << refused->body;

@@ -190,7 +190,8 @@ class ProxyTest : public ::testing::Test {
     }
     std::unique_lock lock(log_.mu);
     if (fail_after_dispatch_ != 0) {  // a Decode that fails once Prefill has the request
-      log_.cv.wait_for(lock, 30s, [&] { return log_.prefill_index.size() >= mine || log_.released; });
+      log_.cv.wait_for(lock, 30s,
+                       [&] { return log_.prefill_index.size() >= mine || log_.released; });
       res.status = fail_after_dispatch_;
       res.set_content("engine error", "text/plain");
       return;
@@ -637,7 +638,9 @@ TEST_F(ProxyTest, InstancesAreAddedAndRemovedWhileTheProxyRunsWithoutDroppingReq
   EXPECT_EQ(admin(proxy_->url(), std::nullopt, "").first, 401) << "the admin routes take a token";
 
   std::optional<httplib::Result> held;
-  std::thread client([&] { held = client_post("/v1/completions", {{"model", "m"}, {"prompt", "p"}}); });
+  std::thread client([&] {
+    held = client_post("/v1/completions", {{"model", "m"}, {"prompt", "p"}});
+  });
   ASSERT_TRUE(eventually([&] {
     std::lock_guard lock(log_.mu);
     return log_.decoding == 1;
@@ -652,8 +655,7 @@ TEST_F(ProxyTest, InstancesAreAddedAndRemovedWhileTheProxyRunsWithoutDroppingReq
   const std::string joined = decodes_[2]->origin();
   const ClosedPort dead;
   const std::string nobody = "http://127.0.0.1:" + std::to_string(dead.port());
-  auto [status, pools] =
-      admin(proxy_->url(), json{{"decode", {staying, joined, nobody}}}, token_);
+  auto [status, pools] = admin(proxy_->url(), json{{"decode", {staying, joined, nobody}}}, token_);
   ASSERT_EQ(status, 200) << pools.dump();
   EXPECT_EQ(states(pools["decode"]),
             (std::map<std::string, std::string>{{leaving, "leaving"},

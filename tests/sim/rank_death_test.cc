@@ -157,7 +157,8 @@ TEST(RankDeath, ARankKilledWhileTheEngineIsIdleMakesItsHealth503NamingTheRank) {
     auto h = client.Get("/health");
     body = h ? h->body : "";
     return h && h->status == 503;
-  })) << "a dead rank goes unnoticed: " << body;
+  })) << "a dead rank goes unnoticed: "
+      << body;
   EXPECT_NE(body.find("(pid " + std::to_string(ranks[1]) + ") was killed by signal " +
                       std::to_string(SIGKILL)),
             std::string::npos)
@@ -168,8 +169,8 @@ TEST(RankDeath, ARankKilledWhileTheEngineIsIdleMakesItsHealth503NamingTheRank) {
 // lock it holds open).
 std::optional<std::filesystem::path> private_dir_of(pid_t pid) {
   std::error_code ec;
-  for (const auto& fd : std::filesystem::directory_iterator(
-           "/proc/" + std::to_string(pid) + "/fd", ec)) {
+  for (const auto& fd :
+       std::filesystem::directory_iterator("/proc/" + std::to_string(pid) + "/fd", ec)) {
     const auto target = std::filesystem::read_symlink(fd.path(), ec);
     if (!ec && target.filename() == "owner" &&
         target.parent_path().filename().string().rfind("rd2h-sim-", 0) == 0) {
