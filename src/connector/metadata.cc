@@ -55,6 +55,10 @@ Expected<KvTransferParams> from_object(const ordered_json& j, int depth) {
   RD2H_RETURN_IF_ERROR(field(j, "do_remote_decode", p.do_remote_decode));
   RD2H_RETURN_IF_ERROR(field(j, "metaserver", p.metaserver));
   RD2H_RETURN_IF_ERROR(field(j, "virtual", p.is_virtual));
+  // The existing connector's spelling: either one set makes the request virtual.
+  bool do_virtual = false;
+  RD2H_RETURN_IF_ERROR(field(j, "do_virtual", do_virtual));
+  p.is_virtual = p.is_virtual || do_virtual;
   RD2H_RETURN_IF_ERROR(field(j, "request_id", p.request_id));
   RD2H_RETURN_IF_ERROR(field(j, "remote_engine_id", p.remote_engine_id));
   RD2H_RETURN_IF_ERROR(field(j, "remote_host", p.remote_host));

@@ -7,6 +7,7 @@
 
 #include "decode/layer_meta.h"
 #include "layout/cache.h"
+#include "protocol/message_tags.h"
 #include "rd2h/common/trace.h"
 #include "util/log.h"
 
@@ -321,6 +322,9 @@ void Reader::handle(const control::Inbound& in, bool* polled) {
 }
 
 void Reader::handle_undecodable(const control::Inbound& in, const std::string& why) {
+  bool as_str = false;
+  const auto tag = protocol::peek_tag(in.payload, &as_str);
+  if (tag == "mf_meta") return refuse_mf_meta(in.identity, why);  // counted there
   {
     std::lock_guard lock(mu_);
     ++stats_.messages_rejected;
@@ -345,11 +349,21 @@ void Reader::handle_undecodable(const control::Inbound& in, const std::string& w
     reply(in.identity, protocol::encode(protocol::ReadFailed{*layer, why}));
     return;
   }
-  if (protocol::peek_tag(in.payload) == std::optional<std::string>("mf_meta")) {
-    return refuse_mf_meta(in.identity, why);
+  if (tag && (as_str || *tag != protocol::kTagReadReadyBatch)) {
+    // A message this Decode does not know (a newer peer's, or a tag sent as str) owes no
+    // answer: it is ignored, and the connection keeps its MF_META and what it has in flight.
+    uint64_t held_back = 0;
+    if (unknown_log_.allow(&held_back)) {
+      log::warn(
+          "decode reader {}: ignored a message it does not understand: {} ({} more since "
+          "the last such line)",
+          config_.d_rank, why, held_back);
+    }
+    return;
   }
-  // Nothing to answer for: the connection cannot be trusted to stay in step. What it owes
-  // is failed, its MF_META forgotten, and it is told, so Prefill fails at once.
+  // A readiness without a layer to answer for, or not a tagged message at all: the
+  // connection cannot be trusted to stay in step. What it owes is failed, its MF_META
+  // forgotten, and it is told, so Prefill fails at once.
   drop_peer(in.identity, "message refused: " + why +
                              "; this connection's MF_META and held readiness are dropped");
 }

@@ -35,6 +35,7 @@
 #include "protocol/messages.h"
 #include "rd2h/common/status.h"
 #include "rd2h/transfer/transfer_engine.h"
+#include "util/log.h"
 #include "util/metrics.h"
 #include "util/unique_fd.h"
 
@@ -203,6 +204,7 @@ class Reader {
   };
   std::map<std::string, std::deque<Held>> held_;  // by ZMQ identity; reader thread only
   size_t held_count_ = 0;
+  log::RateLimit unknown_log_;  // messages ignored as unknown
 
   mutable std::mutex mu_;  // guards what the worker's thread shares with the reader
   // The batched read in flight, if any (reads_begun_ is its number): a request given up

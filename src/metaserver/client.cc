@@ -1,8 +1,11 @@
 #include "metaserver/client.h"
 
+#include <arpa/inet.h>
 #include <httplib.h>
 
 #include <algorithm>
+#include <cctype>
+#include <optional>
 
 #include "util/log.h"
 #include "util/token.h"
@@ -22,6 +25,67 @@ Expected<Url> parse_url(const std::string& url) {
     return invalid_argument("metaserver URL '" + url + "' has no host");
   }
   return u;
+}
+
+namespace {
+
+// Why `host` is neither a host name nor an IP address, if it is not.
+std::optional<std::string> bad_host(const std::string& host) {
+  if (host.empty()) return "it has no host";
+  if (host.front() == '[') {
+    in6_addr v6{};
+    const std::string inside = host.back() == ']' ? host.substr(1, host.size() - 2) : "";
+    if (inet_pton(AF_INET6, inside.c_str(), &v6) == 1) return std::nullopt;
+    return "'" + host + "' is not an IPv6 address";
+  }
+  if (host.size() > 253) return "its host is longer than 253 characters";
+  size_t start = 0;
+  std::string last;
+  for (;;) {
+    const size_t dot = std::min(host.find('.', start), host.size());
+    const std::string label = host.substr(start, dot - start);
+    const bool ok = !label.empty() && label.size() <= 63 && label.front() != '-' &&
+                    label.back() != '-' && std::all_of(label.begin(), label.end(), [](char c) {
+                      return std::isalnum(static_cast<unsigned char>(c)) || c == '-';
+                    });
+    if (!ok) return "'" + host + "' is not a valid host name or address";
+    last = label;
+    if (dot == host.size()) break;
+    start = dot + 1;
+  }
+  // A name whose last label is all digits can only be an IPv4 address.
+  if (std::all_of(last.begin(), last.end(), [](char c) { return c >= '0' && c <= '9'; })) {
+    in_addr v4{};
+    if (inet_pton(AF_INET, host.c_str(), &v4) != 1) {
+      return "'" + host + "' is not a valid IPv4 address";
+    }
+  }
+  return std::nullopt;
+}
+
+}  // namespace
+
+Expected<Url> parse_origin(const std::string& origin) {
+  auto wrong = [&](const std::string& why) {
+    return invalid_argument("'" + origin + "' is not http://host:port: " + why);
+  };
+  const std::string scheme = "http://";
+  if (origin.rfind(scheme, 0) != 0) return wrong("it does not start with http://");
+  const std::string rest = origin.substr(scheme.size());
+  if (rest.find('/') != std::string::npos) return wrong("it has a path");
+  const size_t colon = rest.rfind(':');
+  const size_t bracket = rest.rfind(']');
+  if (colon == std::string::npos || (bracket != std::string::npos && colon < bracket)) {
+    return wrong("it has no port");
+  }
+  const std::string host = rest.substr(0, colon), port = rest.substr(colon + 1);
+  if (auto why = bad_host(host)) return wrong(*why);
+  if (port.empty() || port.size() > 5 ||
+      !std::all_of(port.begin(), port.end(), [](char c) { return c >= '0' && c <= '9'; }) ||
+      std::stoi(port) < 1 || std::stoi(port) > 65535) {
+    return wrong("its port '" + port + "' is not in 1..65535");
+  }
+  return Url{origin, "/"};
 }
 
 Client::Client(ClientConfig config) : config_(config), pool_(config.threads) {

@@ -43,6 +43,10 @@ struct Url {
   std::string path;
 };
 Expected<Url> parse_url(const std::string& url);
+// An engine's origin, exactly "http://host:port": the host a valid host name (RFC 1123, its
+// last label not all digits), a dotted IPv4 address or a bracketed IPv6 one, the port in
+// 1..65535. The error says what is wrong.
+Expected<Url> parse_origin(const std::string& origin);
 
 class Client {
  public:

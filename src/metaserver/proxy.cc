@@ -7,12 +7,10 @@
 namespace rd2h::metaserver {
 
 Expected<std::unique_ptr<Proxy>> Proxy::start(ProxyConfig config) {
-  for (const auto* list : {&config.prefill, &config.decode}) {
+  for (const auto& [flag, list] :
+       {std::pair{"--prefill", &config.prefill}, std::pair{"--decode", &config.decode}}) {
     for (const auto& origin : *list) {
-      auto u = parse_url(origin);
-      if (!u || u->path != "/") {
-        return invalid_argument("engine address '" + origin + "' is not http://host:port");
-      }
+      if (auto u = parse_origin(origin); !u) return u.status().with_context(flag);
     }
   }
   if (sodium_init() < 0) return internal_error("libsodium could not be initialised");
@@ -20,6 +18,10 @@ Expected<std::unique_ptr<Proxy>> Proxy::start(ProxyConfig config) {
   impl->config = config;
   impl->decodes.assign("decode", config.decode);
   impl->prefills.assign("prefill", config.prefill);
+  impl->publish_rotation(impl->decodes);
+  impl->publish_rotation(impl->prefills);
+  impl->decode_retry_count.with();  // present at 0 from the start
+  impl->abandoned_count.with();
   impl->dispatchers = std::make_unique<ThreadPool>(config.max_concurrent);
   if (!config.token.empty()) impl->auth.emplace("Authorization", http::bearer(config.token));
   Impl* p = impl.get();

@@ -379,7 +379,10 @@ void Proxy::Impl::handle_client(const httplib::Request& req, httplib::Response& 
       take_out(decodes, round->parent->decode, why);
       // Only another Decode is worth a try: the same one would fail the same way.
       retry = attempt < std::max(1, config.decode_attempts) && decodes.any_up();
-      if (retry) ++stats.decode_retries;
+      if (retry) {
+        ++stats.decode_retries;
+        decode_retry_count.with().inc();
+      }
     }
     if (!retry) {
       // The client gets Decode's own answer; the KV Prefill would compute has no reader.

@@ -106,6 +106,8 @@ void Proxy::Impl::take_out(Pool& pool, size_t i, const std::string& why) {
   if (!pool.down[i].empty()) return;
   pool.down[i] = why;
   ++stats.taken_out;
+  taken_out_count.with({pool.role, pool.origins[i]}).inc();
+  publish_rotation(pool);
   log::warn("proxy: {} {} is out of rotation: {}", pool.role, pool.origins[i], why);
   if (&pool != &prefills || !pool.any_up()) return;
   // Dispatches waiting on a Prefill that stopped answering (a stalled host) would wait out
@@ -120,6 +122,7 @@ void Proxy::Impl::bring_back(Pool& pool, size_t i) {
   if (pool.down[i].empty()) return;
   pool.down[i].clear();
   ++stats.brought_back;
+  publish_rotation(pool);
   log::info("proxy: {} {} answers its health probe again: back in rotation", pool.role,
             pool.origins[i]);
 }
@@ -230,7 +233,10 @@ Proxy::Impl::PrefillAttempt Proxy::Impl::attempt_prefill(const std::shared_ptr<P
     abandoned = a.given_up && parent->prefill_abandoned;
   }
   std::lock_guard lock(mu);
-  if (abandoned) ++stats.prefill_abandoned;
+  if (abandoned) {
+    ++stats.prefill_abandoned;
+    abandoned_count.with().inc();
+  }
   --prefills.load[which];
   upstream_in_flight.with({"prefill", origin}).add(-1);
   std::erase_if(dispatch_clients, [&](const auto& d) { return d.second == client; });
@@ -352,6 +358,7 @@ void Proxy::Impl::set_instances(Pool& pool, const std::vector<std::string>& want
     log::info("proxy: {} {} joins the pool{}", pool.role, wanted[k],
               verdicts[k] ? " out of rotation: " + *verdicts[k] : "");
   }
+  publish_rotation(pool);
 }
 
 void Proxy::Impl::handle_instances(const httplib::Request& req, httplib::Response& res) {
@@ -380,9 +387,11 @@ void Proxy::Impl::handle_instances(const httplib::Request& req, httplib::Respons
     auto& list = lists[key];
     for (const auto& origin : value) {
       const std::string text = origin.is_string() ? origin.get<std::string>() : origin.dump();
-      const auto u = parse_url(text);
-      if (!origin.is_string() || !u || u->path != "/") {
-        return http::set_api_error(res, 400, key + ": '" + text + "' is not http://host:port", key);
+      if (!origin.is_string()) {
+        return http::set_api_error(res, 400, key + ": " + text + " is not a string", key);
+      }
+      if (const auto u = parse_origin(text); !u) {
+        return http::set_api_error(res, 400, key + ": " + u.status().message(), key);
       }
       if (std::find(list.begin(), list.end(), origin.get<std::string>()) != list.end()) {
         return http::set_api_error(

@@ -269,6 +269,24 @@ struct Proxy::Impl {
   metrics::Family<metrics::Gauge>& upstream_in_flight =
       registry.gauge("rd2h_proxy_upstream_in_flight", "Requests in flight on each engine instance",
                      {"role", "instance"});
+  metrics::Family<metrics::Gauge>& in_rotation = registry.gauge(
+      "rd2h_proxy_instance_in_rotation",
+      "1 while an engine instance is in the rotation, 0 while it is out of it or removed",
+      {"role", "instance"});
+  metrics::Family<metrics::Counter>& taken_out_count = registry.counter(
+      "rd2h_proxy_taken_out_total", "Times an engine instance left the rotation (it failed)",
+      {"role", "instance"});
+  metrics::Family<metrics::Counter>& decode_retry_count = registry.counter(
+      "rd2h_proxy_decode_retries_total", "Client requests started again on another Decode");
+  metrics::Family<metrics::Counter>& abandoned_count =
+      registry.counter("rd2h_proxy_prefill_abandoned_total",
+                       "Prefill dispatches stopped because their Decode failed for good");
+  // Sets in_rotation for every instance `pool` has had (under mu).
+  void publish_rotation(const Pool& pool) {
+    for (size_t i = 0; i < pool.origins.size(); ++i) {
+      in_rotation.with({pool.role, pool.origins[i]}).set(pool.serves(i) ? 1 : 0);
+    }
+  }
   std::unique_ptr<http::HttpServer> api, rendezvous;
   // The client API and the metaserver listener, with their routes (before they start).
   void make_servers();

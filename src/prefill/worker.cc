@@ -271,7 +271,17 @@ Status Worker::wait_for_layer_send(std::string_view layer_name) {
 Status Worker::wait_for_layer_reuse(int64_t layer_index) {
   auto it = std::lower_bound(layers_.begin(), layers_.end(), layer_index,
                              [](const Layer& l, int64_t index) { return l.index < index; });
-  if (it == layers_.end() || it->index != layer_index) return Status::ok();
+  if (it == layers_.end() || it->index != layer_index) {
+    // A layer that was never registered has no slot to wait for: the caller's model and
+    // the caches it registered disagree, and nothing it writes is guarded.
+    return invalid_argument("layer index " + std::to_string(layer_index) +
+                            " was never registered (" + std::to_string(layers_.size()) +
+                            " layers were" +
+                            (layers_.empty() ? std::string()
+                                             : ", " + std::to_string(layers_.front().index) +
+                                                   " to " + std::to_string(layers_.back().index)) +
+                            ")");
+  }
   return wait_for_layer_send(it->name);
 }
 

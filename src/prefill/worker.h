@@ -88,7 +88,7 @@ class Worker {
   Status wait_for_layer_send(std::string_view layer_name);
   // The same, for the layer whose index is `layer_index` (the n of "layers.<n>"): what the
   // compute path calls before it writes that layer's KV into its physical slots. An index
-  // no registered layer has owns no slot, and returns at once.
+  // no registered layer has is an error (kInvalidArgument): nothing would guard its write.
   Status wait_for_layer_reuse(int64_t layer_index);
   // The same for every slot: the end of a forward pass.
   Status wait_for_save();

@@ -372,11 +372,17 @@ std::optional<int64_t> salvage_layer_index(std::span<const std::byte> payload) {
   return *layer;
 }
 
-std::optional<std::string> peek_tag(std::span<const std::byte> payload) {
+std::optional<std::string> peek_tag(std::span<const std::byte> payload, bool* as_str) {
   Cursor c(payload);
-  auto head = cursor_tag(c);
-  if (!head) return std::nullopt;
-  return std::string(head->second);
+  Header h;
+  if (!c.header(h) || h.kind != Header::kArray || h.n < 1) return std::nullopt;
+  if (!c.header(h) || (h.kind != Header::kBin && h.kind != Header::kStr) || h.n > 64) {
+    return std::nullopt;
+  }
+  const char* body = c.here();
+  if (!c.skip(h.n)) return std::nullopt;
+  if (as_str != nullptr) *as_str = h.kind == Header::kStr;
+  return std::string(body, h.n);
 }
 
 Status check_compatible(const MfMeta& peer) {

@@ -147,8 +147,10 @@ bool is_commit_ack(std::span<const std::byte> payload);
 std::optional<int64_t> salvage_layer_index(std::span<const std::byte> payload);
 
 // The tag of a protocol message ("mf_meta", "read_ready_batch", ...) when `payload` starts
-// like one, read without decoding the rest: lets Decode answer a broken MF_META.
-std::optional<std::string> peek_tag(std::span<const std::byte> payload);
+// like one (an array whose first item is bin or, wrongly, str), read without decoding the
+// rest: lets Decode answer a broken MF_META and tell a message it does not know from noise.
+// `as_str`, if given, says whether the tag was a str.
+std::optional<std::string> peek_tag(std::span<const std::byte> payload, bool* as_str = nullptr);
 
 // Checks, without recursion and without allocating, that `bytes` is exactly one msgpack
 // value nested at most `max_depth` containers deep whose container headers fit the bytes

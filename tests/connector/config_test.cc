@@ -265,6 +265,18 @@ TEST(KvTransferParams, VirtualIsReadAsABoolean) {
   EXPECT_FALSE(KvTransferParams::from_json(R"({"virtual":"yes"})"));
 }
 
+TEST(KvTransferParams, DoVirtualTheExistingConnectorsSpellingMakesTheRequestVirtualToo) {
+  auto p = KvTransferParams::from_json(R"({"do_remote_prefill":true,"do_virtual":true})");
+  ASSERT_TRUE(p) << p.status().to_string();
+  EXPECT_TRUE(p->is_virtual);
+  p = KvTransferParams::from_json(R"({"do_remote_prefill":true,"do_virtual":false})");
+  ASSERT_TRUE(p);
+  EXPECT_FALSE(p->is_virtual);
+  auto wrong = KvTransferParams::from_json(R"({"do_virtual":1})");
+  ASSERT_FALSE(wrong);
+  EXPECT_NE(wrong.status().message().find("'do_virtual'"), std::string::npos);
+}
+
 TEST(KvTransferParams, FloatsAndOutOfRangeNumbersAreRefusedNamingTheKey) {
   struct Case {
     const char* json;

@@ -8,6 +8,7 @@
 #include <unistd.h>
 
 #include <cerrno>
+#include <variant>
 
 #include "decode/reader.h"
 #include "decode/reader_fixture.h"
@@ -207,6 +208,40 @@ TEST_F(ReaderTest, AReadinessWhoseLayerIsUnreadableIsAnsweredAndItsConnectionDro
   ASSERT_TRUE(std::holds_alternative<protocol::ReadFailed>(after));
   EXPECT_NE(std::get<protocol::ReadFailed>(after).error.find("no MF_META"), std::string::npos);
   EXPECT_EQ(reader_->stats().connections, 0u);
+}
+
+// msgpack bytes from `parts`: ints are raw bytes, strings their characters.
+std::vector<std::byte> bytes_of(std::initializer_list<std::variant<int, std::string>> parts) {
+  std::vector<std::byte> out;
+  for (const auto& p : parts) {
+    if (const int* b = std::get_if<int>(&p)) {
+      out.push_back(static_cast<std::byte>(*b));
+    } else {
+      for (char c : std::get<std::string>(p)) out.push_back(static_cast<std::byte>(c));
+    }
+  }
+  return out;
+}
+
+// As the existing connector does: a message Decode does not understand is not a reason to
+// forget what the connection set up, so a newer Prefill's messages cost nothing.
+TEST_F(ReaderTest, AnUnknownTagAStrTagOrABrokenMfMetaLeavesTheConnectionsMfMetaInPlace) {
+  send_mf_meta(mf_meta(prefill_));
+  // [bin "from_the_future", 1]: a tag of a newer protocol.
+  ASSERT_TRUE(dealer_->send(bytes_of({0x92, 0xc4, 15, std::string("from_the_future"), 1})).is_ok());
+  // [str "read_ready_batch", 1]: a tag as str, which the wire never uses.
+  ASSERT_TRUE(dealer_->send(bytes_of({0x92, 0xb0, std::string("read_ready_batch"), 1})).is_ok());
+  // [bin "mf_meta", 7]: an MF_META that does not decode is refused, and nothing else.
+  auto m = exchange_message(bytes_of({0x92, 0xc4, 7, std::string("mf_meta"), 7}));
+  ASSERT_TRUE(std::holds_alternative<protocol::ReadFailed>(m)) << "no refusal";
+  EXPECT_NE(std::get<protocol::ReadFailed>(m).error.find("MF_META refused"), std::string::npos);
+  // The MF_META accepted first still stands: readiness is served.
+  m = exchange_message(protocol::encode(ready(1, {})));
+  ASSERT_TRUE(std::holds_alternative<protocol::ReadDone>(m))
+      << (std::holds_alternative<protocol::ReadFailed>(m) ? std::get<protocol::ReadFailed>(m).error
+                                                          : "another answer");
+  EXPECT_EQ(reader_->stats().connections, 1u);
+  EXPECT_EQ(reader_->stats().messages_rejected, 3u);
 }
 
 TEST_F(ReaderTest, OneConnectionCannotFillTheHoldQueue) {

@@ -494,6 +494,22 @@ std::pair<int, json> health(const std::string& url) {
   return {r->status, json::parse(r->body, nullptr, false)};
 }
 
+// The value of `series` (its name and labels as rendered) in the proxy's /metrics.
+std::optional<double> metric(const std::string& url, const std::string& series) {
+  httplib::Client c(url);
+  auto r = c.Get("/metrics");
+  if (!r || r->status != 200) return std::nullopt;
+  const std::string key = "\n" + series + " ";
+  const size_t at = ("\n" + r->body).find(key);
+  if (at == std::string::npos) return std::nullopt;
+  return std::stod(r->body.substr(at + key.size() - 1));
+}
+
+// A series of the proxy's metrics about one engine instance.
+std::string about(const std::string& name, const std::string& role, const std::string& origin) {
+  return name + "{role=\"" + role + "\",instance=\"" + origin + "\"}";
+}
+
 TEST_F(ProxyTest, ADecodeThatIsGoneLeavesTheRotationAtOnceAndItsRequestGoesToAnother) {
   start(200, /*prefills=*/1, /*decodes=*/2);
   decodes_[0]->kill();
@@ -517,6 +533,13 @@ TEST_F(ProxyTest, ADecodeThatIsGoneLeavesTheRotationAtOnceAndItsRequestGoesToAno
   EXPECT_NE(body["decode"][0].value("reason", "").find("did not answer"), std::string::npos)
       << body.dump();
   EXPECT_EQ(body["decode"][1]["healthy"], true) << body.dump();
+  // And so says /metrics.
+  const std::string gone = decodes_[0]->origin(), serving = decodes_[1]->origin();
+  const std::string rotation = "rd2h_proxy_instance_in_rotation";
+  EXPECT_EQ(metric(proxy_->url(), about(rotation, "decode", gone)), 0.0);
+  EXPECT_EQ(metric(proxy_->url(), about(rotation, "decode", serving)), 1.0);
+  EXPECT_EQ(metric(proxy_->url(), about(rotation, "prefill", prefill_[0]->origin())), 1.0);
+  EXPECT_GE(metric(proxy_->url(), about("rd2h_proxy_taken_out_total", "decode", gone)), 1.0);
 }
 
 TEST_F(ProxyTest, ADecodeThatFailsARequestWithA5xxBeforeAnswerIsTriedOnAnother) {
@@ -526,6 +549,7 @@ TEST_F(ProxyTest, ADecodeThatFailsARequestWithA5xxBeforeAnswerIsTriedOnAnother) 
   ASSERT_TRUE(r) << httplib::to_string(r.error());
   EXPECT_EQ(r->status, 500) << r->body;  // the last Decode's own answer
   EXPECT_EQ(proxy_->stats().decode_retries, 1u);
+  EXPECT_EQ(metric(proxy_->url(), "rd2h_proxy_decode_retries_total"), 1.0);
   std::lock_guard lock(log_.mu);
   EXPECT_EQ(decode_index_.size(), 2u);
   ASSERT_EQ(decode_index_.size(), 2u);
@@ -607,6 +631,7 @@ TEST_F(ProxyTest, ADecodeThatFailsWithNoOtherToTryHasItsPrefillDispatchStoppedNo
   const auto stats = proxy_->stats();
   EXPECT_EQ(stats.prefill_dispatches, 1u) << "the dispatch was tried again";
   EXPECT_EQ(stats.prefill_failures, 0u) << "a dispatch the proxy stopped is no Prefill failure";
+  EXPECT_EQ(metric(proxy_->url(), "rd2h_proxy_prefill_abandoned_total"), 1.0);
   EXPECT_EQ(health(proxy_->url()).second["prefill"][0]["healthy"], true);
 }
 
@@ -695,6 +720,7 @@ TEST_F(ProxyTest, ABadInstanceListIsRefusedWholeNamingWhatIsWrong) {
   const std::vector<std::pair<json, std::string>> bad = {
       {json{{"decode", json::array()}}, "list of 1 to"},
       {json{{"decode", {d0, "127.0.0.1:1"}}}, "'127.0.0.1:1' is not http://host:port"},
+      {json{{"decode", {d0, "http://10.0.0.256:1"}}}, "'10.0.0.256' is not a valid IPv4 address"},
       {json{{"decode", {d0, d0}}}, "listed twice"},
       {json{{"decode", {d0}}, {"encode", {d0}}}, "unknown key 'encode'"},
       {json{{"prefill", "http://127.0.0.1:1"}}, "prefill must be a list"},

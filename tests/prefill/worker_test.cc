@@ -63,6 +63,18 @@ TEST(PrefillWorker, BadLayersAreRefusedByName) {
   EXPECT_NE(w.status().message().find("rank 4"), std::string::npos) << w.status().message();
 }
 
+TEST(PrefillWorker, AWaitOnALayerThatWasNeverRegisteredIsAnErrorNotAnInstantSuccess) {
+  HostBuffer kv(6 * 4096);
+  auto w = Worker::create({}, shm_engine(), control::Context::create(), layers(kv));
+  ASSERT_TRUE(w) << w.status().to_string();
+  EXPECT_TRUE((*w)->wait_for_layer_reuse(2).is_ok()) << "nothing was sent: its slot is free";
+  const Status st = (*w)->wait_for_layer_reuse(3);
+  EXPECT_EQ(st.code(), StatusCode::kInvalidArgument) << st.to_string();
+  EXPECT_NE(st.message().find("layer index 3 was never registered (3 layers were, 0 to 2)"),
+            std::string::npos)
+      << st.message();
+}
+
 TEST(PrefillWorker, AStepThatCannotBePublishedIsRefusedNamingTheRequest) {
   HostBuffer kv(6 * 4096);
   WorkerConfig config;

@@ -81,8 +81,11 @@ class EngineHandler(BaseHTTPRequestHandler):
         self.send_response(status)
         self.send_header("Content-Type", "application/json")
         self.send_header("Content-Length", str(len(data)))
-        self.end_headers()
-        self.wfile.write(data)
+        try:
+            self.end_headers()
+            self.wfile.write(data)
+        except (BrokenPipeError, ConnectionResetError):
+            pass  # the client (the proxy) gave the request up: nobody reads the answer
 
     def read_json(self) -> dict:
         return json.loads(self.rfile.read(int(self.headers.get("Content-Length", 0))))

@@ -3,8 +3,9 @@
 #include <httplib.h>
 #include <sys/wait.h>
 
-#include "util/subprocess.h"
+#include "metaserver/client.h"
 #include "support/rd2h_run.h"
+#include "util/subprocess.h"
 
 namespace rd2h {
 namespace {
@@ -191,7 +192,27 @@ TEST(ProxyCommand, AtLevelWarnNoAccessLinesArePrinted) {
 TEST(ProxyCommand, AnEngineAddressThatIsNotAnOriginIsRefused) {
   auto r = run_rd2h({"proxy", "--prefill", "127.0.0.1:9", "--decode", "http://127.0.0.1:10"});
   EXPECT_EQ(r.exit_code, 1) << r.output;
-  EXPECT_NE(r.output.find("'127.0.0.1:9' is not http://host:port"), std::string::npos) << r.output;
+  EXPECT_NE(r.output.find("--prefill: '127.0.0.1:9' is not http://host:port"), std::string::npos)
+      << r.output;
+  // Hosts that are neither names nor addresses are refused at the start, naming the flag.
+  for (const std::string host : {"10.0.0.256", "", "192.0.0.3192.0.0.3", "-a.example", "a_b"}) {
+    SCOPED_TRACE(host);
+    r = run_rd2h(
+        {"proxy", "--prefill", "http://127.0.0.1:9", "--decode", "http://" + host + ":10"});
+    EXPECT_EQ(r.exit_code, 1) << r.output;
+    EXPECT_NE(r.output.find("--decode: 'http://" + host + ":10' is not http://host:port"),
+              std::string::npos)
+        << r.output;
+  }
+  r = run_rd2h({"proxy", "--prefill", "http://127.0.0.1:9", "--decode", "http://127.0.0.1:0"});
+  EXPECT_NE(r.output.find("port '0' is not in 1..65535"), std::string::npos) << r.output;
+}
+
+TEST(ProxyCommand, EngineAddressesByNameOrAddressAreTaken) {
+  for (const std::string origin :
+       {"http://localhost:10", "http://decode-3.pd.svc.cluster.local:8000", "http://[::1]:10"}) {
+    EXPECT_TRUE(metaserver::parse_origin(origin)) << origin;
+  }
 }
 
 }  // namespace
