@@ -90,9 +90,10 @@ void Proxy::Impl::add_routes() {
   };
   api->get("/admin/instances", Auth::kToken, instances);
   api->post("/admin/instances", Auth::kToken, instances);
-  api->post(
-      "/reset_prefix_cache", Auth::kApiKey,
-      [this](const httplib::Request&, httplib::Response& res) { handle_reset_prefix_cache(res); });
+  api->post("/reset_prefix_cache", Auth::kApiKey,
+            [this](const httplib::Request& req, httplib::Response& res) {
+              handle_reset_prefix_cache(req, res);
+            });
   api->get("/health", Auth::kNone,
            [this](const httplib::Request&, httplib::Response& res) { handle_health(res); });
   api->get("/metrics", Auth::kNone, [this](const httplib::Request&, httplib::Response& res) {

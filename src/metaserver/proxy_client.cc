@@ -151,33 +151,57 @@ bool Proxy::Impl::wait_on_leg(DecodeLeg& leg, const std::shared_ptr<Parent>& par
   return true;
 }
 
-void Proxy::Impl::answer_whole(httplib::Response& res, const std::shared_ptr<Round>& round) {
-  auto parent = round->parent;
-  auto leg = round->leg;
-  wait_on_leg(*leg, parent, [&] { return leg->done; });
-  bool done = false;
-  {
-    std::lock_guard lock(leg->mu);
-    done = leg->done;
-  }
-  if (auto [status, failure] = parent->failed(); !failure.empty()) {
-    res.status = status;
-    res.set_content(failure, "application/json");
-  } else {
-    std::lock_guard held(leg->mu);
-    if (!done || !leg->error.empty() || leg->status == 0) {
-      http::set_api_error(res, 502, done ? leg->error : "the client went away");
-    } else {
-      std::string answer;
-      answer.reserve(leg->held);
-      for (auto& c : leg->chunks) answer += c;
-      res.status = leg->status;
-      res.set_content(answer, leg->content_type.empty() ? "application/json" : leg->content_type);
+void Proxy::Impl::answer_whole(httplib::Response& res, const std::shared_ptr<Round>& round,
+                               Continuation* cont, const std::string& path, size_t prompts) {
+  ordered_json merged;  // the answer so far, over rounds
+  for (;;) {
+    auto parent = round->parent;
+    auto leg = round->leg;
+    wait_on_leg(*leg, parent, [&] { return leg->done; });
+    bool again = false;
+    {
+      std::lock_guard held(leg->mu);
+      const bool done = leg->done;
+      if (auto [status, failure] = parent->failed(); !failure.empty()) {
+        res.status = status;
+        res.set_content(failure, "application/json");
+      } else if (!done || !leg->error.empty() || leg->status == 0) {
+        http::set_api_error(res, 502, done ? leg->error : "the client went away");
+      } else {
+        std::string answer;
+        answer.reserve(leg->held);
+        for (auto& c : leg->chunks) answer += c;
+        auto j = leg->status == 200 && cont != nullptr
+                     ? ordered_json::parse(answer, nullptr, /*allow_exceptions=*/false)
+                     : ordered_json();
+        const bool whole = j.is_object() && !http::nests_deeper_than(j, http::kMaxBodyNesting);
+        again = whole && continue_whole(*cont, j, merged);
+        res.status = leg->status;
+        if (!again) {
+          res.set_content(cont != nullptr && cont->rounds > 0 && whole ? merged.dump() : answer,
+                          leg->content_type.empty() ? "application/json" : leg->content_type);
+        }
+      }
     }
+    round->leg.reset();
+    leg.reset();  // joins the leg before the request is finished
+    finish(parent);
+    if (!again) return;
+    {
+      std::lock_guard stats_lock(mu);
+      ++stats.reissued;
+    }
+    reissued.with().inc();
+    log::info("proxy: request {}: Decode ended it recomputed after {} tokens; round {}", parent->id,
+              cont->tokens, cont->rounds + 2);
+    auto next = begin_round(path, next_round_body(*cont), prompts);
+    if (auto* refused = std::get_if<std::pair<int, std::string>>(&next)) {
+      res.status = refused->first;
+      return res.set_content(refused->second, "application/json");
+    }
+    *round = std::get<Round>(std::move(next));
+    ++cont->rounds;
   }
-  round->leg.reset();
-  leg.reset();  // joins the leg before the request is finished
-  finish(parent);
 }
 
 // A stream relayed to its client, round after round: the response's content provider.
@@ -339,8 +363,9 @@ void Proxy::Impl::handle_client(const httplib::Request& req, httplib::Response& 
       stream_field != body.end() && stream_field->is_boolean() && stream_field->get<bool>();
   // A stream Decode may end "recomputed" is followed across rounds, event by event.
   auto cont = std::make_shared<Continuation>();
-  const bool follow = stream && config.max_reissues > 0 && continuable(body, chat, *prompts);
-  if (follow) *cont = Continuation::of(body, chat);
+  const bool may_go_on = config.max_reissues > 0 && continuable(body, chat, *prompts);
+  const bool follow = stream && may_go_on;
+  if (may_go_on) *cont = Continuation::of(body, chat);
   const std::string path = chat ? "/v1/chat/completions" : "/v1/completions";
   auto begun = begin_round(path, body, *prompts);
   if (auto* refused = std::get_if<std::pair<int, std::string>>(&begun)) {
@@ -419,7 +444,9 @@ void Proxy::Impl::handle_client(const httplib::Request& req, httplib::Response& 
     std::lock_guard lock(leg.mu);
     streaming = stream && leg.status == 200;
   }
-  if (!streaming) return answer_whole(res, round);
+  if (!streaming) {
+    return answer_whole(res, round, !stream && may_go_on ? cont.get() : nullptr, path, *prompts);
+  }
   res.set_chunked_content_provider("text/event-stream",
                                    StreamRelay{this, round, cont, follow, path, *prompts, started},
                                    [this, round](bool) {

@@ -119,4 +119,62 @@ std::string Proxy::Impl::continue_choice(Continuation& c, ordered_json& j, order
   return "data: " + j.dump() + "\n\n";
 }
 
+bool Proxy::Impl::continue_whole(Continuation& c, ordered_json& j, ordered_json& merged) const {
+  auto choices = j.find("choices");
+  if (choices == j.end() || !choices->is_array() || choices->size() != 1 ||
+      !(*choices)[0].is_object()) {
+    if (c.rounds > 0) merged = j;  // not an answer to join: the client gets it as it is
+    return false;
+  }
+  ordered_json& choice = (*choices)[0];
+  ordered_json* text = nullptr;
+  if (c.chat) {
+    auto message = choice.find("message");
+    if (message != choice.end() && message->is_object() && message->contains("content") &&
+        (*message)["content"].is_string()) {
+      text = &(*message)["content"];
+    }
+  } else if (choice.contains("text") && choice["text"].is_string()) {
+    text = &choice["text"];
+  }
+  uint64_t prompt = 0, completion = 0;
+  auto usage = j.find("usage");
+  if (usage != j.end() && usage->is_object()) {
+    prompt = usage->value("prompt_tokens", uint64_t{0});
+    completion = usage->value("completion_tokens", uint64_t{0});
+  }
+  if (c.rounds == 0) {
+    c.prompt_tokens = prompt;
+    merged = j;
+  }
+  const std::string round_text = text != nullptr ? text->get<std::string>() : std::string();
+  c.text += round_text;
+  c.tokens += completion;
+  c.completion_tokens += completion;
+  auto stop = choice.find("stop_reason");
+  const bool recomputed = stop != choice.end() && *stop == "recomputed";
+  const bool budget_left = !c.budget || c.tokens < *c.budget;
+  // The answer so far: the first round's id, every round's text, the usage of them all.
+  ordered_json& first = merged["choices"][0];
+  if (c.chat) {
+    first["message"]["content"] = c.text;
+  } else {
+    first["text"] = c.text;
+  }
+  first["finish_reason"] = choice.value("finish_reason", ordered_json());
+  first["stop_reason"] = choice.value("stop_reason", ordered_json());
+  if (merged.contains("usage") && merged["usage"].is_object()) {
+    merged["usage"]["prompt_tokens"] = c.prompt_tokens;
+    merged["usage"]["completion_tokens"] = c.completion_tokens;
+    merged["usage"]["total_tokens"] = c.prompt_tokens + c.completion_tokens;
+  }
+  if (recomputed && budget_left && c.rounds < config.max_reissues) return true;
+  if (recomputed && !budget_left) {
+    // Every token asked for has arrived: the answer is whole, whatever Decode lost after.
+    first["finish_reason"] = "length";
+    first.erase("stop_reason");
+  }
+  return false;
+}
+
 }  // namespace rd2h::metaserver

@@ -423,13 +423,15 @@ std::vector<std::string> Proxy::Impl::member_origins(const Pool& pool) const {
   return out;
 }
 
-void Proxy::Impl::handle_reset_prefix_cache(httplib::Response& res) {
+void Proxy::Impl::handle_reset_prefix_cache(const httplib::Request& req, httplib::Response& res) {
+  // Its query (vLLM's reset_running_requests, reset_external) goes to every engine.
+  const std::string path = httplib::append_query_params("/reset_prefix_cache", req.params);
   std::vector<std::string> failed;
   for (const Pool* pool : {&prefills, &decodes}) {
     for (const auto& origin : member_origins(*pool)) {
       httplib::Client c(origin);
       set_timeouts(c, std::chrono::seconds(10));
-      const auto r = ask_engine(c, "POST", "/reset_prefix_cache", auth);
+      const auto r = ask_engine(c, "POST", path, auth);
       if (!r || r.status != 200) {
         failed.push_back(origin +
                          (r ? " (HTTP " + std::to_string(r.status) + ")" : " (" + r.error + ")"));

@@ -329,7 +329,13 @@ struct Proxy::Impl {
   bool wait_on_leg(DecodeLeg& leg, const std::shared_ptr<Parent>& parent,
                    const std::function<bool()>& ready);
   // Decode's whole answer, or the failure the client gets instead; then the request is done.
-  void answer_whole(httplib::Response& res, const std::shared_ptr<Round>& round);
+  // With `cont` (a request that may go on), an answer Decode ended "recomputed" goes on in
+  // further rounds, and the client gets them as one answer.
+  void answer_whole(httplib::Response& res, const std::shared_ptr<Round>& round, Continuation* cont,
+                    const std::string& path, size_t prompts);
+  // Takes a whole answer (`j`, parsed) into `c`: whether it ended "recomputed" with tokens
+  // still to come, so another round is to follow. `merged` becomes the answer so far.
+  bool continue_whole(Continuation& c, ordered_json& j, ordered_json& merged) const;
   struct StreamRelay;
   // Registers a round (its children, its Decode instance) and starts its Decode leg; an
   // HTTP status and error body if the proxy cannot take it.
@@ -364,7 +370,7 @@ struct Proxy::Impl {
   void handle_models(httplib::Response& res);
   // The origins of the instances of `pool` now.
   std::vector<std::string> member_origins(const Pool& pool) const;
-  void handle_reset_prefix_cache(httplib::Response& res);
+  void handle_reset_prefix_cache(const httplib::Request& req, httplib::Response& res);
   void dispatch_prefill(std::shared_ptr<Parent> parent);
   // What Prefill is sent for a client request: its body for one token, with every child's
   // kv_transfer_params.

@@ -60,8 +60,9 @@ struct EngineConfig {
   // Test only: Prefill flips one byte of the first request's KV in this layer (-1: never),
   // so that a verifying Decode must fail it.
   int test_corrupt_layer = -1;
-  // Test only: Decode ends a single-prompt stream after this many tokens with stop reason
-  // "recomputed" (0: never), as a Decode that lost the request's KV does.
+  // Test only: Decode ends a single prompt's answer (streamed or whole) after this many
+  // tokens with stop reason "recomputed" (0: never), as a Decode that lost the request's KV
+  // does.
   uint64_t test_recompute_after = 0;
   // Test only: this TP rank overflows its stack at its first step (-1: none), as a rank
   // faulting on bad input would.

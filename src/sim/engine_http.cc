@@ -72,7 +72,11 @@ struct Engine::Impl::Call {
     }
     return done;
   }
-  json whole(const std::vector<Result>& done) const {
+  json whole(std::vector<Result> done) const {
+    // As a Decode that lost the request's KV after recompute_after tokens: what it had,
+    // with stop reason "recomputed".
+    const bool cut = recompute_after > 0 && done.size() == 1 && max_tokens > recompute_after;
+    if (cut) done[0].text.resize(std::min<size_t>(done[0].text.size(), recompute_after));
     json choices = json::array();
     uint64_t verified = 0;
     for (size_t i = 0; i < done.size(); ++i) {
@@ -83,7 +87,8 @@ struct Engine::Impl::Call {
         c["text"] = done[i].text;
       }
       c["logprobs"] = nullptr;
-      c["finish_reason"] = "length";
+      c["finish_reason"] = cut ? "stop" : "length";
+      if (cut) c["stop_reason"] = "recomputed";
       choices.push_back(std::move(c));
       verified += done[i].verified_blocks;
     }

@@ -327,6 +327,36 @@ TEST_F(RecomputingStack, AStreamDecodeRecomputesGoesOnInANewRoundAsOneAnswer) {
   EXPECT_EQ(metric(proxy_->url(), "rd2h_proxy_recomputed_reissues_total"), rounds_before);
 }
 
+TEST_F(RecomputingStack, AWholeAnswerDecodeRecomputesGoesOnInANewRoundAsOneAnswer) {
+  const json completion = {{"prompt", std::string(100, 'q')}, {"max_tokens", 8}};
+  const json chat = {{"messages", {{{"role", "user"}, {"content", std::string(100, 'q')}}}},
+                     {"max_completion_tokens", 8}};
+  uint64_t rounds_before = 0;
+  for (const bool is_chat : {false, true}) {
+    SCOPED_TRACE(is_chat ? "chat" : "completions");
+    httplib::Client client(proxy_->url());
+    client.set_read_timeout(60, 0);
+    auto r = client.Post(is_chat ? "/v1/chat/completions" : "/v1/completions",
+                         (is_chat ? chat : completion).dump(), "application/json");
+    ASSERT_TRUE(r) << httplib::to_string(r.error());
+    ASSERT_EQ(r->status, 200) << r->body;
+    const json a = json::parse(r->body);
+    ASSERT_EQ(a["choices"].size(), 1u) << r->body;
+    const json& c = a["choices"][0];
+    const std::string text =
+        is_chat ? c["message"]["content"].get<std::string>() : c["text"].get<std::string>();
+    EXPECT_EQ(text.size(), 8u) << "every token of the budget, across rounds: " << r->body;
+    EXPECT_EQ(c["finish_reason"], "length") << r->body;
+    EXPECT_FALSE(c.contains("stop_reason") && c["stop_reason"] == "recomputed") << r->body;
+    EXPECT_EQ(a["usage"]["prompt_tokens"], 100) << r->body;
+    EXPECT_EQ(a["usage"]["completion_tokens"], 8) << r->body;
+    EXPECT_EQ(a["usage"]["total_tokens"], 108) << r->body;
+    const auto rounds = proxy_->stats().reissued;
+    EXPECT_GE(rounds, rounds_before + 2) << "8 tokens, 3 at most per round";
+    rounds_before = rounds;
+  }
+}
+
 class RecomputingStackNoReissue : public RecomputingStack {
  protected:
   void SetUp() override {
@@ -345,6 +375,13 @@ TEST_F(RecomputingStackNoReissue, WithReissuesOffTheClientSeesDecodesRecomputedE
   ASSERT_TRUE(r) << httplib::to_string(r.error());
   ASSERT_EQ(r->status, 200) << r->body;
   EXPECT_NE(r->body.find(R"("stop_reason":"recomputed")"), std::string::npos) << r->body;
+  // Not streamed, the same.
+  r = client.Post("/v1/completions",
+                  json({{"prompt", std::string(100, 'q')}, {"max_tokens", 8}}).dump(),
+                  "application/json");
+  ASSERT_TRUE(r) << httplib::to_string(r.error());
+  ASSERT_EQ(r->status, 200) << r->body;
+  EXPECT_EQ(json::parse(r->body)["choices"][0]["stop_reason"], "recomputed") << r->body;
   EXPECT_EQ(proxy_->stats().reissued, 0u);
 }
 

@@ -34,10 +34,13 @@ class Engine {
       stall_cv_.wait_for(lock, 30s, [this] { return !stalled_; });  // a stalled host
       res.status = health_.load();
     });
-    server_.Post("/reset_prefix_cache", [resets](const httplib::Request&, httplib::Response& res) {
-      if (resets) ++*resets;
-      res.set_content("{}", "application/json");
-    });
+    server_.Post("/reset_prefix_cache",
+                 [this, resets](const httplib::Request& req, httplib::Response& res) {
+                   if (resets) ++*resets;
+                   std::lock_guard lock(stall_mu_);
+                   reset_params_ = req.params;
+                   res.set_content("{}", "application/json");
+                 });
     rd2h::testing::reuse_address_only(server_);
     port_ = server_.bind_to_any_port("127.0.0.1");
     thread_ = std::thread([this] { server_.listen_after_bind(); });
@@ -50,6 +53,11 @@ class Engine {
     stalled_ = true;
   }
   std::string origin() const { return "http://127.0.0.1:" + std::to_string(port_); }
+  // The query parameters of the last POST /reset_prefix_cache it got.
+  httplib::Params reset_params() {
+    std::lock_guard lock(stall_mu_);
+    return reset_params_;
+  }
   // What its /health answers (200 by default; 503: an engine whose core died).
   void set_health(int status) { health_.store(status); }
 
@@ -70,6 +78,7 @@ class Engine {
   httplib::Server server_;
   std::atomic<int> health_{200};
   std::mutex stall_mu_;
+  httplib::Params reset_params_;  // guarded by stall_mu_
   std::condition_variable stall_cv_;
   bool stalled_ = false;
   int port_ = 0;
@@ -414,10 +423,16 @@ TEST_F(ProxyTest, HealthcheckCountsInstancesAndResetPrefixCacheReachesEveryEngin
   EXPECT_EQ(h->status, 200);
   EXPECT_EQ(json::parse(h->body),
             json({{"status", "ok"}, {"prefill_instances", 2}, {"decode_instances", 1}}));
-  auto reset = c.Post("/reset_prefix_cache", "", "application/json");
+  auto reset = c.Post("/reset_prefix_cache?reset_running_requests=true&reset_external=1", "",
+                      "application/json");
   ASSERT_TRUE(reset);
   EXPECT_EQ(reset->status, 200) << reset->body;
   EXPECT_EQ(resets_.load(), 3);
+  // Its query parameters reached every engine, as vLLM's own route takes them.
+  const httplib::Params asked = {{"reset_external", "1"}, {"reset_running_requests", "true"}};
+  for (auto* engines : {&prefill_, &decodes_}) {
+    for (auto& e : *engines) EXPECT_EQ(e->reset_params(), asked) << e->origin();
+  }
   prefill_.back()->kill();  // one engine gone: named in a 500
   reset = c.Post("/reset_prefix_cache", "", "application/json");
   ASSERT_TRUE(reset);
