@@ -9,6 +9,7 @@
 #include "control/zap.h"
 #include "protocol/messages.h"
 #include "rd2h/common/deadline.h"
+#include "util/log.h"
 
 namespace rd2h::control {
 
@@ -26,6 +27,7 @@ struct RouterChannel::Impl {
   zmq::socket_t socket;
   std::string zap_domain;                     // of a secured ROUTER
   zmq::socket_t monitor;                      // PAIR receiving the ROUTER's disconnect events
+  log::RateLimit handshake_log;               // (and its failed handshakes, logged)
   std::map<int, std::string> identity_of_fd;  // the connection each identity spoke on
   std::vector<std::string> gone;              // identities whose connection closed
 };
@@ -102,12 +104,32 @@ void set_common_options(zmq::socket_t& s) {
   s.set(zmq::sockopt::rcvhwm, 0);
 }
 
-// Watches a socket's disconnects through a PAIR connected to its monitor.
+// Handshakes that failed before any authentication could name the peer (a plaintext
+// connection to a keyed listener, a protocol mismatch): libzmq reports them with the
+// listening endpoint only.
+constexpr int kHandshakeFailures = ZMQ_EVENT_HANDSHAKE_FAILED_NO_DETAIL |
+                                   ZMQ_EVENT_HANDSHAKE_FAILED_PROTOCOL |
+                                   ZMQ_EVENT_HANDSHAKE_FAILED_AUTH;
+
+// Why libzmq failed a handshake, from its event value.
+std::string handshake_failure(uint16_t id, uint32_t value) {
+  if (id == ZMQ_EVENT_HANDSHAKE_FAILED_AUTH) return "its authentication failed";
+  if (id == ZMQ_EVENT_HANDSHAKE_FAILED_NO_DETAIL) return "it ended before its handshake did";
+  if (value == ZMQ_PROTOCOL_ERROR_ZMTP_MECHANISM_MISMATCH) {
+    return "its security mechanism differs (a plaintext peer of a keyed listener, or the "
+           "reverse)";
+  }
+  return "it broke the ZMTP handshake (protocol error " + std::to_string(value) + ")";
+}
+
+// Watches a socket's disconnects through a PAIR connected to its monitor (and, for a
+// keyed ROUTER, its failed handshakes).
 Status watch_disconnects(zmq::context_t& ctx, zmq::socket_t& socket, zmq::socket_t& monitor,
-                         const std::string& what) {
+                         const std::string& what, bool handshakes = false) {
   static std::atomic<uint64_t> monitors{0};
   const std::string name = "inproc://rd2h-monitor-" + std::to_string(monitors++);
-  if (zmq_socket_monitor(socket.handle(), name.c_str(), ZMQ_EVENT_DISCONNECTED) != 0) {
+  const int events = ZMQ_EVENT_DISCONNECTED | (handshakes ? kHandshakeFailures : 0);
+  if (zmq_socket_monitor(socket.handle(), name.c_str(), events) != 0) {
     return unreachable("cannot monitor the control " + what + ": " + zmq_strerror(zmq_errno()));
   }
   monitor = zmq::socket_t(ctx, zmq::socket_type::pair);
@@ -116,8 +138,9 @@ Status watch_disconnects(zmq::context_t& ctx, zmq::socket_t& socket, zmq::socket
   return Status::ok();
 }
 
-// The file descriptors of connections that closed, as the monitor reported them.
-std::vector<int> disconnected_fds(zmq::socket_t& monitor) {
+// The file descriptors of connections that closed, as the monitor reported them. Failed
+// handshakes it reports are logged through `handshakes`.
+std::vector<int> disconnected_fds(zmq::socket_t& monitor, log::RateLimit* handshakes = nullptr) {
   std::vector<int> fds;
   for (;;) {
     zmq::message_t event;
@@ -128,6 +151,17 @@ std::vector<int> disconnected_fds(zmq::socket_t& monitor) {
       std::memcpy(&id, event.data(), sizeof(id));
       std::memcpy(&value, static_cast<const char*>(event.data()) + 2, sizeof(value));
       if (id == ZMQ_EVENT_DISCONNECTED) fds.push_back(static_cast<int>(value));
+      if ((id & kHandshakeFailures) != 0) {
+        zmq::message_t endpoint;
+        if (event.more() && monitor.recv(endpoint, zmq::recv_flags::dontwait)) {
+          event = std::move(endpoint);
+        }
+        uint64_t held_back = 0;
+        if (handshakes != nullptr && handshakes->allow(&held_back)) {
+          log::warn("control: refused a connection to {}: {} ({} more since the last such line)",
+                    event.to_string(), handshake_failure(id, value), held_back);
+        }
+      }
     }
     while (event.more()) {  // the event's second frame: the endpoint
       if (!monitor.recv(event, zmq::recv_flags::dontwait)) break;
@@ -204,8 +238,8 @@ Expected<std::unique_ptr<RouterChannel>> RouterChannel::bind(
       RD2H_RETURN_IF_ERROR(
           secure_server(context->impl(), impl->socket, *security, impl->zap_domain));
     }
-    RD2H_RETURN_IF_ERROR(
-        watch_disconnects(context->impl().ctx, impl->socket, impl->monitor, "ROUTER at " + url));
+    RD2H_RETURN_IF_ERROR(watch_disconnects(context->impl().ctx, impl->socket, impl->monitor,
+                                           "ROUTER at " + url, security.has_value()));
     impl->socket.set(zmq::sockopt::router_mandatory, 1);
     if (host.find(':') != std::string::npos) impl->socket.set(zmq::sockopt::ipv6, 1);
     impl->socket.bind(url);
@@ -240,7 +274,7 @@ Expected<std::optional<Inbound>> RouterChannel::receive(std::chrono::millisecond
 
 void RouterChannel::note_disconnects() {
   try {
-    for (int fd : disconnected_fds(impl_->monitor)) {
+    for (int fd : disconnected_fds(impl_->monitor, &impl_->handshake_log)) {
       auto it = impl_->identity_of_fd.find(fd);
       if (it == impl_->identity_of_fd.end()) continue;
       impl_->gone.push_back(std::move(it->second));

@@ -7,6 +7,7 @@
 #include <zmq.h>
 
 #include <cerrno>
+#include <cstdio>
 #include <cstring>
 #include <fstream>
 #include <optional>
@@ -105,6 +106,15 @@ Status write_key_pair(const std::string& stem, const CurveKeyPair& keys) {
 
 Expected<CurveKeyPair> read_secret_key_file(const std::string& path) {
   RD2H_TRY(text, read_file(path, "CURVE secret key file"));
+  // A secret others can read is no secret: refused, as ssh refuses such a private key.
+  struct stat st {};
+  if (::stat(path.c_str(), &st) == 0 && (st.st_mode & (S_IRWXG | S_IRWXO)) != 0) {
+    char mode[8];
+    std::snprintf(mode, sizeof(mode), "%04o", static_cast<unsigned>(st.st_mode & 07777));
+    return failed_precondition("the CURVE secret key file " + path +
+                               " can be read or written by others (mode " + mode +
+                               "); make it the owner's alone: chmod 600 " + path);
+  }
   std::istringstream lines(text);
   std::string line;
   while (std::getline(lines, line)) {

@@ -97,7 +97,13 @@ void ZapHandler::answer(std::vector<zmq::message_t>& request) {
   }
   if (!ok) {
     refused_.fetch_add(1);
-    log::warn("control: refused a control connection from {}: {}", address, why);
+    uint64_t held_back = 0;
+    if (refusal_log_.allow(&held_back)) {
+      log::warn(
+          "control: refused a control connection from {}: {} ({} more since the last such "
+          "line)",
+          address, why, held_back);
+    }
   }
   const std::string code = ok ? "200" : "400";
   const std::string text = ok ? "OK" : "not trusted";

@@ -14,6 +14,7 @@
 #include <zmq.hpp>
 
 #include "rd2h/common/status.h"
+#include "util/log.h"
 
 namespace rd2h::control {
 
@@ -40,6 +41,7 @@ class ZapHandler {
   uint64_t next_domain_ = 0;
   std::atomic<bool> stopping_{false};
   std::atomic<uint64_t> refused_{0};
+  log::RateLimit refusal_log_;  // a peer retrying a refused handshake does not flood the log
   std::thread thread_;
 };
 

@@ -51,13 +51,49 @@ Status check_options(const DemoOptions& o) {
 
 namespace {
 
+// Levels of lists and objects a demo config value may nest: no setting takes more than a
+// list of numbers, and a deeper value is refused before anything walks it recursively.
+constexpr size_t kMaxConfigNesting = 4;
+
+// `v` as a refusal shows it: a scalar as written (a long string cut), a list or object by
+// its size, never its contents (which may be large or deeply nested).
+std::string shown(const json& v) {
+  if (v.is_array()) return "a list of " + std::to_string(v.size()) + " items";
+  if (v.is_object()) return "an object of " + std::to_string(v.size()) + " keys";
+  if (v.is_string() && v.get_ref<const std::string&>().size() > 64) {
+    return json(v.get_ref<const std::string&>().substr(0, 64)).dump() + "...";
+  }
+  return v.dump();
+}
+
+// How many levels of lists and objects `v` nests (counted up to `past`), without recursion.
+size_t nesting(const json& v, size_t past) {
+  if (!v.is_structured()) return 0;
+  std::vector<std::pair<json::const_iterator, json::const_iterator>> open{{v.cbegin(), v.cend()}};
+  size_t deepest = 1;
+  while (!open.empty() && deepest <= past) {
+    auto& [next, end] = open.back();
+    if (next == end) {
+      open.pop_back();
+      continue;
+    }
+    const json& child = *next;
+    ++next;
+    if (child.is_structured()) {
+      open.emplace_back(child.cbegin(), child.cend());
+      deepest = std::max(deepest, open.size());
+    }
+  }
+  return deepest;
+}
+
 // A whole number from `lo` to `hi` (JSON integers only: 1.5, 1e59, "7" and -1 for an
 // unsigned setting are refused), or why not, naming the key.
 template <typename T>
 Status whole(const json& v, const std::string& key, uint64_t lo, uint64_t hi, T& out) {
   auto refuse = [&] {
     return invalid_argument("'" + key + "' must be a whole number from " + std::to_string(lo) +
-                            " to " + std::to_string(hi) + ", not " + v.dump());
+                            " to " + std::to_string(hi) + ", not " + shown(v));
   };
   if (!v.is_number_integer()) return refuse();
   if (!v.is_number_unsigned() && v.get<int64_t>() < 0) return refuse();
@@ -79,7 +115,7 @@ Status take(const DemoSetting& s, const json& v, const std::string& key) {
     Status operator()(uint64_t* f) const { return whole(v, key, s.lo, s.hi, *f); }
     Status operator()(double* f) const {
       if (!v.is_number() || !(v.get<double>() >= 0.0 && v.get<double>() <= 1.0)) {
-        return invalid_argument("'" + key + "' must be a number from 0 to 1, not " + v.dump());
+        return invalid_argument("'" + key + "' must be a number from 0 to 1, not " + shown(v));
       }
       *f = v.get<double>();
       return Status::ok();
@@ -102,7 +138,7 @@ Status take(const DemoSetting& s, const json& v, const std::string& key) {
                     ("\"" + s.choices[i] + "\"");
         }
         return invalid_argument("'" + key + "' must be " +
-                                (s.choices.empty() ? "a string" : one_of) + ", not " + v.dump());
+                                (s.choices.empty() ? "a string" : one_of) + ", not " + shown(v));
       }
       *f = v.get<std::string>();
       return Status::ok();
@@ -111,7 +147,7 @@ Status take(const DemoSetting& s, const json& v, const std::string& key) {
       if (!v.is_array() || v.size() < s.min_items || v.size() > s.max_items) {
         return invalid_argument("'" + key + "' must be a list of " + std::to_string(s.min_items) +
                                 " to " + std::to_string(s.max_items) + " whole numbers (" + s.help +
-                                "), not " + v.dump());
+                                "), not " + shown(v));
       }
       std::vector<uint64_t> items(v.size());
       for (size_t i = 0; i < v.size(); ++i) {
@@ -240,6 +276,11 @@ Status apply_demo_config_text(const std::string& text, const std::string& source
                            [&](const DemoSetting& s) { return s.in_config && s.name == key; });
     if (it == settings.end()) {
       return invalid_argument("demo config " + source + ": '" + raw + "' is not a demo setting");
+    }
+    if (const size_t depth = nesting(value, kMaxConfigNesting); depth > kMaxConfigNesting) {
+      return invalid_argument("demo config " + source + ": '" + raw +
+                              "' nests lists and objects more than " +
+                              std::to_string(kMaxConfigNesting) + " levels deep");
     }
     if (given(key)) continue;  // the command line wins
     if (Status st = take(*it, value, raw); !st) {

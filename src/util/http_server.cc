@@ -72,6 +72,12 @@ Expected<std::string> load_token(const std::string& path) {
   if (!path.empty() && token.empty()) {
     return invalid_argument("the token file '" + path + "' is empty");
   }
+  if (!token.empty() && token.size() < kMinTokenChars) {
+    return invalid_argument(
+        std::string("the token ") + (path.empty() ? "in $RD2H_TOKEN" : "in '" + path + "'") +
+        " has " + std::to_string(token.size()) + " characters; at least " +
+        std::to_string(kMinTokenChars) + " are needed (e.g. `openssl rand -hex 16`)");
+  }
   return token;
 }
 

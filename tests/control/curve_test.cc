@@ -1,6 +1,7 @@
 #include "control/curve.h"
 
 #include <gtest/gtest.h>
+#include <spdlog/sinks/ringbuffer_sink.h>
 #include <sys/stat.h>
 
 #include <cstdlib>
@@ -9,6 +10,7 @@
 
 #include "control/channel.h"
 #include "rd2h/common/deadline.h"
+#include "util/log.h"
 
 namespace rd2h::control {
 namespace {
@@ -64,6 +66,19 @@ TEST(CurveKeys, KeygenFilesRoundTripAndAreNeverOverwritten) {
   auto again = write_key_pair(dir / "decode", keys());
   EXPECT_EQ(again.code(), StatusCode::kAlreadyExists) << again.to_string();
   EXPECT_EQ(read_secret_key_file(dir / "decode.key_secret")->secret_key, pair.secret_key);
+  // Readable by others, the secret is refused, saying how to fix it.
+  for (const mode_t mode : {0644, 0640, 0602}) {
+    ASSERT_EQ(::chmod((dir / "decode.key_secret").c_str(), mode), 0);
+    auto open = read_secret_key_file(dir / "decode.key_secret");
+    ASSERT_FALSE(open) << std::oct << mode;
+    EXPECT_NE(open.status().message().find("can be read or written by others"), std::string::npos)
+        << open.status().message();
+    EXPECT_NE(open.status().message().find("chmod 600 " + (dir / "decode.key_secret")),
+              std::string::npos)
+        << open.status().message();
+  }
+  ASSERT_EQ(::chmod((dir / "decode.key_secret").c_str(), 0400), 0);
+  EXPECT_TRUE(read_secret_key_file(dir / "decode.key_secret"));
 }
 
 TEST(CurveKeys, BadKeyFilesAreRefusedNamingTheFileAndLine) {
@@ -168,6 +183,33 @@ TEST_F(Curve, APlaintextClientGetsNothing) {
   in = router_->receive(200ms);
   ASSERT_TRUE(in);
   EXPECT_FALSE(in->has_value());
+}
+
+// The refusal of a plaintext peer, which no authentication request names, is in the log.
+TEST_F(Curve, APlaintextClientsRefusalIsLogged) {
+  auto sink = std::make_shared<spdlog::sinks::ringbuffer_sink_mt>(64);
+  log::logger().sinks().push_back(sink);
+  auto d = dealer(std::nullopt);
+  ASSERT_TRUE(d->send(bytes("let me in")).is_ok());
+  auto logged = [&] {
+    for (const auto& line : sink->last_formatted()) {
+      if (line.find("refused a connection to " + router_->url()) != std::string::npos &&
+          line.find("security mechanism differs") != std::string::npos) {
+        return true;
+      }
+    }
+    return false;
+  };
+  Deadline deadline(10s);
+  bool seen = false;
+  while (!(seen = logged()) && !deadline.expired()) {
+    auto in = router_->receive(20ms);
+    ASSERT_TRUE(in);
+    ASSERT_FALSE(in->has_value());
+    (void)router_->take_disconnected();  // the ROUTER's owner reads its monitor
+  }
+  log::logger().sinks().pop_back();
+  EXPECT_TRUE(seen) << "no line says a plaintext connection was refused";
 }
 
 TEST_F(Curve, BadKeysAreRefusedAtBindAndConnect) {

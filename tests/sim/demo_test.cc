@@ -322,6 +322,29 @@ TEST_F(DemoConfig, AnUnknownKeyOrAWrongTypeIsRefusedNamingIt) {
   EXPECT_FALSE(st);
 }
 
+TEST(DemoConfigText, ADeeplyNestedValueIsRefusedNamingTheKeyAndTheDepthNotPrintingIt) {
+  auto none = [](const std::string&) { return false; };
+  // 200,000 levels: far past what printing the value recursively survives.
+  const size_t levels = 200000;
+  const std::string text =
+      "{\"layers\": " + std::string(levels, '[') + std::string(levels, ']') + "}";
+  DemoOptions o;
+  const Status st = apply_demo_config_text(text, "t.json", o, none);
+  ASSERT_FALSE(st);
+  EXPECT_EQ(st.code(), StatusCode::kInvalidArgument);
+  EXPECT_EQ(st.message(),
+            "demo config t.json: 'layers' nests lists and objects more than 4 "
+            "levels deep");
+  // A value within the depth is refused by what it is, not printed.
+  const Status list = apply_demo_config_text(R"({"layers": [[1, 2], [3]]})", "t.json", o, none);
+  EXPECT_NE(list.message().find("'layers' must be a whole number from 1 to"), std::string::npos)
+      << list.message();
+  EXPECT_NE(list.message().find("not a list of 2 items"), std::string::npos) << list.message();
+  const Status text_value = apply_demo_config_text(
+      "{\"transport\": \"" + std::string(10000, 'x') + "\"}", "t.json", o, none);
+  EXPECT_LT(text_value.message().size(), 300u) << "a long value is printed whole";
+}
+
 TEST(DemoConfigText, NegativeFractionalHugeOrStringNumbersAreRefusedNamingTheKey) {
   auto none = [](const std::string&) { return false; };
   // Each bad value, for a few keys of each kind (unsigned 32 and 64 bit, int, a list).

@@ -453,15 +453,22 @@ TEST(Token, LoadsFromAFileOrTheEnvironmentAndComparesWholeTokens) {
   const std::string path = std::string(dir) + "/token";
   {
     FILE* f = std::fopen(path.c_str(), "w");
-    std::fputs("abc123\n", f);
+    std::fputs("abc123-of-16-chars\n", f);
     std::fclose(f);
   }
   auto t = load_token(path);
   ASSERT_TRUE(t);
-  EXPECT_EQ(*t, "abc123");
+  EXPECT_EQ(*t, "abc123-of-16-chars");
   EXPECT_FALSE(load_token(std::string(dir) + "/missing"));
-  ::setenv("RD2H_TOKEN", "from-env", 1);
-  EXPECT_EQ(*load_token(""), "from-env");
+  ::setenv("RD2H_TOKEN", "from-the-environment", 1);
+  EXPECT_EQ(*load_token(""), "from-the-environment");
+  // A token short enough to guess is refused, naming where it came from and the minimum.
+  ::setenv("RD2H_TOKEN", "abc", 1);
+  auto short_token = load_token("");
+  ASSERT_FALSE(short_token);
+  EXPECT_EQ(short_token.status().message(),
+            "the token in $RD2H_TOKEN has 3 characters; at least 16 are needed (e.g. `openssl "
+            "rand -hex 16`)");
   ::unsetenv("RD2H_TOKEN");
   EXPECT_EQ(*load_token(""), "");
   EXPECT_TRUE(token_matches("Bearer abc123", "abc123"));
