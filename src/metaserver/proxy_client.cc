@@ -348,8 +348,11 @@ void Proxy::Impl::handle_client(const httplib::Request& req, httplib::Response& 
     return http::set_api_error(res, 400, "X-Request-Id must be 1 to 128 printable characters",
                                "X-Request-Id");
   }
-  auto body = ordered_json::parse(req.body, nullptr, /*allow_exceptions=*/false);
-  if (body.is_discarded() || !body.is_object()) {
+  // Bounded before a document is built: a small hostile body cannot become a large one.
+  auto parsed = http::parse_bounded<ordered_json>(req.body);
+  if (!parsed) return http::set_api_error(res, 400, parsed.status().message());
+  auto body = std::move(*parsed);
+  if (!body.is_object()) {
     return http::set_api_error(res, 400, "the request body is not a JSON object");
   }
   http::BodyFault fault;

@@ -42,8 +42,9 @@ void set_timeouts(httplib::Client& c, std::chrono::milliseconds t) {
 }
 
 void Proxy::Impl::handle_rendezvous(const httplib::Request& req, httplib::Response& res) {
-  auto body = ordered_json::parse(req.body, nullptr, /*allow_exceptions=*/false);
-  if (body.is_discarded() || !body.is_object() || !body.contains("request_id") ||
+  auto parsed = http::parse_bounded<ordered_json>(req.body);
+  auto body = parsed ? std::move(*parsed) : ordered_json();
+  if (!parsed || !body.is_object() || !body.contains("request_id") ||
       !body["request_id"].is_string()) {
     return http::set_api_error(res, 400, "a rendezvous is a JSON object with a string request_id");
   }
@@ -367,8 +368,9 @@ void Proxy::Impl::handle_instances(const httplib::Request& req, httplib::Respons
     std::lock_guard lock(mu);
     return res.set_content(instances_json().dump(), "application/json");
   }
-  const auto body = ordered_json::parse(req.body, nullptr, /*allow_exceptions=*/false);
-  if (body.is_discarded() || !body.is_object()) {
+  auto parsed = http::parse_bounded<ordered_json>(req.body);
+  const auto body = parsed ? std::move(*parsed) : ordered_json();
+  if (!parsed || !body.is_object()) {
     return http::set_api_error(res, 400, "the body is not a JSON object");
   }
   // Each list given is checked whole before anything changes.

@@ -24,6 +24,7 @@
 #include "rd2h/metaserver/proxy.h"
 #include "rd2h/version.h"
 #include "util/http_server.h"
+#include "util/json_bounds.h"
 #include "util/log.h"
 #include "util/openai_body.h"
 #include "util/thread_pool.h"

@@ -1,4 +1,5 @@
 #include "sim/engine_impl.h"
+#include "util/json_bounds.h"
 
 namespace rd2h::sim {
 
@@ -430,10 +431,11 @@ void Engine::Impl::serve(const httplib::Request& req, httplib::Response& res, bo
                    "X-Request-Id", ""});
     }
   }
-  const auto body = json::parse(req.body, nullptr, false);
-  if (body.is_discarded() || !body.is_object()) {
-    return fail({400, "the body is not a JSON object", "", ""});
-  }
+  // Bounded before a document is built: a small hostile body cannot become a large one.
+  auto parsed = http::parse_bounded<json>(req.body);
+  if (!parsed) return fail({400, parsed.status().message(), "", ""});
+  const json body = std::move(*parsed);
+  if (!body.is_object()) return fail({400, "the body is not a JSON object", "", ""});
   if (parent.empty()) parent = random_hex(32);
   auto read = read_request(body, chat, parent);
   if (auto* f = std::get_if<HttpFault>(&read)) return fail(*f);
