@@ -264,11 +264,37 @@ Expected<std::optional<Inbound>> RouterChannel::receive(std::chrono::millisecond
     if (const int fd = f.back().get(ZMQ_SRCFD); fd >= 0) {
       impl_->identity_of_fd[fd] = f[0].to_string();
     }
-    const zmq::message_t* payload = f.size() >= 2 ? single_payload(f, 1) : nullptr;
-    if (payload != nullptr) {
-      return std::optional<Inbound>(Inbound{f[0].to_string(), to_bytes(*payload)});
+    // A legitimate message is [identity, "", payload]. libzmq hands a multipart message
+    // over only once it is whole (each frame bounded by maxmsgsize on its header), so the
+    // bounds on the whole message apply here: it is refused, and freed, at once.
+    size_t bytes = 0, payloads = 0;
+    const zmq::message_t* first = nullptr;
+    for (size_t i = 1; i < f.size(); ++i) {
+      bytes += f[i].size();
+      if (f[i].size() == 0) continue;
+      ++payloads;
+      if (first == nullptr) first = &f[i];
+    }
+    std::string malformed;
+    if (f.size() > kMaxMessageParts) {
+      malformed = "the message has " + std::to_string(f.size() - 1) + " frames (at most " +
+                  std::to_string(kMaxMessageParts - 1) + ")";
+    } else if (bytes > kMaxFrameBytes) {
+      malformed = "the message carries " + std::to_string(bytes) + " bytes (at most " +
+                  std::to_string(kMaxFrameBytes) + ")";
+    } else if (payloads != 1) {
+      malformed = "the message has " + std::to_string(payloads) + " payload frames (one expected)";
+    }
+    if (malformed.empty()) {
+      return std::optional<Inbound>(Inbound{f[0].to_string(), to_bytes(*first), {}});
     }
     ++dropped_;
+    if (deliver_malformed_ && f.size() >= 1) {
+      // Its owner may still answer it: the first payload frame, if any, says for what.
+      return std::optional<Inbound>(
+          Inbound{f[0].to_string(), first != nullptr ? to_bytes(*first) : std::vector<std::byte>{},
+                  std::move(malformed)});
+    }
   }
 }
 

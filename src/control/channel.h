@@ -40,7 +40,15 @@ class Context {
 struct Inbound {
   std::string identity;  // the ROUTER's name for the sending connection
   std::vector<std::byte> payload;
+  // Why the message was refused (delivered only when asked for): then `payload` is its
+  // first payload frame, if it had one.
+  std::string malformed;
 };
+
+// Frames a control message may have on a ROUTER: identity, empty delimiter, payload, and a
+// few empty frames more (which receivers drop). A legitimate message is at most
+// kMaxFrameBytes in all, in exactly one payload frame.
+inline constexpr size_t kMaxMessageParts = 8;
 
 // Decode's end: a ROUTER bound at one rank port.
 class RouterChannel {
@@ -60,7 +68,9 @@ class RouterChannel {
 
   // The next well-formed message, or nullopt when none arrives within `timeout`, or
   // when one of `wake_fds` (descriptors of the caller's, at most 4) is readable first.
-  // Malformed messages are dropped and counted.
+  // Malformed messages (no payload frame or more than one, too many frames, too many bytes)
+  // are counted and dropped, or delivered marked (Inbound::malformed) after
+  // deliver_malformed(true), so that their sender can be answered.
   Expected<std::optional<Inbound>> receive(std::chrono::milliseconds timeout,
                                            std::span<const int> wake_fds = {});
   // Sends [identity, "", payload]. An identity with no live connection is an error.
@@ -72,6 +82,7 @@ class RouterChannel {
 
   const std::string& url() const { return url_; }
   size_t dropped() const { return dropped_; }
+  void deliver_malformed(bool on) { deliver_malformed_ = on; }
 
   struct Impl;
 
@@ -82,6 +93,7 @@ class RouterChannel {
   std::unique_ptr<Impl> impl_;
   std::string url_;
   size_t dropped_ = 0;
+  bool deliver_malformed_ = false;
 };
 
 // Prefill's end: a DEALER connected to one Decode rank port.

@@ -46,6 +46,7 @@ Expected<std::unique_ptr<Reader>> Reader::start(ReaderConfig config,
   }
   RD2H_TRY(router, control::RouterChannel::bind(std::move(context), config.host, config.port,
                                                 config.security));
+  router->deliver_malformed(true);  // answered where they can be (handle_undecodable)
   auto links = std::make_shared<LinkInbox>();
   links->fd.reset(::eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK));
   if (!links->fd.valid()) return internal_error("cannot create the reader's wake-up fd");
@@ -249,7 +250,7 @@ bool Reader::drain_links(bool polled) {
     if (peer == link_peer_.end()) continue;  // closed meanwhile
     const std::string identity = peer->second;
     link_of_[identity].answer_on_link = true;
-    handle(control::Inbound{identity, std::move(payload)}, &polled);
+    handle(control::Inbound{identity, std::move(payload), {}}, &polled);
   }
   for (uint64_t token : closed) {
     auto peer = link_peer_.find(token);
@@ -298,6 +299,7 @@ void Reader::close_link(const std::string& identity) {
 }
 
 void Reader::handle(const control::Inbound& in, bool* polled) {
+  if (!in.malformed.empty()) return handle_undecodable(in, in.malformed);
   auto message = protocol::decode_message(in.payload);
   if (!message) return handle_undecodable(in, message.status().message());
   if (auto* meta = std::get_if<protocol::MfMeta>(&*message)) {
@@ -349,9 +351,10 @@ void Reader::handle_undecodable(const control::Inbound& in, const std::string& w
     reply(in.identity, protocol::encode(protocol::ReadFailed{*layer, why}));
     return;
   }
-  if (tag && (as_str || *tag != protocol::kTagReadReadyBatch)) {
-    // A message this Decode does not know (a newer peer's, or a tag sent as str) owes no
-    // answer: it is ignored, and the connection keeps its MF_META and what it has in flight.
+  if (!in.malformed.empty() || (tag && (as_str || *tag != protocol::kTagReadReadyBatch))) {
+    // A message this Decode does not know (a newer peer's, or a tag sent as str), or an
+    // envelope refused with nothing in it to answer for, owes no answer: it is ignored, and
+    // the connection keeps its MF_META and what it has in flight.
     uint64_t held_back = 0;
     if (unknown_log_.allow(&held_back)) {
       log::warn(

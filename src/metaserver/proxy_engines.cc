@@ -43,9 +43,9 @@ void set_timeouts(httplib::Client& c, std::chrono::milliseconds t) {
 
 void Proxy::Impl::handle_rendezvous(const httplib::Request& req, httplib::Response& res) {
   auto parsed = http::parse_bounded<ordered_json>(req.body);
-  auto body = parsed ? std::move(*parsed) : ordered_json();
-  if (!parsed || !body.is_object() || !body.contains("request_id") ||
-      !body["request_id"].is_string()) {
+  if (!parsed) return http::set_api_error(res, 400, parsed.status().message());
+  auto body = std::move(*parsed);
+  if (!body.is_object() || !body.contains("request_id") || !body["request_id"].is_string()) {
     return http::set_api_error(res, 400, "a rendezvous is a JSON object with a string request_id");
   }
   // It is kept and copied: bound the recursion.
@@ -369,8 +369,9 @@ void Proxy::Impl::handle_instances(const httplib::Request& req, httplib::Respons
     return res.set_content(instances_json().dump(), "application/json");
   }
   auto parsed = http::parse_bounded<ordered_json>(req.body);
-  const auto body = parsed ? std::move(*parsed) : ordered_json();
-  if (!parsed || !body.is_object()) {
+  if (!parsed) return http::set_api_error(res, 400, parsed.status().message());
+  const auto body = std::move(*parsed);
+  if (!body.is_object()) {
     return http::set_api_error(res, 400, "the body is not a JSON object");
   }
   // Each list given is checked whole before anything changes.

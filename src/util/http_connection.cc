@@ -23,39 +23,127 @@ namespace {
 
 using Clock = HttpServer::Server::Clock;
 
-thread_local bool t_reject = false;  // the connection being handed over is beyond the bound
 thread_local bool t_close = false;   // close the connection after the current answer
 thread_local int t_sock = -1;        // the connection this thread serves
 thread_local Clock::time_point t_request_start;  // when the current request began to arrive
 
-// One thread per connection (from a pool started on demand up to `max`, joined at
-// shutdown). A task that no thread can take at once is not queued: it runs here, marked as
-// rejected, and the server closes its connection.
-class ConnectionThreads final : public httplib::TaskQueue {
- public:
-  explicit ConnectionThreads(size_t max) : pool_(max) {}
-  ~ConnectionThreads() override { shutdown(); }
-
-  void enqueue(std::function<void()> fn) override {
-    if (pool_.try_run(fn)) return;
-    t_reject = true;
-    fn();
-    t_reject = false;
-  }
-  void shutdown() override { pool_.stop(); }
-
- private:
-  ThreadPool pool_;
-};
+// The end of a request's head, and the most a head may take.
+constexpr std::string_view kEndOfHead = "\r\n\r\n";
+constexpr size_t kMaxHeadBytes = 64 * 1024;
+// Threads kept for what must be served while every connection thread is busy: /health and
+// requests carrying the server's token (rendezvous posts, the proxy's calls).
+constexpr size_t kReserveThreads = 8;
 
 }  // namespace
+
+// What serves the listener's connections. A connection holds no thread while its request's
+// head is arriving: one thread waits on all of them (poll), gives each head `header_timeout`
+// to arrive whole (and an idle keep-alive connection `keep_alive_timeout` to begin the
+// next), and only then hands the connection to a thread of the pool. Slow or idle clients
+// therefore cost a socket and a small buffer, not one of the `max_connections` threads. A
+// head that finds every thread busy is answered 503 and closed, unless it is for /health
+// or carries the server's token (then a reserve thread serves it).
+class HttpServer::Server::Connections final : public httplib::TaskQueue {
+ public:
+  explicit Connections(Server& server)
+      : server_(server), pool_(server.config_.max_connections), reserve_(kReserveThreads) {
+    if (int fds[2]; ::pipe2(fds, O_CLOEXEC | O_NONBLOCK) == 0) {
+      wake_read_.reset(fds[0]);
+      wake_write_.reset(fds[1]);
+    }
+    gatherer_ = std::thread([this] { gather(); });
+  }
+  ~Connections() override { shutdown(); }
+
+  // Runs the accept loop's job here: process_and_close_socket hands the new connection to
+  // the gatherer (t_connections says so) and returns at once.
+  void enqueue(std::function<void()> fn) override {
+    t_connections = this;
+    fn();
+    t_connections = nullptr;
+  }
+  void shutdown() override {
+    {
+      std::lock_guard lock(mu_);
+      if (stopped_) return;
+      stopped_ = true;
+    }
+    wake();
+    if (gatherer_.joinable()) gatherer_.join();
+    pool_.stop();
+    reserve_.stop();
+  }
+
+  // A connection whose next request's head is awaited (`requests_left` more may come on
+  // it); closed if the gatherer stopped.
+  void add(int sock, bool fresh, size_t requests_left) {
+    {
+      std::lock_guard lock(mu_);
+      if (!stopped_) {
+        inbox_.push_back({sock, fresh, requests_left});
+        sock = -1;
+      }
+    }
+    if (sock >= 0) {
+      ::shutdown(sock, SHUT_RDWR);
+      ::close(sock);
+      return;
+    }
+    wake();
+  }
+
+  static thread_local Connections* t_connections;
+
+ private:
+  struct Arrival {
+    int sock;
+    bool fresh;
+    size_t requests_left;
+  };
+  struct Waiting {
+    int sock = -1;
+    size_t requests_left = 0;
+    Clock::time_point deadline;  // for the head (or, idle, for its first byte)
+    bool begun = false;          // a byte of the head arrived
+    Clock::time_point started;   // when
+    std::string head;
+  };
+
+  void wake() {
+    if (!wake_write_.valid()) return;
+    const char b = 1;
+    [[maybe_unused]] ssize_t n = ::write(wake_write_.get(), &b, 1);
+  }
+
+  void gather();
+  // Reads what `w`'s socket has; false if the connection is to be closed (its end, an
+  // error, a head too large).
+  bool take(Waiting& w);
+  void dispatch(Waiting w);
+  bool reserved(const std::string& head) const;
+  static void close(int sock) {
+    ::shutdown(sock, SHUT_RDWR);
+    ::close(sock);
+  }
+
+  Server& server_;
+  ThreadPool pool_, reserve_;
+  UniqueFd wake_read_, wake_write_;
+  std::mutex mu_;
+  std::vector<Arrival> inbox_;  // guarded by mu_
+  bool stopped_ = false;        // guarded by mu_
+  std::thread gatherer_;
+};
+
+thread_local HttpServer::Server::Connections* HttpServer::Server::Connections::t_connections =
+    nullptr;
 
 HttpServer::Server::Server(const HttpServerConfig& config) : config_(config) {
   if (int wake[2]; ::pipe2(wake, O_CLOEXEC) == 0) {
     wake_read_.reset(wake[0]);
     wake_write_.reset(wake[1]);
   }
-  new_task_queue = [this] { return new ConnectionThreads(config_.max_connections); };
+  new_task_queue = [this] { return new Connections(*this); };
   set_payload_max_length(config_.max_body_bytes);
   set_keep_alive_timeout(std::max<time_t>(
       1, std::chrono::duration_cast<std::chrono::seconds>(config_.keep_alive_timeout).count()));
@@ -126,23 +214,32 @@ bool HttpServer::Server::wait(int sock, short events, Clock::time_point deadline
 // by the current request's deadline, writes by the write timeout.
 class HttpServer::Server::Connection final : public httplib::Stream {
  public:
-  Connection(const Server& server, int sock) : server_(server), sock_(sock) {}
+  // `head`: what already arrived of the first request (its whole head, maybe more).
+  Connection(const Server& server, int sock, std::string head)
+      : server_(server), sock_(sock), head_(std::move(head)) {}
 
-  void begin_request() { deadline_ = Clock::now() + server_.config_.request_timeout; }
-  bool wait_for_request() const {
-    return size_ > pos_ ||
-           server_.wait(sock_, POLLIN, Clock::now() + server_.config_.keep_alive_timeout);
+  // The request that began to arrive at `start` must be whole within request_timeout.
+  void begin_request(Clock::time_point start) {
+    deadline_ = start + server_.config_.request_timeout;
   }
+  // Bytes of a next request already read (a pipelined request).
+  bool buffered() const { return head_pos_ < head_.size() || size_ > pos_; }
 
-  bool is_readable() const override {
-    return size_ > pos_ || server_.wait(sock_, POLLIN, deadline_);
-  }
+  bool is_readable() const override { return buffered() || server_.wait(sock_, POLLIN, deadline_); }
   bool is_writable() const override {
     if (!server_.wait(sock_, POLLOUT, Clock::now() + server_.config_.write_timeout)) return false;
     char b;  // a peer that closed reads as end of stream
     return ::recv(sock_, &b, 1, MSG_PEEK | MSG_DONTWAIT) != 0;
   }
   ssize_t read(char* ptr, size_t size) override {
+    if (head_pos_ < head_.size()) {
+      const size_t n = std::min(size, head_.size() - head_pos_);
+      std::memcpy(ptr, head_.data() + head_pos_, n);
+      head_pos_ += n;
+      if (head_pos_ == head_.size()) std::string().swap(head_);
+      if (head_.empty()) head_pos_ = 0;
+      return static_cast<ssize_t>(n);
+    }
     if (pos_ == size_) {
       if (!is_readable()) return -1;
       ssize_t n;
@@ -190,59 +287,196 @@ class HttpServer::Server::Connection final : public httplib::Stream {
 
   const Server& server_;
   int sock_;
+  std::string head_;  // read by the gatherer, served first
+  size_t head_pos_ = 0;
   Clock::time_point deadline_ = Clock::now();
   char buffer_[4096];
   size_t pos_ = 0, size_ = 0;
 };
 
 bool HttpServer::Server::process_and_close_socket(socket_t sock) {
-  bool ret = false;
-  if (t_reject) {
-    ++rejected_;
-    static const std::string busy = [] {
-      const std::string body = api_error_json(503,
-                                              "the server is serving as many connections as "
-                                              "it may; try again later");
-      return "HTTP/1.1 503 Service Unavailable\r\nConnection: close\r\nContent-Type: "
-             "application/json\r\nContent-Length: " +
-             std::to_string(body.size()) + "\r\n\r\n" + body;
-    }();
-    [[maybe_unused]] ssize_t n =
-        ::send(sock, busy.data(), busy.size(), MSG_NOSIGNAL | MSG_DONTWAIT);
-  } else {
-    Connection conn(*this, sock);
-    t_sock = sock;
-    for (size_t count = std::max<size_t>(1, config_.keep_alive_max_count); count > 0; --count) {
-      if (!conn.wait_for_request()) break;
-      t_request_start = Clock::now();
-      conn.begin_request();
-      bool closed = false;
-      t_close = false;
-      if (config_.metrics) config_.metrics->in_flight.with({config_.metrics_name}).add(1);
-      begin_active();
-      ret = process_request(conn, count == 1, closed, nullptr);
-      end_active();
-      if (config_.metrics) config_.metrics->in_flight.with({config_.metrics_name}).add(-1);
-      if (!ret || closed || t_close) break;
-    }
-    if (t_close) {
-      // The answer went out with a body left unread: end our side, then read a little of
-      // what the client still sends (bounded) before closing, so that closing on unread
-      // bytes (a reset) does not destroy the answer before the client reads it.
-      ::shutdown(sock, SHUT_WR);
-      const auto until = Clock::now() + std::chrono::seconds(1);
-      char sink[16384];
-      for (size_t drained = 0; drained < (1u << 20) && wait(sock, POLLIN, until);) {
-        const ssize_t n = ::recv(sock, sink, sizeof(sink), 0);
-        if (n <= 0) break;
-        drained += static_cast<size_t>(n);
-      }
-    }
+  // Called on the accept loop: the connection waits for its head without a thread.
+  if (Connections::t_connections != nullptr) {
+    Connections::t_connections->add(sock, /*fresh=*/true, config_.keep_alive_max_count);
+    return true;
   }
-  t_sock = -1;
   ::shutdown(sock, SHUT_RDWR);
   ::close(sock);
-  return ret;
+  return false;
+}
+
+void HttpServer::Server::reject(int sock) {
+  ++rejected_;
+  static const std::string busy = [] {
+    const std::string body = api_error_json(503,
+                                            "the server is serving as many connections as "
+                                            "it may; try again later");
+    return "HTTP/1.1 503 Service Unavailable\r\nConnection: close\r\nContent-Type: "
+           "application/json\r\nContent-Length: " +
+           std::to_string(body.size()) + "\r\n\r\n" + body;
+  }();
+  [[maybe_unused]] ssize_t n = ::send(sock, busy.data(), busy.size(), MSG_NOSIGNAL | MSG_DONTWAIT);
+  ::shutdown(sock, SHUT_RDWR);
+  ::close(sock);
+}
+
+void HttpServer::Server::serve(Connections& from, int sock, std::string head,
+                               Clock::time_point started, size_t requests_left) {
+  Connection conn(*this, sock, std::move(head));
+  t_sock = sock;
+  bool keep = false;
+  for (; requests_left > 0; --requests_left) {
+    t_request_start = started;
+    conn.begin_request(started);
+    bool closed = false;
+    t_close = false;
+    if (config_.metrics) config_.metrics->in_flight.with({config_.metrics_name}).add(1);
+    begin_active();
+    const bool ok = process_request(conn, requests_left == 1, closed, nullptr);
+    end_active();
+    if (config_.metrics) config_.metrics->in_flight.with({config_.metrics_name}).add(-1);
+    if (!ok || closed || t_close || requests_left == 1 || stopping_) break;
+    if (!conn.buffered()) {
+      // Idle until the next request: the connection waits without this thread.
+      keep = true;
+      --requests_left;
+      break;
+    }
+    started = Clock::now();  // a pipelined request, already here
+  }
+  t_sock = -1;
+  if (keep) return from.add(sock, /*fresh=*/false, requests_left);
+  if (t_close) {
+    // The answer went out with a body left unread: end our side, then read a little of
+    // what the client still sends (bounded) before closing, so that closing on unread
+    // bytes (a reset) does not destroy the answer before the client reads it.
+    ::shutdown(sock, SHUT_WR);
+    const auto until = Clock::now() + std::chrono::seconds(1);
+    char sink[16384];
+    for (size_t drained = 0; drained < (1u << 20) && wait(sock, POLLIN, until);) {
+      const ssize_t n = ::recv(sock, sink, sizeof(sink), 0);
+      if (n <= 0) break;
+      drained += static_cast<size_t>(n);
+    }
+  }
+  ::shutdown(sock, SHUT_RDWR);
+  ::close(sock);
+}
+
+void HttpServer::Server::Connections::gather() {
+  const auto& config = server_.config_;
+  std::vector<Waiting> waiting;
+  std::vector<pollfd> fds;
+  for (;;) {
+    {
+      std::lock_guard lock(mu_);
+      if (stopped_) break;
+      const auto now = Clock::now();
+      for (const Arrival& a : inbox_) {
+        Waiting w;
+        w.sock = a.sock;
+        w.requests_left = a.requests_left;
+        // A new connection's head is due from its first byte on; an idle one's first.
+        w.deadline = now + (a.fresh ? config.header_timeout : config.keep_alive_timeout);
+        waiting.push_back(std::move(w));
+      }
+      inbox_.clear();
+    }
+    // Past the bound, the connections waiting longest make room.
+    while (waiting.size() > config.max_waiting_connections) {
+      close(waiting.front().sock);
+      waiting.erase(waiting.begin());
+    }
+    fds.assign(1, pollfd{wake_read_.get(), POLLIN, 0});
+    auto next = Clock::now() + std::chrono::seconds(1);
+    for (const Waiting& w : waiting) {
+      fds.push_back({w.sock, POLLIN, 0});
+      next = std::min(next, w.deadline);
+    }
+    const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(next - Clock::now());
+    const int n =
+        ::poll(fds.data(), fds.size(), static_cast<int>(std::max<long long>(0, left.count())));
+    if (n < 0 && errno != EINTR) break;
+    if (fds[0].revents != 0) {
+      char drain[64];
+      while (::read(wake_read_.get(), drain, sizeof(drain)) > 0) {
+      }
+    }
+    const auto now = Clock::now();
+    std::vector<Waiting> still;
+    still.reserve(waiting.size());
+    for (size_t i = 0; i < waiting.size(); ++i) {
+      Waiting& w = waiting[i];
+      if (n > 0 && fds[i + 1].revents != 0) {
+        if (!take(w)) {
+          close(w.sock);
+          continue;
+        }
+        if (w.head.find(kEndOfHead) != std::string::npos) {
+          dispatch(std::move(w));
+          continue;
+        }
+      }
+      if (now >= w.deadline) {
+        close(w.sock);  // a head that did not arrive in time, or an idle connection
+        continue;
+      }
+      still.push_back(std::move(w));
+    }
+    waiting.swap(still);
+  }
+  for (const Waiting& w : waiting) close(w.sock);
+  std::lock_guard lock(mu_);
+  for (const Arrival& a : inbox_) close(a.sock);
+  inbox_.clear();
+}
+
+bool HttpServer::Server::Connections::take(Waiting& w) {
+  char buffer[16384];
+  const ssize_t n = ::recv(w.sock, buffer, sizeof(buffer), MSG_DONTWAIT);
+  if (n < 0) return errno == EAGAIN || errno == EWOULDBLOCK || errno == EINTR;
+  if (n == 0) return false;  // the client closed
+  if (!w.begun) {
+    // The head's time runs from its first byte.
+    w.begun = true;
+    w.started = Clock::now();
+    w.deadline = w.started + server_.config_.header_timeout;
+  }
+  w.head.append(buffer, static_cast<size_t>(n));
+  return w.head.size() <= kMaxHeadBytes || w.head.find(kEndOfHead) != std::string::npos;
+}
+
+bool HttpServer::Server::Connections::reserved(const std::string& head) const {
+  if (head.rfind("GET /health ", 0) == 0 || head.rfind("GET /health?", 0) == 0) return true;
+  const std::string& token = server_.config_.token;
+  if (token.empty()) return false;
+  // An Authorization header carrying the token.
+  size_t at = head.find("\r\n");
+  const size_t end = head.find(kEndOfHead);
+  while (at != std::string::npos && at < end) {
+    const size_t next = head.find("\r\n", at + 2);
+    const std::string line = head.substr(at + 2, next - at - 2);
+    const size_t colon = line.find(':');
+    if (colon != std::string::npos && strncasecmp(line.c_str(), "authorization", colon) == 0 &&
+        colon == 13) {
+      std::string value = line.substr(colon + 1);
+      value.erase(0, value.find_first_not_of(" \t"));
+      return token_matches(value, token);
+    }
+    at = next;
+  }
+  return false;
+}
+
+void HttpServer::Server::Connections::dispatch(Waiting w) {
+  const bool may_reserve = reserved(w.head);
+  std::function<void()> job = [this, sock = w.sock, head = std::move(w.head), started = w.started,
+                               left = w.requests_left]() mutable {
+    server_.serve(*this, sock, std::move(head), started, left);
+  };
+  if (pool_.try_run(job)) return;
+  if (may_reserve && reserve_.try_run(job)) return;
+  server_.reject(w.sock);
 }
 
 void close_connection_after_response() {

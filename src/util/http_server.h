@@ -3,11 +3,15 @@
 //
 // - Listens with a real backlog (httplib's is 5, compiled into Debian's library) and with
 //   SO_REUSEADDR only: a second server on a port in use fails with "address in use".
-// - One thread per connection, started on demand up to `max_connections` and all joined at
-//   stop(); a connection beyond the bound is answered 503 and closed at once, never queued.
-// - Every wait is bounded: an idle connection is closed after `keep_alive_timeout`, and a
-//   request (line, headers and body) must arrive whole within `request_timeout`, so
-//   slow-loris clients free their thread.
+// - A connection holds a thread only while a request of it is served: one thread waits for
+//   the heads of all the others (up to `max_waiting_connections`, the longest waiting
+//   closed beyond), so idle and slow-loris clients hold no thread. A whole head goes to a
+//   thread of a pool started on demand up to `max_connections` (all joined at stop()); with
+//   every thread busy it is answered 503 and closed, never queued, unless it is for /health
+//   or carries the server's token: a few reserve threads serve those.
+// - Every wait is bounded: an idle connection is closed after `keep_alive_timeout`, a
+//   request's head must arrive whole within `header_timeout` of its first byte, and the
+//   whole request within `request_timeout`.
 // - Bodies are bounded by `max_body_bytes`, whatever their framing (Content-Length,
 //   chunked, none, compressed): beyond it the answer is 413 and the connection is closed.
 // - Routes registered with `Auth::kToken` need `Authorization: Bearer <token>` when a token
@@ -50,7 +54,11 @@ struct HttpServerConfig {
   size_t max_connections = 512;  // connections served at once (one thread each)
   size_t max_body_bytes = 16u << 20;
   std::chrono::milliseconds keep_alive_timeout{5000};  // idle before (between) requests
+  std::chrono::milliseconds header_timeout{5000};      // a request's head, from its first byte
   std::chrono::milliseconds request_timeout{30000};    // a whole request arrives within it
+  // Connections waiting for a request's head (they hold no thread); past it, those
+  // waiting longest are closed.
+  size_t max_waiting_connections = 4096;
   std::chrono::milliseconds write_timeout{30000};      // one write waits at most this
   size_t keep_alive_max_count = 100;                   // requests on one connection
   std::string token;                                   // empty: routes need no token

@@ -11,6 +11,7 @@
 #include <condition_variable>
 #include <cstdint>
 #include <mutex>
+#include <string>
 
 #include "util/http_server.h"
 #include "util/unique_fd.h"
@@ -54,8 +55,15 @@ class HttpServer::Server final : public httplib::Server {
 
  private:
   class Connection;
+  class Connections;
 
   bool process_and_close_socket(socket_t sock) override;
+  // Serves `sock` (its head, read already, in `head`; begun at `started`) for up to
+  // `requests_left` requests, then hands it back to `from` idle, or closes it.
+  void serve(Connections& from, int sock, std::string head, Clock::time_point started,
+             size_t requests_left);
+  // Answers 503 (no thread to serve it) and closes.
+  void reject(int sock);
 
   // Waits until `sock` has `events` or until `deadline`; false on the deadline or stop.
   bool wait(int sock, short events, Clock::time_point deadline) const;

@@ -9,6 +9,7 @@
 
 #include <cerrno>
 #include <variant>
+#include <zmq.hpp>
 
 #include "decode/reader.h"
 #include "decode/reader_fixture.h"
@@ -242,6 +243,72 @@ TEST_F(ReaderTest, AnUnknownTagAStrTagOrABrokenMfMetaLeavesTheConnectionsMfMetaI
                                                           : "another answer");
   EXPECT_EQ(reader_->stats().connections, 1u);
   EXPECT_EQ(reader_->stats().messages_rejected, 3u);
+}
+
+// Envelopes a Prefill never sends (no payload frame, two, more frames than a message has):
+// refused once whole, answered READ_FAILED for their layer when it can be read, and the
+// connection keeps its MF_META.
+TEST_F(ReaderTest, AMessageOfTheWrongShapeIsRefusedAndItsConnectionKeepsItsState) {
+  zmq::context_t ctx;
+  zmq::socket_t raw(ctx, zmq::socket_type::dealer);
+  raw.set(zmq::sockopt::linger, 0);
+  raw.set(zmq::sockopt::rcvtimeo, 10000);
+  raw.connect(reader_->url());
+  auto send_parts = [&](const std::vector<std::vector<std::byte>>& parts) {
+    for (size_t i = 0; i < parts.size(); ++i) {
+      raw.send(zmq::buffer(parts[i].data(), parts[i].size()),
+               i + 1 < parts.size() ? zmq::send_flags::sndmore : zmq::send_flags::none);
+    }
+  };
+  // The next answer's message, skipping the empty delimiter.
+  auto answer = [&]() -> std::optional<protocol::Message> {
+    for (;;) {
+      zmq::message_t m;
+      if (!raw.recv(m)) return std::nullopt;
+      if (m.size() == 0) continue;
+      auto decoded =
+          protocol::decode_message(std::span(static_cast<const std::byte*>(m.data()), m.size()));
+      if (!decoded) return std::nullopt;
+      return *decoded;
+    }
+  };
+  const std::vector<std::byte> empty;
+  send_parts({empty, protocol::encode(mf_meta(prefill_))});
+  auto ack = [&] {
+    zmq::message_t m;
+    while (raw.recv(m) && m.size() == 0) {
+    }
+    return m.to_string();
+  }();
+  ASSERT_FALSE(ack.empty()) << "no ACK of MF_META";
+  // Two payload frames, the first a readiness of layer 2: READ_FAILED for layer 2.
+  send_parts({empty, protocol::encode(ready(2, {})), protocol::encode(ready(1, {}))});
+  auto m = answer();
+  ASSERT_TRUE(m && std::holds_alternative<protocol::ReadFailed>(*m)) << "no answer";
+  EXPECT_EQ(std::get<protocol::ReadFailed>(*m).layer_idx, 2);
+  EXPECT_NE(std::get<protocol::ReadFailed>(*m).error.find("2 payload frames (one expected)"),
+            std::string::npos)
+      << std::get<protocol::ReadFailed>(*m).error;
+  // More frames than a message has, the first payload a readiness of layer 1.
+  std::vector<std::vector<std::byte>> many(40);
+  many[1] = protocol::encode(ready(1, {}));
+  send_parts(many);
+  m = answer();
+  ASSERT_TRUE(m && std::holds_alternative<protocol::ReadFailed>(*m)) << "no answer";
+  EXPECT_EQ(std::get<protocol::ReadFailed>(*m).layer_idx, 1);
+  EXPECT_NE(std::get<protocol::ReadFailed>(*m).error.find("40 frames (at most 7)"),
+            std::string::npos)
+      << std::get<protocol::ReadFailed>(*m).error;
+  // No payload at all: nothing to answer.
+  send_parts({empty, empty});
+  // The connection kept its MF_META: a readiness is served.
+  send_parts({empty, protocol::encode(ready(1, {}))});
+  m = answer();
+  ASSERT_TRUE(m && std::holds_alternative<protocol::ReadDone>(*m))
+      << (m && std::holds_alternative<protocol::ReadFailed>(*m)
+              ? std::get<protocol::ReadFailed>(*m).error
+              : "another answer");
+  EXPECT_EQ(reader_->stats().connections, 1u);
 }
 
 TEST_F(ReaderTest, OneConnectionCannotFillTheHoldQueue) {

@@ -180,18 +180,29 @@ TEST(HttpServer, ASecondServerOnAPortInUseFailsWithAddressInUse) {
   ::close(fd);
 }
 
-TEST(HttpServer, AConnectionBeyondTheBoundIsClosedNotQueuedAndTheBoundFreesUp) {
+std::vector<std::unique_ptr<RawConnection>> slow_loris(int port, int n);
+std::vector<std::unique_ptr<RawConnection>> idle_connections(int port, int n);
+
+// `n` connections, each with a request whose head arrived and whose body has not: each
+// holds a thread of the server.
+std::vector<std::unique_ptr<RawConnection>> mid_body(int port, int n) {
+  std::vector<std::unique_ptr<RawConnection>> out;
+  for (int i = 0; i < n; ++i) {
+    out.push_back(std::make_unique<RawConnection>(port));
+    EXPECT_TRUE(out.back()->send("POST /echo HTTP/1.1\r\nHost: x\r\nContent-Length: 100\r\n\r\nx"));
+  }
+  return out;
+}
+
+TEST(HttpServer, ARequestBeyondTheBoundIsRefused503NotQueuedAndTheBoundFreesUp) {
   HttpServerConfig c;
   c.max_connections = 4;
   Echo echo(c);
-  std::vector<std::unique_ptr<RawConnection>> held;
-  for (int i = 0; i < 4; ++i) {
-    held.push_back(std::make_unique<RawConnection>(echo.server->port()));
-    ASSERT_TRUE(held.back()->ok());
-  }
-  // The fifth: while the four are being served, it gets a 503 and is closed.
+  auto held = mid_body(echo.server->port(), 4);
+  // A fifth request, while the four are being served: a 503, and closed.
   ASSERT_TRUE(eventually([&] {
     RawConnection extra(echo.server->port());
+    extra.send("POST /echo HTTP/1.1\r\nHost: x\r\nContent-Length: 1\r\n\r\nx");
     const std::string answer = extra.read_until_closed(5s);
     return answer.find("503") != std::string::npos;
   }));
@@ -204,9 +215,56 @@ TEST(HttpServer, AConnectionBeyondTheBoundIsClosedNotQueuedAndTheBoundFreesUp) {
   }));
 }
 
+TEST(HttpServer, ConnectionsWaitingForTheirRequestHoldNoThread) {
+  HttpServerConfig c;
+  c.max_connections = 4;
+  Echo echo(c);
+  // Far more idle and half-sent connections than threads: a request is still served.
+  auto idle = idle_connections(echo.server->port(), 100);
+  auto slow = slow_loris(echo.server->port(), 100);
+  httplib::Client client(echo.origin());
+  client.set_read_timeout(5s);
+  auto r = client.Post("/echo", "hello", "text/plain");
+  ASSERT_TRUE(r) << httplib::to_string(r.error());
+  EXPECT_EQ(r->status, 200) << r->body;
+  EXPECT_EQ(echo.server->rejected_connections(), 0u);
+}
+
+TEST(HttpServer, WithEveryThreadBusyHealthAndTokenRequestsAreServedByTheReserve) {
+  HttpServerConfig c;
+  c.max_connections = 2;
+  c.token = "a-token-of-sixteen-chars";
+  Echo echo(c);
+  echo.server->get("/health", HttpServer::Auth::kNone, [](const auto&, httplib::Response& res) {
+    res.set_content("ok", "text/plain");
+  });
+  auto held = mid_body(echo.server->port(), 2);
+  // Every thread is busy: an ordinary request is refused...
+  ASSERT_TRUE(eventually([&] {
+    RawConnection extra(echo.server->port());
+    extra.send("GET /open HTTP/1.1\r\nHost: x\r\n\r\n");
+    return extra.read_until_closed(5s).find("503") != std::string::npos;
+  }));
+  // ...and /health and a request with the token are served.
+  httplib::Client client(echo.origin());
+  client.set_read_timeout(5s);
+  auto health = client.Get("/health");
+  ASSERT_TRUE(health) << httplib::to_string(health.error());
+  EXPECT_EQ(health->status, 200);
+  auto with_token =
+      client.Post("/echo", {{"Authorization", "Bearer " + c.token}}, "hello", "text/plain");
+  ASSERT_TRUE(with_token) << httplib::to_string(with_token.error());
+  EXPECT_EQ(with_token->status, 200) << with_token->body;
+  auto wrong_token = client.Post("/echo", {{"Authorization", "Bearer not-the-token-at-all"}},
+                                 "hello", "text/plain");
+  ASSERT_TRUE(wrong_token);
+  EXPECT_EQ(wrong_token->status, 503) << "a wrong token reached the reserve";
+}
+
 TEST(HttpServer, IdleAndSlowLorisConnectionsAreClosedAtTheirDeadlines) {
   HttpServerConfig c;
   c.keep_alive_timeout = 300ms;
+  c.header_timeout = 300ms;
   c.request_timeout = 300ms;
   Echo echo(c);
   RawConnection idle(echo.server->port());
@@ -293,6 +351,21 @@ TEST_F(ProxyHttp, ARendezvousIsAnsweredWithin1sWhile200SlowLorisConnectionsAreHe
   auto [status, took] = rendezvous();
   EXPECT_EQ(status, 404);
   EXPECT_LT(took, kAnsweredWithin) << "the metaserver was starved by slow-loris connections";
+}
+
+TEST_F(ProxyHttp, ARendezvousAndACompletionAreAnsweredWithin1sWhile600SlowLorisConnectionsAreHeld) {
+  start();
+  auto held_meta = slow_loris(meta_port_, 600);
+  auto held_api = slow_loris(proxy_->port(), 600);
+  auto [status, took] = rendezvous();
+  EXPECT_EQ(status, 404);
+  EXPECT_LT(took, kAnsweredWithin) << "the metaserver was starved by slow-loris connections";
+  const auto t0 = std::chrono::steady_clock::now();
+  auto r = client_post({{"prompt", "a"}, {"max_tokens", 1}});
+  const auto answered = std::chrono::steady_clock::now() - t0;
+  ASSERT_TRUE(r) << httplib::to_string(r.error());
+  EXPECT_EQ(r->body.find("as many connections as it may"), std::string::npos) << r->body;
+  EXPECT_LT(answered, kAnsweredWithin) << "the client API was starved by slow-loris connections";
 }
 
 TEST_F(ProxyHttp, ARendezvousNestedTooDeepIs400AndTheProxyStaysUp) {
