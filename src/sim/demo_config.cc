@@ -7,6 +7,7 @@
 #include <sstream>
 
 #include "sim/demo_parts.h"
+#include "util/openai_body.h"
 
 namespace rd2h::sim {
 
@@ -64,27 +65,6 @@ std::string shown(const json& v) {
     return json(v.get_ref<const std::string&>().substr(0, 64)).dump() + "...";
   }
   return v.dump();
-}
-
-// How many levels of lists and objects `v` nests (counted up to `past`), without recursion.
-size_t nesting(const json& v, size_t past) {
-  if (!v.is_structured()) return 0;
-  std::vector<std::pair<json::const_iterator, json::const_iterator>> open{{v.cbegin(), v.cend()}};
-  size_t deepest = 1;
-  while (!open.empty() && deepest <= past) {
-    auto& [next, end] = open.back();
-    if (next == end) {
-      open.pop_back();
-      continue;
-    }
-    const json& child = *next;
-    ++next;
-    if (child.is_structured()) {
-      open.emplace_back(child.cbegin(), child.cend());
-      deepest = std::max(deepest, open.size());
-    }
-  }
-  return deepest;
 }
 
 // A whole number from `lo` to `hi` (JSON integers only: 1.5, 1e59, "7" and -1 for an
@@ -277,7 +257,7 @@ Status apply_demo_config_text(const std::string& text, const std::string& source
     if (it == settings.end()) {
       return invalid_argument("demo config " + source + ": '" + raw + "' is not a demo setting");
     }
-    if (const size_t depth = nesting(value, kMaxConfigNesting); depth > kMaxConfigNesting) {
+    if (http::nests_deeper_than(value, kMaxConfigNesting)) {
       return invalid_argument("demo config " + source + ": '" + raw +
                               "' nests lists and objects more than " +
                               std::to_string(kMaxConfigNesting) + " levels deep");

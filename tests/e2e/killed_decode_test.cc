@@ -8,8 +8,6 @@
 #include <httplib.h>
 #include <sys/wait.h>
 
-#include <filesystem>
-#include <fstream>
 #include <future>
 #include <nlohmann/json.hpp>
 #include <random>
@@ -18,6 +16,7 @@
 #include "rd2h/metaserver/proxy.h"
 #include "sim/engine.h"
 #include "support/http_server.h"
+#include "support/processes.h"
 #include "util/subprocess.h"
 
 namespace rd2h::sim {
@@ -166,30 +165,6 @@ TEST_P(KilledDecode, PrefillFailsWithinItsDeadlineAndServesADecodeThatComesBack)
   EXPECT_TRUE(back->process.wait(30s));
 }
 
-// The processes `parent` started that run `rd2h worker` (an engine's TP ranks).
-std::vector<pid_t> workers_of(pid_t parent) {
-  std::vector<pid_t> out;
-  for (const auto& entry : std::filesystem::directory_iterator("/proc")) {
-    const std::string name = entry.path().filename();
-    if (name.find_first_not_of("0123456789") != std::string::npos) continue;
-    std::ifstream stat(entry.path() / "stat");
-    std::string line;
-    std::getline(stat, line);
-    const size_t close = line.rfind(')');
-    if (close == std::string::npos) continue;
-    std::istringstream rest(line.substr(close + 2));
-    char state = 0;
-    pid_t ppid = 0;
-    rest >> state >> ppid;
-    std::ifstream cmd(entry.path() / "cmdline");
-    std::string argv((std::istreambuf_iterator<char>(cmd)), std::istreambuf_iterator<char>());
-    if (ppid == parent && argv.find(std::string("worker") + '\0') != std::string::npos) {
-      out.push_back(std::stoi(name));
-    }
-  }
-  return out;
-}
-
 // The sum of every series of counter `name` in `origin`'s /metrics, through `client`.
 std::optional<double> counter_sum(httplib::Client& client, const std::string& name) {
   auto r = client.Get("/metrics");
@@ -236,7 +211,7 @@ TEST_P(StoppedDecode, ResumedAfterPrefillReusedItsBlocksItFailsTheRequestInstead
   const auto warm = post((*proxy)->url(), {{"prompt", std::string(40, 'w')}, {"max_tokens", 2}});
   ASSERT_TRUE(warm);
   ASSERT_EQ(warm->status, 200) << warm->body;  // both Decode ranks are connected now
-  const auto ranks = workers_of(decode->process.pid());
+  const auto ranks = rd2h::testing::workers_of(decode->process.pid());
   ASSERT_EQ(ranks.size(), 2u);
 
   httplib::Client decode_metrics(decode->origin);

@@ -59,15 +59,8 @@ class Stack : public ::testing::Test {
     return decode_->stats().free_blocks < kBlocks && proxy_->stats().prefill_dispatches >= 1;
   }
 
-  // The value of the series `series` (name and labels as rendered) in `origin`'s /metrics.
   static std::optional<double> metric(const std::string& origin, const std::string& series) {
-    httplib::Client c(origin);
-    auto r = c.Get("/metrics");
-    if (!r || r->status != 200) return std::nullopt;
-    const std::string key = "\n" + series + " ";
-    const size_t at = ("\n" + r->body).find(key);
-    if (at == std::string::npos) return std::nullopt;
-    return std::stod(r->body.substr(at + key.size() - 1));
+    return rd2h::testing::metric(origin, series);
   }
 
   uint64_t compute_min_layer_us_ = 1000000;  // each layer takes a second: requests stay long

@@ -509,16 +509,7 @@ std::pair<int, json> health(const std::string& url) {
   return {r->status, json::parse(r->body, nullptr, false)};
 }
 
-// The value of `series` (its name and labels as rendered) in the proxy's /metrics.
-std::optional<double> metric(const std::string& url, const std::string& series) {
-  httplib::Client c(url);
-  auto r = c.Get("/metrics");
-  if (!r || r->status != 200) return std::nullopt;
-  const std::string key = "\n" + series + " ";
-  const size_t at = ("\n" + r->body).find(key);
-  if (at == std::string::npos) return std::nullopt;
-  return std::stod(r->body.substr(at + key.size() - 1));
-}
+using rd2h::testing::metric;
 
 // A series of the proxy's metrics about one engine instance.
 std::string about(const std::string& name, const std::string& role, const std::string& origin) {

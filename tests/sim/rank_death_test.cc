@@ -17,6 +17,7 @@
 
 #include "sim/engine.h"
 #include "support/http_server.h"
+#include "support/processes.h"
 #include "util/subprocess.h"
 
 namespace rd2h::sim {
@@ -47,40 +48,14 @@ bool catches(uint64_t set, int signal) {
 
 // This process's children running `rd2h worker`.
 std::vector<pid_t> rank_processes() {
-  std::vector<pid_t> out;
-  for (const auto& entry : std::filesystem::directory_iterator("/proc")) {
-    const std::string name = entry.path().filename();
-    if (name.find_first_not_of("0123456789") != std::string::npos) continue;
-    std::ifstream stat(entry.path() / "stat");
-    std::string line;
-    std::getline(stat, line);
-    const size_t close = line.rfind(')');
-    if (close == std::string::npos) continue;
-    std::istringstream rest(line.substr(close + 2));
-    char state = 0;
-    pid_t parent = 0;
-    rest >> state >> parent;
-    std::ifstream cmd(entry.path() / "cmdline");
-    std::string argv((std::istreambuf_iterator<char>(cmd)), std::istreambuf_iterator<char>());
-    if (parent == getpid() && argv.find(std::string("worker") + '\0') != std::string::npos) {
-      out.push_back(std::stoi(name));
-    }
-  }
-  return out;
+  return rd2h::testing::workers_of(getpid());
 }
 
+EngineConfig two_rank_prefill();
+
 TEST(RankDeath, ARankThatOverflowsItsStackDiesAndItsEngineSaysSoAtOnce) {
-  EngineConfig c;
-  c.connector.role = connector::KvRole::kProducer;
-  c.connector.engine_id = "prefill-0";
-  c.connector.kv_port = 1;
-  c.connector.transport = transfer::Transport::kShm;
-  c.connector.prefill_tp_size = 2;
-  c.tp_size = 2;
-  c.model.layers = 2;
-  c.model.bytes_per_token = {64, 8, 16};
+  EngineConfig c = two_rank_prefill();
   c.request_timeout = 20s;  // the step deadline is longer still
-  c.worker_executable = RD2H_BINARY;
   c.test_fault_rank = 1;
   auto engine = Engine::start(c);
   ASSERT_TRUE(engine) << engine.status().to_string();

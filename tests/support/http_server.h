@@ -1,5 +1,6 @@
 // Test helpers over real HTTP: a stand-in for the proxy's metaserver endpoint on a free
-// loopback port, a port that refuses connections, and a bounded wait on a condition.
+// loopback port, a port that refuses connections, a bounded wait on a condition, and a
+// series read from a server's /metrics.
 #pragma once
 
 #include <gtest/gtest.h>
@@ -10,6 +11,7 @@
 
 #include <chrono>
 #include <mutex>
+#include <optional>
 #include <string>
 #include <thread>
 #include <vector>
@@ -17,6 +19,17 @@
 #include "rd2h/common/deadline.h"
 
 namespace rd2h::testing {
+
+// The value of the series `series` (its name and labels as rendered) in `origin`'s /metrics.
+inline std::optional<double> metric(const std::string& origin, const std::string& series) {
+  httplib::Client c(origin);
+  auto r = c.Get("/metrics");
+  if (!r || r->status != 200) return std::nullopt;
+  const std::string key = "\n" + series + " ";
+  const size_t at = ("\n" + r->body).find(key);
+  if (at == std::string::npos) return std::nullopt;
+  return std::stod(r->body.substr(at + key.size() - 1));
+}
 
 using namespace std::chrono_literals;
 
