@@ -132,7 +132,9 @@ TEST_F(Stack, ADrainingProxyRefusesNewRequestsAndLetsTheOnesInFlightFinish) {
 TEST_F(Stack, DrainingEnginesRefuseNewRequestsAndFinishTheOnesInFlight) {
   httplib::Client client(proxy_->url());
   auto answer = post(client, body(false));
-  ASSERT_TRUE(rd2h::testing::eventually([&] { return in_both_engines(); }));
+  // In flight on both: Prefill took the dispatch (not only the proxy sent it).
+  ASSERT_TRUE(rd2h::testing::eventually(
+      [&] { return in_both_engines() && prefill_->stats().requests == 1; }));
   auto prefill_drained = std::async(std::launch::async, [&] { return prefill_->drain(60s); });
   auto decode_drained = std::async(std::launch::async, [&] { return decode_->drain(60s); });
   for (Engine* engine : {prefill_.get(), decode_.get()}) {
