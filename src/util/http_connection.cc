@@ -12,6 +12,7 @@
 #include <cstring>
 #include <exception>
 #include <functional>
+#include <map>
 #include <string>
 
 #include "util/http_server_impl.h"
@@ -102,6 +103,7 @@ class HttpServer::Server::Connections final : public httplib::TaskQueue {
   };
   struct Waiting {
     int sock = -1;
+    std::string peer;  // the client's address
     size_t requests_left = 0;
     Clock::time_point deadline;  // for the head (or, idle, for its first byte)
     bool begun = false;          // a byte of the head arrived
@@ -121,6 +123,18 @@ class HttpServer::Server::Connections final : public httplib::TaskQueue {
   bool take(Waiting& w);
   void dispatch(Waiting w);
   bool reserved(const std::string& head) const;
+  // The client address of `sock` (empty if unknown).
+  static std::string peer_of(int sock) {
+    sockaddr_storage addr{};
+    socklen_t len = sizeof(addr);
+    char host[NI_MAXHOST];
+    if (::getpeername(sock, reinterpret_cast<sockaddr*>(&addr), &len) != 0 ||
+        ::getnameinfo(reinterpret_cast<sockaddr*>(&addr), len, host, sizeof(host), nullptr, 0,
+                      NI_NUMERICHOST) != 0) {
+      return {};
+    }
+    return host;
+  }
   static void close(int sock) {
     ::shutdown(sock, SHUT_RDWR);
     ::close(sock);
@@ -372,12 +386,25 @@ void HttpServer::Server::Connections::gather() {
       std::lock_guard lock(mu_);
       if (stopped_) break;
       const auto now = Clock::now();
+      std::map<std::string, size_t> per_client;
+      for (const Waiting& w : waiting) ++per_client[w.peer];
       for (const Arrival& a : inbox_) {
         Waiting w;
         w.sock = a.sock;
+        w.peer = peer_of(a.sock);
         w.requests_left = a.requests_left;
         // A new connection's head is due from its first byte on; an idle one's first.
         w.deadline = now + (a.fresh ? config.header_timeout : config.keep_alive_timeout);
+        if (++per_client[w.peer] > config.max_waiting_per_client) {
+          // That client's longest waiting connection makes room.
+          auto oldest = std::find_if(waiting.begin(), waiting.end(),
+                                     [&](const Waiting& o) { return o.peer == w.peer; });
+          if (oldest != waiting.end()) {
+            close(oldest->sock);
+            waiting.erase(oldest);
+            --per_client[w.peer];
+          }
+        }
         waiting.push_back(std::move(w));
       }
       inbox_.clear();

@@ -59,6 +59,9 @@ struct HttpServerConfig {
   // Connections waiting for a request's head (they hold no thread); past it, those
   // waiting longest are closed.
   size_t max_waiting_connections = 4096;
+  // Of those, from one client address; past it, that address's longest waiting is closed
+  // (one client cannot push the others' connections out).
+  size_t max_waiting_per_client = 512;
   std::chrono::milliseconds write_timeout{30000};      // one write waits at most this
   size_t keep_alive_max_count = 100;                   // requests on one connection
   std::string token;                                   // empty: routes need no token

@@ -230,6 +230,24 @@ TEST(HttpServer, ConnectionsWaitingForTheirRequestHoldNoThread) {
   EXPECT_EQ(echo.server->rejected_connections(), 0u);
 }
 
+TEST(HttpServer, OneClientsWaitingConnectionsAreCappedItsOldestClosedFirst) {
+  HttpServerConfig c;
+  c.max_waiting_per_client = 8;
+  c.header_timeout = 60s;  // what closes them here is the cap, not a deadline
+  c.keep_alive_timeout = 60s;
+  Echo echo(c);
+  auto first = idle_connections(echo.server->port(), 12);
+  auto newest = idle_connections(echo.server->port(), 8);
+  // The 12 that came first make room for the 8 newest, oldest first.
+  for (auto& conn : first) {
+    conn->read_until_closed(20s);
+    EXPECT_FALSE(conn->timed_out()) << "a connection past the cap was kept";
+  }
+  // The newest still wait: a request on one is served.
+  ASSERT_TRUE(newest.back()->send("GET /open HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n"));
+  EXPECT_NE(newest.back()->read_until_closed(10s).find("200 OK"), std::string::npos);
+}
+
 TEST(HttpServer, WithEveryThreadBusyHealthAndTokenRequestsAreServedByTheReserve) {
   HttpServerConfig c;
   c.max_connections = 2;
