@@ -289,7 +289,7 @@ Expected<std::optional<Inbound>> RouterChannel::receive(std::chrono::millisecond
       return std::optional<Inbound>(Inbound{f[0].to_string(), to_bytes(*first), {}});
     }
     ++dropped_;
-    if (deliver_malformed_ && f.size() >= 1) {
+    if (deliver_malformed_) {
       // Its owner may still answer it: the first payload frame, if any, says for what.
       return std::optional<Inbound>(
           Inbound{f[0].to_string(), first != nullptr ? to_bytes(*first) : std::vector<std::byte>{},

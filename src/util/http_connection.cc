@@ -250,8 +250,10 @@ class HttpServer::Server::Connection final : public httplib::Stream {
       const size_t n = std::min(size, head_.size() - head_pos_);
       std::memcpy(ptr, head_.data() + head_pos_, n);
       head_pos_ += n;
-      if (head_pos_ == head_.size()) std::string().swap(head_);
-      if (head_.empty()) head_pos_ = 0;
+      if (head_pos_ == head_.size()) {
+        std::string().swap(head_);
+        head_pos_ = 0;
+      }
       return static_cast<ssize_t>(n);
     }
     if (pos_ == size_) {
@@ -381,14 +383,18 @@ void HttpServer::Server::Connections::gather() {
   const auto& config = server_.config_;
   std::vector<Waiting> waiting;
   std::vector<pollfd> fds;
+  std::vector<Arrival> arrived;
   for (;;) {
     {
       std::lock_guard lock(mu_);
       if (stopped_) break;
+      arrived.swap(inbox_);
+    }
+    if (!arrived.empty()) {
       const auto now = Clock::now();
       std::map<std::string, size_t> per_client;
       for (const Waiting& w : waiting) ++per_client[w.peer];
-      for (const Arrival& a : inbox_) {
+      for (const Arrival& a : arrived) {
         Waiting w;
         w.sock = a.sock;
         w.peer = peer_of(a.sock);
@@ -407,7 +413,7 @@ void HttpServer::Server::Connections::gather() {
         }
         waiting.push_back(std::move(w));
       }
-      inbox_.clear();
+      arrived.clear();
     }
     // Past the bound, the connections waiting longest make room.
     while (waiting.size() > config.max_waiting_connections) {

@@ -54,6 +54,21 @@ class Stack : public ::testing::Test {
       return client.Post("/v1/completions", b.dump(), "application/json");
     });
   }
+  // `origin` says it is draining: its /health is 503 (its body naming `health_says`, if
+  // given), and a new request is refused 503 naming `why`.
+  void expect_refusing(const std::string& origin, const std::string& health_says,
+                       const std::string& why) {
+    httplib::Client probe(origin);
+    ASSERT_TRUE(rd2h::testing::eventually([&] {
+      auto h = probe.Get("/health");
+      return h && h->status == 503 && h->body.find(health_says) != std::string::npos;
+    })) << origin
+        << " does not say it is draining";
+    auto refused = probe.Post("/v1/completions", body(false).dump(), "application/json");
+    ASSERT_TRUE(refused);
+    EXPECT_EQ(refused->status, 503) << refused->body;
+    EXPECT_NE(refused->body.find(why), std::string::npos) << refused->body;
+  }
   // Decode holds the request's blocks and Prefill has it.
   bool in_both_engines() {
     return decode_->stats().free_blocks < kBlocks && proxy_->stats().prefill_dispatches >= 1;
@@ -112,15 +127,7 @@ TEST_F(Stack, ADrainingProxyRefusesNewRequestsAndLetsTheOnesInFlightFinish) {
   auto answer = post(client, body(false));
   ASSERT_TRUE(rd2h::testing::eventually([&] { return in_both_engines(); }));
   auto drained = std::async(std::launch::async, [&] { return proxy_->drain(60s); });
-  httplib::Client probe(proxy_->url());
-  ASSERT_TRUE(rd2h::testing::eventually([&] {
-    auto h = probe.Get("/health");
-    return h && h->status == 503;
-  })) << "the proxy does not say it is draining";
-  auto refused = probe.Post("/v1/completions", body(false).dump(), "application/json");
-  ASSERT_TRUE(refused);
-  EXPECT_EQ(refused->status, 503) << refused->body;
-  EXPECT_NE(refused->body.find("shutting down"), std::string::npos) << refused->body;
+  ASSERT_NO_FATAL_FAILURE(expect_refusing(proxy_->url(), "", "shutting down"));
 
   auto r = answer.get();
   ASSERT_TRUE(r) << httplib::to_string(r.error());
@@ -138,16 +145,7 @@ TEST_F(Stack, DrainingEnginesRefuseNewRequestsAndFinishTheOnesInFlight) {
   auto prefill_drained = std::async(std::launch::async, [&] { return prefill_->drain(60s); });
   auto decode_drained = std::async(std::launch::async, [&] { return decode_->drain(60s); });
   for (Engine* engine : {prefill_.get(), decode_.get()}) {
-    httplib::Client probe(engine->origin());
-    ASSERT_TRUE(rd2h::testing::eventually([&] {
-      auto h = probe.Get("/health");
-      return h && h->status == 503 && h->body.find("draining") != std::string::npos;
-    })) << engine->origin()
-        << " does not say it is draining";
-    auto refused = probe.Post("/v1/completions", body(false).dump(), "application/json");
-    ASSERT_TRUE(refused);
-    EXPECT_EQ(refused->status, 503) << refused->body;
-    EXPECT_NE(refused->body.find("draining"), std::string::npos) << refused->body;
+    ASSERT_NO_FATAL_FAILURE(expect_refusing(engine->origin(), "draining", "draining"));
   }
   auto r = answer.get();
   ASSERT_TRUE(r) << httplib::to_string(r.error());
