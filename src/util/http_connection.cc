@@ -8,12 +8,15 @@
 
 #include <algorithm>
 #include <cerrno>
+#include <charconv>
 #include <cstdlib>
 #include <cstring>
 #include <exception>
 #include <functional>
 #include <map>
+#include <optional>
 #include <string>
+#include <string_view>
 
 #include "util/http_server_impl.h"
 #include "util/thread_pool.h"
@@ -31,19 +34,26 @@ thread_local Clock::time_point t_request_start;  // when the current request beg
 // The end of a request's head, and the most a head may take.
 constexpr std::string_view kEndOfHead = "\r\n\r\n";
 constexpr size_t kMaxHeadBytes = 64 * 1024;
+// The longest chunk-size line of a chunked body that is waited for (hex digits and
+// extensions); a longer one goes to httplib's parser, which refuses it.
+constexpr size_t kMaxChunkLine = 1024;
 // Threads kept for what must be served while every connection thread is busy: /health and
 // requests carrying the server's token (rendezvous posts, the proxy's calls).
 constexpr size_t kReserveThreads = 8;
 
 }  // namespace
 
-// What serves the listener's connections. A connection holds no thread while its request's
-// head is arriving: one thread waits on all of them (poll), gives each head `header_timeout`
-// to arrive whole (and an idle keep-alive connection `keep_alive_timeout` to begin the
-// next), and only then hands the connection to a thread of the pool. Slow or idle clients
-// therefore cost a socket and a small buffer, not one of the `max_connections` threads. A
-// head that finds every thread busy is answered 503 and closed, unless it is for /health
-// or carries the server's token (then a reserve thread serves it).
+// What serves the listener's connections. A connection holds no thread while its request is
+// arriving: one thread waits on all of them (poll), gives each head `header_timeout` to
+// arrive whole (and an idle keep-alive connection `keep_alive_timeout` to begin the next),
+// then reads its body (Content-Length or chunked, up to `max_body_bytes`; the whole request
+// within `request_timeout`), and only then hands the connection to a thread of the pool.
+// Slow or idle clients therefore cost a socket and what they sent, not one of the
+// `max_connections` threads; what all waiting connections sent is bounded by
+// `max_waiting_bytes` (past it, the longest waiting are closed). A request that finds every
+// thread busy is answered 503 and closed, unless it is for /health or carries the server's
+// token (then a reserve thread serves it). A request whose framing is unclear (a bad
+// Content-Length, a body over the limit) goes to a thread at once, for httplib to refuse.
 class HttpServer::Server::Connections final : public httplib::TaskQueue {
  public:
   explicit Connections(Server& server)
@@ -108,7 +118,16 @@ class HttpServer::Server::Connections final : public httplib::TaskQueue {
     Clock::time_point deadline;  // for the head (or, idle, for its first byte)
     bool begun = false;          // a byte of the head arrived
     Clock::time_point started;   // when
-    std::string head;
+    std::string head;            // what arrived: the head, then the body
+    // Once the head is whole: where it ends, and how the body is framed.
+    size_t head_end = std::string::npos;
+    bool whole = false;    // the request arrived (or its framing is for httplib to judge)
+    size_t need = 0;       // Content-Length: the bytes of head and body together
+    bool chunked = false;  // chunked: where the scan is, and the bytes of chunk data left
+    size_t scan = 0;
+    size_t chunk_left = 0;
+    bool trailers = false;
+    size_t body_bytes = 0;
   };
 
   void wake() {
@@ -121,6 +140,10 @@ class HttpServer::Server::Connections final : public httplib::TaskQueue {
   // Reads what `w`'s socket has; false if the connection is to be closed (its end, an
   // error, a head too large).
   bool take(Waiting& w);
+  // Once `w`'s head is whole: how its body is framed (and a 100 Continue if it asks).
+  void frame(Waiting& w);
+  // Whether `w`'s chunked body arrived whole, scanning what came since the last call.
+  bool chunks_arrived(Waiting& w) const;
   void dispatch(Waiting w);
   bool reserved(const std::string& head) const;
   // The client address of `sock` (empty if unknown).
@@ -415,8 +438,18 @@ void HttpServer::Server::Connections::gather() {
       }
       arrived.clear();
     }
-    // Past the bound, the connections waiting longest make room.
+    // Past the bounds, the connections waiting longest make room.
     while (waiting.size() > config.max_waiting_connections) {
+      close(waiting.front().sock);
+      waiting.erase(waiting.begin());
+    }
+    // (The bound always has room for one whole request.)
+    const size_t max_bytes =
+        std::max(config.max_waiting_bytes, config.max_body_bytes + 2 * kMaxHeadBytes);
+    size_t buffered = 0;
+    for (const Waiting& w : waiting) buffered += w.head.capacity();
+    while (buffered > max_bytes && !waiting.empty()) {
+      buffered -= waiting.front().head.capacity();
       close(waiting.front().sock);
       waiting.erase(waiting.begin());
     }
@@ -445,13 +478,13 @@ void HttpServer::Server::Connections::gather() {
           close(w.sock);
           continue;
         }
-        if (w.head.find(kEndOfHead) != std::string::npos) {
+        if (w.whole) {
           dispatch(std::move(w));
           continue;
         }
       }
       if (now >= w.deadline) {
-        close(w.sock);  // a head that did not arrive in time, or an idle connection
+        close(w.sock);  // a request that did not arrive in time, or an idle connection
         continue;
       }
       still.push_back(std::move(w));
@@ -475,8 +508,129 @@ bool HttpServer::Server::Connections::take(Waiting& w) {
     w.started = Clock::now();
     w.deadline = w.started + server_.config_.header_timeout;
   }
+  const size_t had = w.head.size();
+  if (w.need > 0 && w.head.size() + static_cast<size_t>(n) > w.head.capacity()) {
+    // A declared length: the buffer grows to it, not past it.
+    w.head.reserve(std::min(w.need, std::max(w.head.capacity() * 2, had + n)));
+  }
   w.head.append(buffer, static_cast<size_t>(n));
-  return w.head.size() <= kMaxHeadBytes || w.head.find(kEndOfHead) != std::string::npos;
+  if (w.head_end == std::string::npos) {
+    const size_t end = w.head.find(kEndOfHead, had >= 3 ? had - 3 : 0);
+    if (end == std::string::npos) return w.head.size() <= kMaxHeadBytes;
+    w.head_end = end + kEndOfHead.size();
+    frame(w);
+  }
+  if (!w.whole) w.whole = w.chunked ? chunks_arrived(w) : w.head.size() >= w.need;
+  return true;
+}
+
+namespace {
+
+// `head`'s header `name` (case-insensitive), if it has one: its value, and where its line
+// begins (at its CRLF) and ends (before the next CRLF).
+struct HeaderLine {
+  std::string_view value;
+  size_t begin = 0, end = 0;
+};
+std::optional<HeaderLine> header_line(std::string_view head, std::string_view name) {
+  const size_t end = head.find(kEndOfHead);
+  for (size_t at = head.find("\r\n"); at != std::string_view::npos && at < end;) {
+    const size_t next = head.find("\r\n", at + 2);
+    const std::string_view line = head.substr(at + 2, next - at - 2);
+    const size_t begin = at;
+    at = next;
+    const size_t colon = line.find(':');
+    if (colon != name.size() || strncasecmp(line.data(), name.data(), colon) != 0) continue;
+    std::string_view value = line.substr(colon + 1);
+    while (!value.empty() && (value.front() == ' ' || value.front() == '\t'))
+      value.remove_prefix(1);
+    while (!value.empty() && (value.back() == ' ' || value.back() == '\t')) value.remove_suffix(1);
+    return HeaderLine{value, begin, next};
+  }
+  return std::nullopt;
+}
+std::optional<std::string_view> header_value(std::string_view head, std::string_view name) {
+  if (auto line = header_line(head, name)) return line->value;
+  return std::nullopt;
+}
+
+bool equals_nocase(std::string_view a, std::string_view b) {
+  return a.size() == b.size() && strncasecmp(a.data(), b.data(), a.size()) == 0;
+}
+
+}  // namespace
+
+void HttpServer::Server::Connections::frame(Waiting& w) {
+  const std::string_view head(w.head.data(), w.head_end);
+  const size_t limit = server_.config_.max_body_bytes;
+  if (auto te = header_value(head, "Transfer-Encoding")) {
+    if (!equals_nocase(*te, "chunked")) {
+      w.whole = true;  // a coding httplib refuses
+      return;
+    }
+    w.chunked = true;
+    w.scan = w.head_end;
+  } else if (auto cl = header_value(head, "Content-Length")) {
+    size_t length = 0;
+    const auto [end, ec] = std::from_chars(cl->data(), cl->data() + cl->size(), length);
+    if (ec != std::errc() || end != cl->data() + cl->size() || length > limit) {
+      w.whole = true;  // for httplib to answer (400, 413)
+      return;
+    }
+    w.need = w.head_end + length;
+  } else {
+    w.need = w.head_end;
+  }
+  // The whole request is due within request_timeout of its first byte.
+  w.deadline = w.started + server_.config_.request_timeout;
+  const auto expect = header_line(head, "Expect");
+  if (expect && equals_nocase(expect->value, "100-continue") &&
+      !(w.chunked ? chunks_arrived(w) : w.head.size() >= w.need)) {
+    // The client waits for leave to send its body: given here, and the header dropped so
+    // that httplib does not give it again.
+    static constexpr std::string_view kContinue = "HTTP/1.1 100 Continue\r\n\r\n";
+    [[maybe_unused]] ssize_t n =
+        ::send(w.sock, kContinue.data(), kContinue.size(), MSG_NOSIGNAL | MSG_DONTWAIT);
+    const size_t erased = expect->end - expect->begin;
+    w.head.erase(expect->begin, erased);
+    w.head_end -= erased;
+    if (w.need > 0) w.need -= erased;
+    if (w.chunked) w.scan -= erased;
+  }
+}
+
+bool HttpServer::Server::Connections::chunks_arrived(Waiting& w) const {
+  const size_t limit = server_.config_.max_body_bytes;
+  for (;;) {
+    if (w.chunk_left > 0) {  // chunk data and its CRLF
+      const size_t have = std::min(w.chunk_left, w.head.size() - w.scan);
+      w.scan += have;
+      w.chunk_left -= have;
+      if (w.chunk_left > 0) return false;
+    }
+    if (w.trailers) {  // after the last chunk: trailer lines up to an empty one
+      if (w.head.size() - w.scan < 2) return false;
+      if (w.head.compare(w.scan, 2, "\r\n") == 0) return true;
+      return w.head.find(kEndOfHead, w.scan) != std::string::npos;
+    }
+    const size_t eol = w.head.find("\r\n", w.scan);
+    if (eol == std::string::npos) return w.head.size() - w.scan > kMaxChunkLine;
+    size_t size = 0;
+    const char* digits = w.head.data() + w.scan;
+    const auto [end, ec] = std::from_chars(digits, w.head.data() + eol, size, 16);
+    if (ec != std::errc() || end == digits ||
+        (end != w.head.data() + eol && *end != ';' && *end != ' ' && *end != '\t')) {
+      return true;  // a bad chunk line, for httplib to refuse
+    }
+    w.body_bytes += size;
+    if (w.body_bytes > limit) return true;  // for httplib to answer 413
+    w.scan = eol + 2;
+    if (size == 0) {
+      w.trailers = true;
+    } else {
+      w.chunk_left = size + 2;
+    }
+  }
 }
 
 bool HttpServer::Server::Connections::reserved(const std::string& head) const {
@@ -484,21 +638,8 @@ bool HttpServer::Server::Connections::reserved(const std::string& head) const {
   const std::string& token = server_.config_.token;
   if (token.empty()) return false;
   // An Authorization header carrying the token.
-  size_t at = head.find("\r\n");
-  const size_t end = head.find(kEndOfHead);
-  while (at != std::string::npos && at < end) {
-    const size_t next = head.find("\r\n", at + 2);
-    const std::string line = head.substr(at + 2, next - at - 2);
-    const size_t colon = line.find(':');
-    if (colon != std::string::npos && strncasecmp(line.c_str(), "authorization", colon) == 0 &&
-        colon == 13) {
-      std::string value = line.substr(colon + 1);
-      value.erase(0, value.find_first_not_of(" \t"));
-      return token_matches(value, token);
-    }
-    at = next;
-  }
-  return false;
+  const auto value = header_value(head, "Authorization");
+  return value && token_matches(std::string(*value), token);
 }
 
 void HttpServer::Server::Connections::dispatch(Waiting w) {

@@ -4,8 +4,9 @@
 // - Listens with a real backlog (httplib's is 5, compiled into Debian's library) and with
 //   SO_REUSEADDR only: a second server on a port in use fails with "address in use".
 // - A connection holds a thread only while a request of it is served: one thread waits for
-//   the heads of all the others (up to `max_waiting_connections`, the longest waiting
-//   closed beyond), so idle and slow-loris clients hold no thread. A whole head goes to a
+//   the requests (head and body) of all the others (up to `max_waiting_connections` and
+//   `max_waiting_bytes`, the longest waiting closed beyond), so idle and slow-loris clients
+//   hold no thread, however slowly they send their body. A whole request goes to a
 //   thread of a pool started on demand up to `max_connections` (all joined at stop()); with
 //   every thread busy it is answered 503 and closed, never queued, unless it is for /health
 //   or carries the server's token: a few reserve threads serve those.
@@ -62,6 +63,10 @@ struct HttpServerConfig {
   // Of those, from one client address; past it, that address's longest waiting is closed
   // (one client cannot push the others' connections out).
   size_t max_waiting_per_client = 512;
+  // What the waiting connections' requests may hold in all (heads and bodies read before a
+  // thread serves them; at least one largest request); past it, the longest waiting are
+  // closed.
+  size_t max_waiting_bytes = 256u << 20;
   std::chrono::milliseconds write_timeout{30000};      // one write waits at most this
   size_t keep_alive_max_count = 100;                   // requests on one connection
   std::string token;                                   // empty: routes need no token

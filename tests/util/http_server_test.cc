@@ -12,8 +12,10 @@
 #include <sys/socket.h>
 #include <unistd.h>
 
+#include <condition_variable>
 #include <cstdio>
 #include <future>
+#include <mutex>
 #include <nlohmann/json.hpp>
 #include <regex>
 #include <set>
@@ -89,6 +91,14 @@ class RawConnection {
       out.append(buf, static_cast<size_t>(n));
     }
   }
+  // What arrives first (within `limit`): one read's worth.
+  std::string read_some(std::chrono::milliseconds limit = 10s) {
+    pollfd p{fd_, POLLIN, 0};
+    if (::poll(&p, 1, static_cast<int>(limit.count())) <= 0) return {};
+    char buf[4096];
+    const ssize_t n = ::recv(fd_, buf, sizeof(buf), 0);
+    return n > 0 ? std::string(buf, static_cast<size_t>(n)) : std::string();
+  }
   bool timed_out() const { return timed_out_; }
 
  private:
@@ -100,6 +110,10 @@ struct Echo {
   HttpServerConfig config;
   std::unique_ptr<HttpServer> server;
   std::atomic<int> served{0};
+  std::atomic<int> holding{0};  // GET /hold requests being served
+  std::mutex mu;
+  std::condition_variable cv;
+  bool released = false;  // guarded by mu
 
   explicit Echo(HttpServerConfig c) : config(std::move(c)) {
     server = std::make_unique<HttpServer>(config);
@@ -112,8 +126,28 @@ struct Echo {
                 [](const httplib::Request&, httplib::Response& res) {
                   res.set_content("open", "text/plain");
                 });
+    // Holds its thread until release() (or 30 s).
+    server->get("/hold", HttpServer::Auth::kNone,
+                [this](const httplib::Request&, httplib::Response& res) {
+                  ++holding;
+                  std::unique_lock lock(mu);
+                  cv.wait_for(lock, 30s, [this] { return released; });
+                  --holding;
+                  res.set_content("held", "text/plain");
+                });
     Status st = server->start();
     EXPECT_TRUE(st) << st.to_string();
+  }
+  ~Echo() {
+    release();
+    server.reset();
+  }
+  void release() {
+    {
+      std::lock_guard lock(mu);
+      released = true;
+    }
+    cv.notify_all();
   }
   std::string origin() const { return "http://127.0.0.1:" + std::to_string(server->port()); }
 };
@@ -183,8 +217,7 @@ TEST(HttpServer, ASecondServerOnAPortInUseFailsWithAddressInUse) {
 std::vector<std::unique_ptr<RawConnection>> slow_loris(int port, int n);
 std::vector<std::unique_ptr<RawConnection>> idle_connections(int port, int n);
 
-// `n` connections, each with a request whose head arrived and whose body has not: each
-// holds a thread of the server.
+// `n` connections, each with a request whose head arrived and whose body has not.
 std::vector<std::unique_ptr<RawConnection>> mid_body(int port, int n) {
   std::vector<std::unique_ptr<RawConnection>> out;
   for (int i = 0; i < n; ++i) {
@@ -194,11 +227,22 @@ std::vector<std::unique_ptr<RawConnection>> mid_body(int port, int n) {
   return out;
 }
 
+// `n` connections whose requests each hold a thread of `echo`'s server, once they are served.
+std::vector<std::unique_ptr<RawConnection>> holding(Echo& echo, int n) {
+  std::vector<std::unique_ptr<RawConnection>> out;
+  for (int i = 0; i < n; ++i) {
+    out.push_back(std::make_unique<RawConnection>(echo.server->port()));
+    EXPECT_TRUE(out.back()->send("GET /hold HTTP/1.1\r\nHost: x\r\n\r\n"));
+  }
+  EXPECT_TRUE(eventually([&] { return echo.holding.load() == n; }));
+  return out;
+}
+
 TEST(HttpServer, ARequestBeyondTheBoundIsRefused503NotQueuedAndTheBoundFreesUp) {
   HttpServerConfig c;
   c.max_connections = 4;
   Echo echo(c);
-  auto held = mid_body(echo.server->port(), 4);
+  auto held = holding(echo, 4);
   // A fifth request, while the four are being served: a 503, and closed.
   ASSERT_TRUE(eventually([&] {
     RawConnection extra(echo.server->port());
@@ -207,7 +251,7 @@ TEST(HttpServer, ARequestBeyondTheBoundIsRefused503NotQueuedAndTheBoundFreesUp) 
     return answer.find("503") != std::string::npos;
   }));
   EXPECT_GE(echo.server->rejected_connections(), 1u);
-  held.clear();
+  echo.release();
   ASSERT_TRUE(eventually([&] {
     httplib::Client client(echo.origin());
     auto r = client.Post("/echo", "x", "text/plain");
@@ -228,6 +272,73 @@ TEST(HttpServer, ConnectionsWaitingForTheirRequestHoldNoThread) {
   ASSERT_TRUE(r) << httplib::to_string(r.error());
   EXPECT_EQ(r->status, 200) << r->body;
   EXPECT_EQ(echo.server->rejected_connections(), 0u);
+}
+
+TEST(HttpServer, RequestsWhoseBodyArrivesSlowlyHoldNoThread) {
+  HttpServerConfig c;
+  c.max_connections = 4;
+  Echo echo(c);
+  // Far more bodies on their way than threads, by Content-Length and chunked.
+  auto slow = mid_body(echo.server->port(), 50);
+  std::vector<std::unique_ptr<RawConnection>> chunked;
+  for (int i = 0; i < 50; ++i) {
+    chunked.push_back(std::make_unique<RawConnection>(echo.server->port()));
+    ASSERT_TRUE(chunked.back()->send(
+        "POST /echo HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n5\r\nhel"));
+  }
+  httplib::Client client(echo.origin());
+  client.set_read_timeout(5s);
+  auto r = client.Post("/echo", "hello", "text/plain");
+  ASSERT_TRUE(r) << httplib::to_string(r.error());
+  EXPECT_EQ(r->status, 200) << r->body;
+  EXPECT_EQ(echo.server->rejected_connections(), 0u);
+  // The slow ones are served once whole: their bodies arrived as sent.
+  ASSERT_TRUE(slow.front()->send(std::string(99, 'y')));
+  const std::string answer = slow.front()->read_until_closed(2s);
+  EXPECT_NE(answer.find("\r\n\r\n100"), std::string::npos) << answer;
+  ASSERT_TRUE(chunked.front()->send("lo\r\n6\r\n world\r\n0\r\n\r\n"));
+  const std::string chunked_answer = chunked.front()->read_until_closed(2s);
+  EXPECT_NE(chunked_answer.find("\r\n\r\n11"), std::string::npos) << chunked_answer;
+}
+
+TEST(HttpServer, AClientExpecting100ContinueGetsItOnceAndIsServed) {
+  Echo echo(HttpServerConfig{});
+  RawConnection c(echo.server->port());
+  ASSERT_TRUE(
+      c.send("POST /echo HTTP/1.1\r\nHost: x\r\nExpect: 100-continue\r\nContent-Length: 5\r\n"
+             "Connection: close\r\n\r\n"));
+  // It sends its body only once told to.
+  const std::string go = c.read_some(5s);
+  ASSERT_EQ(go, "HTTP/1.1 100 Continue\r\n\r\n");
+  ASSERT_TRUE(c.send("hello"));
+  const std::string answer = c.read_until_closed(5s);
+  EXPECT_EQ(answer.rfind("HTTP/1.1 200", 0), 0u) << answer;
+  EXPECT_EQ(answer.find("100 Continue"), std::string::npos) << "told twice: " << answer;
+  EXPECT_NE(answer.find("\r\n\r\n5"), std::string::npos) << answer;
+}
+
+TEST(HttpServer, WhatWaitingRequestsHoldIsBoundedTheLongestWaitingClosedFirst) {
+  HttpServerConfig c;
+  c.max_body_bytes = 16 << 10;
+  c.max_waiting_bytes = 0;  // the least it can be: one whole request (16 KiB + 128 KiB)
+  Echo echo(c);
+  // 30 requests, each 15 KiB into a 16 KiB body: 450 KiB held.
+  std::vector<std::unique_ptr<RawConnection>> partial;
+  for (int i = 0; i < 30; ++i) {
+    partial.push_back(std::make_unique<RawConnection>(echo.server->port()));
+    ASSERT_TRUE(
+        partial.back()->send("POST /echo HTTP/1.1\r\nHost: x\r\nConnection: close\r\n"
+                             "Content-Length: 16384\r\n\r\n" +
+                             std::string(15 << 10, 'z')));
+  }
+  // The first ones made room...
+  partial.front()->read_until_closed(10s);
+  EXPECT_FALSE(partial.front()->timed_out())
+      << "the bound on what waiting requests hold was not kept";
+  // ...the last one is served once whole.
+  ASSERT_TRUE(partial.back()->send(std::string(1 << 10, 'z')));
+  const std::string answer = partial.back()->read_until_closed(5s);
+  EXPECT_NE(answer.find("\r\n\r\n16384"), std::string::npos) << answer;
 }
 
 TEST(HttpServer, OneClientsWaitingConnectionsAreCappedItsOldestClosedFirst) {
@@ -256,7 +367,7 @@ TEST(HttpServer, WithEveryThreadBusyHealthAndTokenRequestsAreServedByTheReserve)
   echo.server->get("/health", HttpServer::Auth::kNone, [](const auto&, httplib::Response& res) {
     res.set_content("ok", "text/plain");
   });
-  auto held = mid_body(echo.server->port(), 2);
+  auto held = holding(echo, 2);
   // Every thread is busy: an ordinary request is refused...
   ASSERT_TRUE(eventually([&] {
     RawConnection extra(echo.server->port());
@@ -289,6 +400,9 @@ TEST(HttpServer, IdleAndSlowLorisConnectionsAreClosedAtTheirDeadlines) {
   RawConnection slow(echo.server->port());
   ASSERT_TRUE(idle.ok() && slow.ok());
   ASSERT_TRUE(slow.send("POST /echo HTTP/1.1\r\nHo"));  // and never the rest
+  auto body = mid_body(echo.server->port(), 1);         // a body that never ends
+  body.front()->read_until_closed(20s);
+  EXPECT_FALSE(body.front()->timed_out()) << "a body that never ends was waited for";
   idle.read_until_closed(20s);
   EXPECT_FALSE(idle.timed_out()) << "an idle connection was kept";
   const std::string answer = slow.read_until_closed(20s);
@@ -375,6 +489,9 @@ TEST_F(ProxyHttp, ARendezvousAndACompletionAreAnsweredWithin1sWhile600SlowLorisC
   start();
   auto held_meta = slow_loris(meta_port_, 600);
   auto held_api = slow_loris(proxy_->port(), 600);
+  // And as many whose body trickles (more than the client API's threads).
+  auto bodies_meta = mid_body(meta_port_, 600);
+  auto bodies_api = mid_body(proxy_->port(), 600);
   auto [status, took] = rendezvous();
   EXPECT_EQ(status, 404);
   EXPECT_LT(took, kAnsweredWithin) << "the metaserver was starved by slow-loris connections";
