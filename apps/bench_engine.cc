@@ -11,13 +11,17 @@
 #include <cstdlib>
 #include <cstring>
 #include <fstream>
+#include <map>
+#include <nlohmann/json.hpp>
 #include <numeric>
 #include <optional>
 #include <random>
 #include <sstream>
 #include <thread>
+#include <tuple>
 
 #include "pd_read.h"
+#include "peers.h"
 #include "rd2h/common/deadline.h"
 #include "util/metrics.h"
 #include "util/pattern.h"
@@ -35,39 +39,55 @@ std::string size_text(uint64_t b) {
   return std::to_string(b) + " B";
 }
 
-// Runs `batch` until at least `seconds` and `min_batches` have passed; returns GB/s.
+// What one side of a measurement gave: GB/s over its timed batches, and each batch's time.
+struct Sample {
+  double gbs = 0;
+  std::vector<double> batch_seconds;
+};
+
+// Runs `batch` (which returns the time of its timed part) until at least `seconds` of it and
+// `min_batches` have passed.
 template <typename F>
-Expected<double> measure(double seconds, uint32_t min_batches, uint64_t bytes_per_batch,
+Expected<Sample> measure(double seconds, uint32_t min_batches, uint64_t bytes_per_batch,
                          F&& batch) {
-  uint64_t bytes = 0;
-  uint32_t n = 0;
-  auto start = Clock::now();
-  double elapsed = 0;
-  while (n < min_batches || elapsed < seconds) {
-    RD2H_RETURN_IF_ERROR(batch(n));
-    bytes += bytes_per_batch;
-    ++n;
-    elapsed = std::chrono::duration<double>(Clock::now() - start).count();
+  Sample out;
+  double timed = 0;
+  for (uint32_t n = 0; n < min_batches || timed < seconds; ++n) {
+    RD2H_TRY(t, batch(n));
+    out.batch_seconds.push_back(t);
+    timed += t;
   }
-  return static_cast<double>(bytes) / elapsed / 1e9;
+  out.gbs = static_cast<double>(bytes_per_batch * out.batch_seconds.size()) / timed / 1e9;
+  return out;
 }
 
-// Measures `a` and `b` in alternating rounds and returns the median GB/s of each, so a
-// burst of load from a neighbour on a shared machine skews neither side alone.
+// Measures `a` and `b` in alternating rounds: the median GB/s of each, and every batch's
+// time, so a burst of load from a neighbour on a shared machine skews neither side alone.
 template <typename A, typename B>
-Expected<std::pair<double, double>> measure_pair(const BenchEngineOptions& o,
+Expected<std::pair<Sample, Sample>> measure_pair(const BenchEngineOptions& o,
                                                  uint64_t bytes_per_batch, A&& a, B&& b) {
   constexpr int kRounds = 5;
   const double slice = o.min_seconds / kRounds;
   const uint32_t batches = std::max<uint32_t>(1, o.min_batches / kRounds);
   std::vector<double> ra, rb;
+  std::pair<Sample, Sample> out;
   for (int r = 0; r < kRounds; ++r) {
     RD2H_TRY(x, measure(slice, batches, bytes_per_batch, a));
-    ra.push_back(x);
+    ra.push_back(x.gbs);
+    out.first.batch_seconds.insert(out.first.batch_seconds.end(), x.batch_seconds.begin(),
+                                   x.batch_seconds.end());
     RD2H_TRY(y, measure(slice, batches, bytes_per_batch, b));
-    rb.push_back(y);
+    rb.push_back(y.gbs);
+    out.second.batch_seconds.insert(out.second.batch_seconds.end(), y.batch_seconds.begin(),
+                                    y.batch_seconds.end());
   }
-  return std::pair{metrics::quantile(ra, 0.5), metrics::quantile(rb, 0.5)};
+  out.first.gbs = metrics::quantile(ra, 0.5);
+  out.second.gbs = metrics::quantile(rb, 0.5);
+  return out;
+}
+
+double seconds_since(Clock::time_point start) {
+  return std::chrono::duration<double>(Clock::now() - start).count();
 }
 
 bool port_listening(int port) {
@@ -159,7 +179,7 @@ class AlignedBuffer {
 struct Row {
   std::string transport;
   uint64_t block = 0;
-  double engine = 0, memcpy = 0;
+  Sample engine, memcpy;
   std::optional<double> perftest;        // ucx_perftest with UCX's defaults
   std::optional<double> perftest_tuned;  // ucx_perftest with the engine's TCP settings
   std::string lanes;
@@ -220,8 +240,9 @@ Status check_blocks(const std::byte* dest, const Batch& batch, uint64_t block, u
 }
 
 // Batches of `per_batch` random source blocks read by the engine into registered memory,
-// against memcpy of the same blocks from a local copy of the source's pool: their GB/s.
-Expected<std::pair<double, double>> measure_engine_and_memcpy(const BenchEngineOptions& o,
+// against memcpy of the same blocks from a local copy of the source's pool. Every batch the
+// engine reads is checked, byte for byte, outside its timed part.
+Expected<std::pair<Sample, Sample>> measure_engine_and_memcpy(const BenchEngineOptions& o,
                                                               SourceConnection& conn,
                                                               pid_t source_pid, uint64_t per_batch,
                                                               uint64_t block) {
@@ -239,29 +260,34 @@ Expected<std::pair<double, double>> measure_engine_and_memcpy(const BenchEngineO
 
   const std::vector<Batch> batches =
       random_batches(per_batch, pool_blocks, block, dest.data(), conn.handshake.base);
-  auto read = [&](uint32_t n) {
+  auto read = [&](uint32_t n) -> Expected<double> {
     const Batch& b = batches[n % batches.size()];
-    return engine.batch_read_sync(conn.session, b.local, b.remote, b.len);
+    const auto start = Clock::now();
+    RD2H_RETURN_IF_ERROR(engine.batch_read_sync(conn.session, b.local, b.remote, b.len));
+    const double took = seconds_since(start);
+    // A benchmark of wrong data measures nothing.
+    RD2H_RETURN_IF_ERROR(check_blocks(dest.data(), b, block, conn.handshake.seed));
+    return took;
   };
-  // Warm up, then check the bytes once: a benchmark of wrong data measures nothing.
-  RD2H_RETURN_IF_ERROR(read(0));
-  RD2H_RETURN_IF_ERROR(check_blocks(dest.data(), batches[0], block, conn.handshake.seed));
-  auto copy = [&](uint32_t n) {
+  auto copy = [&](uint32_t n) -> Expected<double> {
     const Batch& b = batches[n % batches.size()];
+    const auto start = Clock::now();
     for (uint64_t i = 0; i < per_batch; ++i) {
       std::memcpy(dest.data() + i * block,
                   local_pool.data() + static_cast<uint64_t>(b.src[i]) * block, block);
     }
-    return Status::ok();
+    return seconds_since(start);
   };
-  RD2H_RETURN_IF_ERROR(copy(0));
+  // Warm up.
+  RD2H_RETURN_IF_ERROR(read(0).status());
+  RD2H_RETURN_IF_ERROR(copy(0).status());
   const bool stop = o.source_load == "stopped";
   if (stop) ::kill(source_pid, SIGSTOP);
-  auto gbs = measure_pair(o, dest_bytes, read, copy);
+  auto samples = measure_pair(o, dest_bytes, read, copy);
   if (stop) ::kill(source_pid, SIGCONT);
-  if (!gbs) return gbs.status();
+  if (!samples) return samples.status();
   RD2H_RETURN_IF_ERROR(engine.unregister_memory(dest.data()));
-  return *gbs;
+  return std::move(*samples);
 }
 
 // Over shm ucx_perftest re-reads one cache-resident buffer, so it is run only over tcp,
@@ -299,14 +325,135 @@ Expected<Row> bench_one(const BenchEngineOptions& o, const std::string& transpor
   row.block = block;
   if (auto info = conn.engine->session_info(conn.session)) row.lanes = info->transport;
 
-  RD2H_TRY(gbs, measure_engine_and_memcpy(o, conn, source.process.pid(), per_batch, block));
-  row.engine = gbs.first;
-  row.memcpy = gbs.second;
+  RD2H_TRY(samples, measure_engine_and_memcpy(o, conn, source.process.pid(), per_batch, block));
+  row.engine = std::move(samples.first);
+  row.memcpy = std::move(samples.second);
 
   release_source(conn, true);
   (void)source.process.wait(10s);
   if (perftest && transport_name == "tcp") add_perftest(*perftest, block, row);
   return row;
+}
+
+// One peer engine's figures at one transport and block size, or why there are none.
+struct PeerRow {
+  std::string engine;  // its name and version, as the harness reports them
+  std::optional<double> gbs, p50, p99;
+  std::string note;  // why no figures (not installed, not offered, an error)
+};
+using PeerKey = std::tuple<std::string, std::string, uint64_t>;  // peer, transport, block
+
+std::string peer_name(const std::string& peer) {
+  return peer == "nixl" ? "NIXL" : peer == "mooncake" ? "Mooncake" : peer;
+}
+
+// Runs the harness of `peer` over `transport` for every block size; what it reported, by
+// block size (every block size gets a row, with a note if it has no figures).
+std::map<uint64_t, PeerRow> run_peer(const BenchEngineOptions& o, const std::string& python,
+                                     const std::string& peer, const std::string& transport) {
+  std::map<uint64_t, PeerRow> rows;
+  auto fail_all = [&](const std::string& why) {
+    for (uint64_t block : o.block_bytes) {
+      rows[block].engine = peer_name(peer);
+      rows[block].note = why;
+    }
+    return rows;
+  };
+  std::string blocks;
+  for (uint64_t block : o.block_bytes) {
+    blocks += (blocks.empty() ? "" : ",") + std::to_string(block);
+  }
+  auto out = run_peers_harness(
+      python,
+      {"engine", "--peer", peer, "--transport", transport, "--blocks", blocks, "--batch-bytes",
+       std::to_string(o.batch_bytes), "--seconds", std::to_string(o.min_seconds), "--min-batches",
+       std::to_string(o.min_batches)},
+      std::chrono::seconds(120 + static_cast<int>(o.min_seconds * 4) *
+                                     static_cast<int>(o.block_bytes.size())));
+  if (!out) return fail_all("its harness did not finish: " + out.status().to_string());
+  for (const auto& j : out->results) {
+    if (j.contains("skip")) return fail_all(j.value("skip", std::string()));
+    if (!j.contains("block")) continue;
+    const uint64_t block = j.value("block", uint64_t{0});
+    PeerRow& row = rows[block];
+    row.engine = j.value("engine", peer_name(peer));
+    if (j.contains("error")) {
+      row.note = "error: " + j.value("error", std::string());
+      continue;
+    }
+    row.gbs = j.value("gbs", 0.0);
+    row.p50 = j.value("p50_s", 0.0);
+    row.p99 = j.value("p99_s", 0.0);
+    row.note = j.value("settings", std::string());
+  }
+  for (uint64_t block : o.block_bytes) {
+    if (rows.count(block) == 0) {
+      rows[block].engine = peer_name(peer);
+      rows[block].note = "no result (its harness exited with status " +
+                         std::to_string(out->exit_status) +
+                         (out->last_words.empty() ? "" : ": " + out->last_words) + ")";
+    }
+  }
+  return rows;
+}
+std::string ms(double seconds) {
+  char buf[32];
+  std::snprintf(buf, sizeof(buf), "%.2f ms", seconds * 1e3);
+  return buf;
+}
+
+// The table of every engine at every transport and block size, in Markdown.
+void print_markdown(const BenchEngineOptions& o, const std::vector<Row>& rows,
+                    const std::map<PeerKey, PeerRow>& peers) {
+  std::printf(
+      "\n| transport | block | engine | GB/s | batch p50 | batch p99 | vs memcpy | vs the faster "
+      "peer |\n|---|---|---|---|---|---|---|---|\n");
+  for (const Row& row : rows) {
+    const std::string t = row.transport, b = size_text(row.block);
+    std::optional<double> fastest;
+    std::string fastest_name;
+    for (const auto& peer : o.peers) {
+      auto it = peers.find({peer, row.transport, row.block});
+      if (it != peers.end() && it->second.gbs && (!fastest || *it->second.gbs > *fastest)) {
+        fastest = it->second.gbs;
+        fastest_name = it->second.engine;
+      }
+    }
+    auto vs_peer = [&](double gbs, bool named) {
+      if (!fastest) return std::string("-");
+      char buf[64];
+      std::snprintf(buf, sizeof(buf), named ? "%.2fx the faster peer" : "%.2fx", gbs / *fastest);
+      return std::string(buf);
+    };
+    auto line = [&](const std::string& engine, double gbs, double p50, double p99,
+                    const std::string& ratio) {
+      std::printf("| %s | %s | %s | %.2f | %s | %s | %.2fx | %s |\n", t.c_str(), b.c_str(),
+                  engine.c_str(), gbs, ms(p50).c_str(), ms(p99).c_str(), gbs / row.memcpy.gbs,
+                  ratio.c_str());
+    };
+    auto q = [](const Sample& s, double p) { return metrics::quantile(s.batch_seconds, p); };
+    line("rd2h", row.engine.gbs, q(row.engine, 0.5), q(row.engine, 0.99),
+         vs_peer(row.engine.gbs, true));
+    for (const auto& peer : o.peers) {
+      auto it = peers.find({peer, row.transport, row.block});
+      if (it == peers.end()) continue;
+      const PeerRow& p = it->second;
+      if (!p.gbs) {
+        std::printf("| %s | %s | %s | - | - | - | - | %s |\n", t.c_str(), b.c_str(),
+                    p.engine.c_str(), p.note.c_str());
+        continue;
+      }
+      line(p.engine, *p.gbs, *p.p50, *p.p99, vs_peer(*p.gbs, false));
+    }
+    line("memcpy (1 thread)", row.memcpy.gbs, q(row.memcpy, 0.5), q(row.memcpy, 0.99),
+         vs_peer(row.memcpy.gbs, false));
+  }
+  std::map<std::string, std::string> settings;
+  for (const auto& [key, p] : peers) {
+    if (p.gbs && !p.note.empty()) settings[p.engine + " over " + std::get<1>(key)] = p.note;
+  }
+  if (!settings.empty()) std::printf("\nPeer settings:\n");
+  for (const auto& [what, how] : settings) std::printf("- %s: %s\n", what.c_str(), how.c_str());
 }
 
 }  // namespace
@@ -320,16 +467,18 @@ int run_bench_engine(const BenchEngineOptions& o) {
   std::printf(
       "rd2h bench engine: batches of %s of random blocks from a source process "
       "(%s memory%s; the source %s), single-thread memcpy of the same blocks, ucx_perftest "
-      "ucp_get\n\n",
+      "ucp_get%s\n\n",
       size_text(o.batch_bytes).c_str(), o.memory == "alloc" ? "engine-allocated" : "registered",
       o.memory == "alloc" ? "" : (o.share ? ", moved into shared memory" : ", kept private"),
       o.source_load == "busy"      ? "keeps every core busy"
       : o.source_load == "stopped" ? "is stopped (SIGSTOP) while read"
-                                   : "is idle");
+                                   : "is idle",
+      o.peers.empty() ? "" : ", and the peer engines on the same blocks");
   std::printf("%-9s %-8s %-18s %11s %11s %9s %13s %11s %13s %11s\n", "transport", "block", "lanes",
               "engine GB/s", "memcpy GB/s", "vs memcpy", "perftest GB/s", "vs perftest",
               "perftest tuned", "vs tuned");
   int rc = 0;
+  std::vector<Row> rows;
   for (const auto& t : o.transports) {
     for (uint64_t block : o.block_bytes) {
       auto row = bench_one(o, t, block, perftest);
@@ -339,24 +488,48 @@ int run_bench_engine(const BenchEngineOptions& o) {
         rc = 1;
         continue;
       }
+      const double engine = row->engine.gbs;
       auto cell = [&](const std::optional<double>& v, bool ratio) {
         char buf[32] = "-";
-        if (v && ratio) std::snprintf(buf, sizeof(buf), "%.2fx", row->engine / *v);
+        if (v && ratio) std::snprintf(buf, sizeof(buf), "%.2fx", engine / *v);
         if (v && !ratio) std::snprintf(buf, sizeof(buf), "%.2f", *v);
         return std::string(buf);
       };
       std::printf("%-9s %-8s %-18s %11.2f %11.2f %8.2fx %13s %11s %13s %11s\n", t.c_str(),
-                  size_text(block).c_str(), row->lanes.c_str(), row->engine, row->memcpy,
-                  row->engine / row->memcpy, cell(row->perftest, false).c_str(),
+                  size_text(block).c_str(), row->lanes.c_str(), engine, row->memcpy.gbs,
+                  engine / row->memcpy.gbs, cell(row->perftest, false).c_str(),
                   cell(row->perftest, true).c_str(), cell(row->perftest_tuned, false).c_str(),
                   cell(row->perftest_tuned, true).c_str());
       std::fflush(stdout);
+      rows.push_back(std::move(*row));
     }
   }
   std::printf(
       "\nperftest: ucx_perftest -t ucp_get of one block size between two processes over "
       "tcp; tuned: with the engine's TCP settings (UCX_TCP_TX_SEG_SIZE=1M, UCX_TCP_RX_SEG_SIZE=2M, "
       "UCX_ZCOPY_THRESH=inf).\n");
+  std::map<PeerKey, PeerRow> peers;
+  if (!o.peers.empty()) {
+    auto python = peers_python(o.peers_python);
+    for (const auto& peer : o.peers) {
+      for (const auto& t : o.transports) {
+        std::map<uint64_t, PeerRow> got;
+        if (python) {
+          got = run_peer(o, *python, peer, t);
+        } else {
+          for (uint64_t block : o.block_bytes)
+            got[block] = {peer_name(peer), {}, {}, {}, python.status().message()};
+        }
+        for (auto& [block, row] : got) {
+          if (!row.gbs)
+            std::fprintf(stderr, "bench: %s over %s, %s: %s\n", peer.c_str(), t.c_str(),
+                         size_text(block).c_str(), row.note.c_str());
+          peers[{peer, t, block}] = std::move(row);
+        }
+      }
+    }
+  }
+  print_markdown(o, rows, peers);
   return rc;
 }
 

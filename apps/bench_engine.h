@@ -1,6 +1,7 @@
 // rd2h bench engine: batched-read throughput of the transfer engine against a source
 // process on this host, next to single-thread memcpy of the same blocks and, where
-// ucx_perftest is installed, ucx_perftest's ucp_get at the same size, all in one run.
+// ucx_perftest is installed, ucx_perftest's ucp_get at the same size, and the peer engines
+// asked for (NIXL, Mooncake) reading the same batches, all in one run.
 #pragma once
 
 #include <cstdint>
@@ -23,6 +24,11 @@ struct BenchEngineOptions {
   // core, as a Prefill computing) or stopped (SIGSTOP).
   std::string source_load = "none";
   bool share = true;  // the source's registered memory moves into shared memory
+  // Peer engines measured on the same blocks (nixl, mooncake), each through its own Python
+  // API by apps/peers/bench_peers.py in the interpreter `peers_python` (empty: the one of
+  // scripts/bench-venv); a peer that is not installed is reported and skipped.
+  std::vector<std::string> peers;
+  std::string peers_python;
 };
 
 int run_bench_engine(const BenchEngineOptions& options);

@@ -12,6 +12,7 @@
 #include <thread>
 
 #include "bench_layers_workers.h"
+#include "peers.h"
 #include "ucx_am_echo.h"
 #include "util/metrics.h"
 
@@ -274,9 +275,64 @@ void print_stages(const std::vector<std::unique_ptr<Setup>>& setups,
   }
 }
 
+// Layer ready to read and acknowledged, rd2h's paths against each peer's, on the same
+// layers (sizes, blocks per layer, 61 layers in memory of their own).
+void print_peers(const std::vector<std::unique_ptr<Setup>>& setups, const BenchLayersOptions& o) {
+  auto python = peers_python(o.peers_python);
+  std::string tensors;
+  for (uint64_t b : o.main_bytes) tensors += std::to_string(b) + ",";
+  if (o.indexer_bytes != 0) tensors += std::to_string(o.indexer_bytes) + ",";
+  tensors.pop_back();
+  std::printf("\nlayer ready -> read and acknowledged (p50 / p99, us), the same layers:\n");
+  for (const auto& peer : o.peers) {
+    std::optional<nlohmann::json> result;
+    std::string why;
+    if (!python) {
+      why = python.status().message();
+    } else {
+      auto out = run_peers_harness(
+          *python,
+          {"layer", "--peer", peer, "--blocks-per-layer", std::to_string(o.blocks),
+           "--tensor-bytes", tensors, "--layers", std::to_string(kModelLayers), "--iterations",
+           std::to_string(o.layers)},
+          std::chrono::seconds(300));
+      if (!out) {
+        why = out.status().to_string();
+      } else {
+        for (const auto& j : out->results) {
+          if (j.contains("skip")) why = j.value("skip", std::string());
+          if (j.contains("error")) why = j.value("error", std::string());
+          if (j.contains("p50_s")) result = j;
+        }
+        if (!result && why.empty()) why = "no result: " + out->last_words;
+      }
+    }
+    if (!result) {
+      std::printf("  %s: not measured: %s\n", peer.c_str(), why.c_str());
+      continue;
+    }
+    const double p50 = result->value("p50_s", 0.0) * 1e6, p99 = result->value("p99_s", 0.0) * 1e6;
+    std::printf("  %-40s p50 %9.1f  p99 %9.1f\n",
+                (result->value("engine", peer) + " (notifications)").c_str(), p50, p99);
+    for (const auto& s : setups) {
+      std::vector<double> round_trip;
+      for (const auto& x : s->samples) round_trip.push_back(x.round_trip_us);
+      const double r50 = metrics::quantile(round_trip, 0.5),
+                   r99 = metrics::quantile(round_trip, 0.99);
+      std::printf(
+          "  rd2h, %2u requests, control on %-10s p50 %9.1f  p99 %9.1f  = %.2fx / %.2fx %s's\n",
+          s->requests, s->link ? "the link" : "ZeroMQ", r50, r99, r50 / p50, r99 / p99,
+          result->value("engine", peer).c_str());
+    }
+    std::printf("  (%s: %s)\n", result->value("engine", peer).c_str(),
+                result->value("settings", std::string()).c_str());
+  }
+}
+
 }  // namespace
 
-int run_bench_layers(const BenchLayersOptions& o) {
+int run_bench_layers(BenchLayersOptions o) {
+  if (!o.peers.empty()) o.distinct_layers = true;
   if (auto fault = options_fault(o)) {
     std::fprintf(stderr, "rd2h bench layers: %s\n", fault->c_str());
     return 2;
@@ -300,6 +356,7 @@ int run_bench_layers(const BenchLayersOptions& o) {
   print_layers(*setups, o);
   print_floors(*setups, floors);
   print_stages(*setups, stages, traced);
+  if (!o.peers.empty()) print_peers(*setups, o);
   return 0;
 }
 

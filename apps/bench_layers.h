@@ -6,6 +6,7 @@
 #pragma once
 
 #include <cstdint>
+#include <string>
 #include <vector>
 
 namespace rd2h::tools {
@@ -18,8 +19,15 @@ struct BenchLayersOptions {
   std::vector<uint64_t> main_bytes{131072, 16384};  // per block, DeepSeek-V3.2 MLA K and V
   uint64_t indexer_bytes = 16384;                   // per block
   uint32_t timeout_ms = 10000;
+  // Each of the model's 61 layers in memory of its own (otherwise all alias one slot).
+  bool distinct_layers = false;
+  // Peer engines whose completion path is measured beside rd2h's on the same layers (nixl:
+  // its notifications), through apps/peers/bench_peers.py in `peers_python` (empty: the
+  // interpreter of scripts/bench-venv). Implies distinct_layers.
+  std::vector<std::string> peers;
+  std::string peers_python;
 };
 
-int run_bench_layers(const BenchLayersOptions& options);
+int run_bench_layers(BenchLayersOptions options);
 
 }  // namespace rd2h::tools

@@ -30,14 +30,16 @@ std::shared_ptr<transfer::TransferEngine> make_engine(transfer::Role role, uint3
   return std::shared_ptr<transfer::TransferEngine>(std::move(*e));
 }
 
-// Every layer name of the model aliases one physical slot of `blocks` blocks per tensor.
+// Every layer name of the model aliases one physical slot of `blocks` blocks per tensor, or
+// (`o.distinct_layers`) has its own.
 Expected<std::vector<layout::CacheLayer>> slot_layers(transfer::TransferEngine& engine,
                                                       const BenchLayersOptions& o, uint32_t names,
                                                       bool fill) {
   std::vector<uint64_t> bytes = o.main_bytes;
   if (o.indexer_bytes) bytes.push_back(o.indexer_bytes);
-  uint64_t total = 0;
-  for (auto b : bytes) total += b * o.blocks;
+  uint64_t per_layer = 0;
+  for (auto b : bytes) per_layer += b * o.blocks;
+  const uint64_t total = per_layer * (o.distinct_layers ? names : 1);
   RD2H_TRY(region, engine.allocate_memory(total));
   std::memset(region.addr, fill ? 0x5a : 0, total);
   std::vector<layout::CacheLayer> layers;
@@ -46,7 +48,8 @@ Expected<std::vector<layout::CacheLayer>> slot_layers(transfer::TransferEngine& 
                              {},
                              o.main_bytes.size(),
                              o.indexer_bytes != 0};
-    uint64_t addr = reinterpret_cast<uint64_t>(region.addr);
+    uint64_t addr =
+        reinterpret_cast<uint64_t>(region.addr) + (o.distinct_layers ? l * per_layer : 0);
     for (size_t t = 0; t < bytes.size(); ++t) {
       layer.tensors.push_back(
           {addr, bytes[t] * o.blocks, bytes[t], 1, t < o.main_bytes.size() ? 0u : 1u});
@@ -57,15 +60,13 @@ Expected<std::vector<layout::CacheLayer>> slot_layers(transfer::TransferEngine& 
   return layers;
 }
 
-constexpr uint32_t kNames = 61;
-
 Expected<std::unique_ptr<Setup>> make_setup(const BenchLayersOptions& o, uint32_t requests,
                                             bool link) {
   auto p_engine = make_engine(transfer::Role::kPrefill, o.timeout_ms);
   auto d_engine = make_engine(transfer::Role::kDecode, o.timeout_ms);
   if (!p_engine || !d_engine) return internal_error("no transfer engine");
-  RD2H_TRY(p_layers, slot_layers(*p_engine, o, kNames, true));
-  RD2H_TRY(d_layers, slot_layers(*d_engine, o, kNames, false));
+  RD2H_TRY(p_layers, slot_layers(*p_engine, o, kModelLayers, true));
+  RD2H_TRY(d_layers, slot_layers(*d_engine, o, kModelLayers, false));
 
   auto setup = std::make_unique<Setup>();
   setup->requests = requests;
@@ -109,7 +110,7 @@ Expected<std::unique_ptr<Setup>> make_setup(const BenchLayersOptions& o, uint32_
 Status run_layers(Setup& s, uint32_t count, bool record) {
   for (uint32_t i = 0; i < count; ++i) {
     const std::string name =
-        "model.layers." + std::to_string(s.next_layer++ % kNames) + ".self_attn";
+        "model.layers." + std::to_string(s.next_layer++ % kModelLayers) + ".self_attn";
     const uint64_t read_ns_before = s.decode->reader().stats().read_ns;
     const int64_t start_us = trace::now_us();
     const auto start = Clock::now();

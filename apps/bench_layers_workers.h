@@ -14,6 +14,9 @@
 
 namespace rd2h::tools::bench_layers {
 
+// The layers of the model each configuration registers (DeepSeek-V3.2 has 61).
+inline constexpr uint32_t kModelLayers = 61;
+
 struct Sample {
   double round_trip_us = 0;
   double read_us = 0;

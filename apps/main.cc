@@ -144,6 +144,13 @@ void add_bench(CLI::App& app, Commands& c) {
   bench_engine->add_option("--min-seconds", be.min_seconds, "time per measurement");
   bench_engine->add_flag("!--no-perftest", be.perftest, "skip ucx_perftest");
   bench_engine
+      ->add_option("--peers", be.peers,
+                   "peer engines measured on the same blocks: nixl, mooncake (comma-separated)")
+      ->delimiter(',')
+      ->check(CLI::IsMember({"nixl", "mooncake"}));
+  bench_engine->add_option("--peers-python", be.peers_python,
+                           "Python with the peers installed (default: scripts/bench-venv's)");
+  bench_engine
       ->add_option("--source-load", be.source_load,
                    "the source while read: none | busy (a spinning thread per core) | stopped")
       ->check(CLI::IsMember({"none", "busy", "stopped"}));
@@ -163,6 +170,15 @@ void add_bench(CLI::App& app, Commands& c) {
   bench_layers->add_option("--main-bytes", bl.main_bytes, "bytes per block of K, V")
       ->delimiter(',');
   bench_layers->add_option("--indexer-bytes", bl.indexer_bytes, "bytes per indexer block");
+  bench_layers->add_flag("--distinct-layers", bl.distinct_layers,
+                         "each of the 61 layers in memory of its own");
+  bench_layers
+      ->add_option("--peers", bl.peers,
+                   "peer completion paths measured on the same layers: nixl (notifications)")
+      ->delimiter(',')
+      ->check(CLI::IsMember({"nixl"}));
+  bench_layers->add_option("--peers-python", bl.peers_python,
+                           "Python with the peers installed (default: scripts/bench-venv's)");
   bench_layers->add_option("--timeout-ms", bl.timeout_ms, "bound on every wait")
       ->check(CLI::Range(1u, 3600000u));
 
