@@ -1,5 +1,4 @@
 // rd2h: one binary, one subcommand per job.
-#include <malloc.h>
 #include <unistd.h>
 
 #include <CLI/CLI.hpp>
@@ -423,11 +422,6 @@ int main(int argc, char** argv) {
   }
   // Started by `rd2h demo`: do not outlive it.
   if (!rd2h::die_with_parent_if_asked()) return 1;
-  // Buffers of 1 MiB and more (request bodies, answers) are mapped for themselves and
-  // unmapped when freed. glibc would otherwise raise this threshold to the largest buffer
-  // freed so far and keep such memory in its per-thread heaps after the request: a server
-  // sent a few large bodies at once would hold hundreds of MB for good.
-  ::mallopt(M_MMAP_THRESHOLD, 1 << 20);
   CLI::App app{"rd2h: layerwise KV-cache transfer for prefill/decode disaggregated serving"};
   app.set_version_flag("--version", std::string("rd2h ") + rd2h::version());
   app.require_subcommand(1);
