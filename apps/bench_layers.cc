@@ -333,6 +333,8 @@ void print_peers(const std::vector<std::unique_ptr<Setup>>& setups, const BenchL
 
 int run_bench_layers(BenchLayersOptions o) {
   if (!o.peers.empty()) o.distinct_layers = true;
+  // Layers in memory of their own are each touched once before anything is measured.
+  if (o.distinct_layers) o.warmup = std::max(o.warmup, kModelLayers);
   if (auto fault = options_fault(o)) {
     std::fprintf(stderr, "rd2h bench layers: %s\n", fault->c_str());
     return 2;
