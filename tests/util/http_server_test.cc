@@ -259,6 +259,16 @@ TEST(HttpServer, ARequestBeyondTheBoundIsRefused503NotQueuedAndTheBoundFreesUp) 
   }));
 }
 
+// A request to `echo` is served at once, and no connection was refused so far.
+void expect_served(Echo& echo) {
+  httplib::Client client(echo.origin());
+  client.set_read_timeout(5s);
+  auto r = client.Post("/echo", "hello", "text/plain");
+  ASSERT_TRUE(r) << httplib::to_string(r.error());
+  EXPECT_EQ(r->status, 200) << r->body;
+  EXPECT_EQ(echo.server->rejected_connections(), 0u);
+}
+
 TEST(HttpServer, ConnectionsWaitingForTheirRequestHoldNoThread) {
   HttpServerConfig c;
   c.max_connections = 4;
@@ -266,12 +276,7 @@ TEST(HttpServer, ConnectionsWaitingForTheirRequestHoldNoThread) {
   // Far more idle and half-sent connections than threads: a request is still served.
   auto idle = idle_connections(echo.server->port(), 100);
   auto slow = slow_loris(echo.server->port(), 100);
-  httplib::Client client(echo.origin());
-  client.set_read_timeout(5s);
-  auto r = client.Post("/echo", "hello", "text/plain");
-  ASSERT_TRUE(r) << httplib::to_string(r.error());
-  EXPECT_EQ(r->status, 200) << r->body;
-  EXPECT_EQ(echo.server->rejected_connections(), 0u);
+  ASSERT_NO_FATAL_FAILURE(expect_served(echo));
 }
 
 TEST(HttpServer, RequestsWhoseBodyArrivesSlowlyHoldNoThread) {
@@ -286,12 +291,7 @@ TEST(HttpServer, RequestsWhoseBodyArrivesSlowlyHoldNoThread) {
     ASSERT_TRUE(chunked.back()->send(
         "POST /echo HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n5\r\nhel"));
   }
-  httplib::Client client(echo.origin());
-  client.set_read_timeout(5s);
-  auto r = client.Post("/echo", "hello", "text/plain");
-  ASSERT_TRUE(r) << httplib::to_string(r.error());
-  EXPECT_EQ(r->status, 200) << r->body;
-  EXPECT_EQ(echo.server->rejected_connections(), 0u);
+  ASSERT_NO_FATAL_FAILURE(expect_served(echo));
   // The slow ones are served once whole: their bodies arrived as sent.
   ASSERT_TRUE(slow.front()->send(std::string(99, 'y')));
   const std::string answer = slow.front()->read_until_closed(2s);
