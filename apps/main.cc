@@ -2,6 +2,7 @@
 #include <unistd.h>
 
 #include <CLI/CLI.hpp>
+#include <algorithm>
 #include <cstdio>
 #include <cstdlib>
 #include <string>
@@ -359,7 +360,15 @@ int run(Commands& c) {
   if (c.log_level.empty() && c.demo->parsed() && std::getenv("RD2H_LOG_LEVEL") == nullptr) {
     c.log_level = "warn";
   }
-  if (!c.log_level.empty()) {
+  if (c.log_level.empty()) {
+    // The environment's level is checked as the flag's is: a typo is an error, not info.
+    if (const char* env = std::getenv("RD2H_LOG_LEVEL"); env != nullptr && *env != 0) {
+      if (auto st = rd2h::set_log_level(env); !st) {
+        std::fprintf(stderr, "rd2h: RD2H_LOG_LEVEL: %s\n", st.message().c_str());
+        return 2;
+      }
+    }
+  } else {
     if (auto st = rd2h::set_log_level(c.log_level); !st) {
       std::fprintf(stderr, "rd2h: --log-level: %s\n", st.message().c_str());
       return 2;
@@ -436,6 +445,17 @@ int main(int argc, char** argv) {
   add_demo(app, c);
   add_worker(app, c);
   add_log_level(c);
+  // An unknown command is named as such (CLI11 would only say a subcommand is required).
+  const auto commands = app.get_subcommands([](CLI::App*) { return true; });
+  if (argc > 1 && argv[1][0] != '-' &&
+      std::none_of(commands.begin(), commands.end(),
+                   [&](const CLI::App* sub) { return sub->check_name(argv[1]); })) {
+    std::string known;
+    for (const auto* sub : commands) known += (known.empty() ? "" : ", ") + sub->get_name();
+    std::fprintf(stderr, "rd2h: unknown command '%s' (commands: %s; rd2h --help)\n", argv[1],
+                 known.c_str());
+    return 2;
+  }
   CLI11_PARSE(app, argc, argv);
   return run(c);
 }

@@ -33,7 +33,9 @@ struct Engine::Impl::Call {
 
   json chunk(json choices) const {
     return {{"id", id},
-            {"object", object + ".chunk"},
+            // A chat stream's chunks are "chat.completion.chunk"; a completion's are named
+            // as the completion ("text_completion"), as OpenAI and vLLM name them.
+            {"object", object == "chat.completion" ? object + ".chunk" : object},
             {"created", created},
             {"model", model},
             {"choices", std::move(choices)}};

@@ -113,11 +113,26 @@ HttpServer::HttpServer(HttpServerConfig config)
     }
     std::string id = res.get_header_value("X-Request-Id");
     if (id.empty()) id = req.get_header_value("X-Request-Id");
-    log::logger().log(config_.access_log ? spdlog::level::info : spdlog::level::debug,
+    // Scrapes and probes come every few seconds: their lines only at debug level, unless
+    // they fail.
+    const bool routine = (req.path == "/metrics" || req.path == "/health") && res.status < 400;
+    log::logger().log(config_.access_log && !routine ? spdlog::level::info : spdlog::level::debug,
                       "{}: {} {} {} {} {:.1f} ms", config_.name, id.empty() ? "-" : id, req.method,
                       req.path, res.status, ms);
   });
   server_->set_pre_routing_handler([this](const httplib::Request& req, httplib::Response& res) {
+    // A route asked for with a method it does not take: 405, naming those it takes.
+    if (auto route = methods_.find(req.path);
+        route != methods_.end() && route->second.count(req.method) == 0 &&
+        !(req.method == "HEAD" && route->second.count("GET"))) {
+      std::string allow;
+      for (const auto& m : route->second) allow += (allow.empty() ? "" : ", ") + m;
+      set_api_error(res, 405, req.method + " " + req.path + " is not served; it takes " + allow);
+      res.set_header("Allow", allow);
+      res.set_header("Connection", "close");
+      close_connection_after_response();  // its body, if any, was not read
+      return httplib::Server::HandlerResponse::Handled;
+    }
     auto key = key_of_path_.find(req.path);
     if (key != key_of_path_.end() &&
         !token_matches(req.get_header_value("Authorization"), *key->second)) {
@@ -147,8 +162,9 @@ HttpServer::~HttpServer() {
   stop();
 }
 
-void HttpServer::require(const std::string& path, Auth auth) {
+void HttpServer::require(const std::string& path, const std::string& method, Auth auth) {
   routes_.insert(path);
+  methods_[path].insert(method);
   const std::string* secret = auth == Auth::kToken    ? &config_.token
                               : auth == Auth::kApiKey ? &config_.api_key
                                                       : nullptr;
@@ -156,7 +172,7 @@ void HttpServer::require(const std::string& path, Auth auth) {
 }
 
 void HttpServer::post(const std::string& path, Auth auth, Handler handler) {
-  require(path, auth);
+  require(path, "POST", auth);
   const size_t max = config_.max_body_bytes;
   server_->Post(path, [max, handler = std::move(handler)](const httplib::Request& req,
                                                           httplib::Response& res,
@@ -165,7 +181,10 @@ void HttpServer::post(const std::string& path, Auth auth, Handler handler) {
     // no Content-Length for httplib to check).
     std::string body;
     bool too_large = false;
-    const bool ok = read([&](const char* data, size_t n) {
+    // A request with neither a length nor chunks has no body (RFC 9112 6.3): httplib would
+    // read one until the client closes.
+    const bool framed = req.has_header("Content-Length") || req.has_header("Transfer-Encoding");
+    const bool ok = !framed || read([&](const char* data, size_t n) {
       if (n > max - body.size()) {
         too_large = true;
         return false;
@@ -188,7 +207,7 @@ void HttpServer::post(const std::string& path, Auth auth, Handler handler) {
 }
 
 void HttpServer::get(const std::string& path, Auth auth, Handler handler) {
-  require(path, auth);
+  require(path, "GET", auth);
   server_->Get(path, std::move(handler));
 }
 

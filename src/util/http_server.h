@@ -105,12 +105,13 @@ class HttpServer {
   class Server;
 
  private:
-  void require(const std::string& path, Auth auth);
+  void require(const std::string& path, const std::string& method, Auth auth);
 
   HttpServerConfig config_;
   std::unique_ptr<Server> server_;
   std::map<std::string, const std::string*> key_of_path_;  // the secret a route needs
   std::set<std::string> routes_;  // paths with a handler: the route label of the metrics
+  std::map<std::string, std::set<std::string>> methods_;  // the methods of each path
   std::thread thread_;
   int port_ = 0;
 };

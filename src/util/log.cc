@@ -28,7 +28,14 @@ std::shared_ptr<spdlog::logger> make_logger() {
   l->set_pattern("[%Y-%m-%d %H:%M:%S.%e] [%n] [%l] %v");
   l->set_level(spdlog::level::info);
   if (const char* env = std::getenv("RD2H_LOG_LEVEL")) {
-    if (auto level = parse_level(env)) l->set_level(*level);
+    if (auto level = parse_level(env)) {
+      l->set_level(*level);
+    } else {
+      l->warn(
+          "RD2H_LOG_LEVEL '{}' is not one of trace, debug, info, warn, error, critical, off; "
+          "logging at info",
+          env);
+    }
   }
   l->flush_on(spdlog::level::trace);  // every line whole and at once, as stderr is read live
   return l;

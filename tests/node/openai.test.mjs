@@ -61,6 +61,8 @@ describe('an rd2h stack behind the OpenAI client', () => {
     let finish = null;
     let usage = null;
     for await (const chunk of stream) {
+      // OpenAI (and vLLM) name a completion's stream chunks as the completion itself.
+      assert.equal(chunk.object, 'text_completion');
       if (chunk.usage) usage = chunk.usage;
       for (const c of chunk.choices) {
         if (c.text) texts.push(c.text);

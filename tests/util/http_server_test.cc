@@ -341,6 +341,39 @@ TEST(HttpServer, WhatWaitingRequestsHoldIsBoundedTheLongestWaitingClosedFirst) {
   EXPECT_NE(answer.find("\r\n\r\n16384"), std::string::npos) << answer;
 }
 
+TEST(HttpServer, AWrongMethodIs405NamingTheMethodsTheRouteTakes) {
+  Echo echo(HttpServerConfig{});
+  httplib::Client client(echo.origin());
+  auto get = client.Get("/echo");
+  ASSERT_TRUE(get) << httplib::to_string(get.error());
+  EXPECT_EQ(get->status, 405) << get->body;
+  EXPECT_EQ(get->get_header_value("Allow"), "POST");
+  EXPECT_NE(get->body.find("GET /echo is not served; it takes POST"), std::string::npos)
+      << get->body;
+  auto post = client.Post("/open", "x", "text/plain");
+  ASSERT_TRUE(post);
+  EXPECT_EQ(post->status, 405);
+  EXPECT_EQ(post->get_header_value("Allow"), "GET");
+  auto head = client.Head("/open");  // HEAD goes with GET
+  ASSERT_TRUE(head);
+  EXPECT_EQ(head->status, 200);
+  EXPECT_EQ(client.Get("/nowhere")->status, 404);
+  EXPECT_EQ(echo.served.load(), 0) << "a handler ran for a wrong method";
+}
+
+TEST(HttpServer, APostWithoutLengthOrChunksHasAnEmptyBodyAndIsServedAtOnce) {
+  Echo echo(HttpServerConfig{});
+  RawConnection c(echo.server->port());
+  // What `curl -X POST` sends: no Content-Length, no body, and the connection kept open.
+  ASSERT_TRUE(c.send("POST /echo HTTP/1.1\r\nHost: x\r\n\r\n"));
+  std::string answer = c.read_some(5s);
+  if (answer.size() >= 4 && answer.compare(answer.size() - 4, 4, "\r\n\r\n") == 0) {
+    answer += c.read_some(5s);  // the body, sent on its own
+  }
+  EXPECT_EQ(answer.rfind("HTTP/1.1 200", 0), 0u) << answer;
+  EXPECT_NE(answer.find("\r\n\r\n0"), std::string::npos) << answer;
+}
+
 TEST(HttpServer, OneClientsWaitingConnectionsAreCappedItsOldestClosedFirst) {
   HttpServerConfig c;
   c.max_waiting_per_client = 8;
