@@ -226,7 +226,7 @@ class Reader {
   std::vector<Aborted> aborted_;  // to report
   CompletionTracker tracker_;     // every request's state: completion, destinations, deadline
   ReaderStats stats_;
-  metrics::Histogram read_seconds_{metrics::latency_buckets()};
+  metrics::Histogram read_seconds_{metrics::transfer_buckets()};
 
   std::atomic<bool> stopping_{false};
   std::thread thread_;

@@ -259,9 +259,9 @@ struct Proxy::Impl {
                        "Rendezvous posted by Decode, by whether the id was known", {"known"});
   metrics::Family<metrics::Counter>& dispatches =
       registry.counter("rd2h_proxy_prefill_dispatches_total",
-                       "Requests dispatched to a Prefill instance", {"instance"});
+                       "Requests dispatched to a Prefill instance", {"engine"});
   metrics::Family<metrics::Counter>& dispatch_failures = registry.counter(
-      "rd2h_proxy_prefill_failures_total", "Prefill dispatches that failed", {"instance"});
+      "rd2h_proxy_prefill_failures_total", "Prefill dispatches that failed", {"engine"});
   metrics::Family<metrics::Counter>& reissued = registry.counter(
       "rd2h_proxy_recomputed_reissues_total",
       "Streams Decode ended with stop reason recomputed, continued in a new round");
@@ -269,14 +269,14 @@ struct Proxy::Impl {
       "rd2h_proxy_client_cancelled_total", "Requests given up because their client went away");
   metrics::Family<metrics::Gauge>& upstream_in_flight =
       registry.gauge("rd2h_proxy_upstream_in_flight", "Requests in flight on each engine instance",
-                     {"role", "instance"});
+                     {"role", "engine"});
   metrics::Family<metrics::Gauge>& in_rotation = registry.gauge(
       "rd2h_proxy_instance_in_rotation",
       "1 while an engine instance is in the rotation, 0 while it is out of it or removed",
-      {"role", "instance"});
+      {"role", "engine"});
   metrics::Family<metrics::Counter>& taken_out_count = registry.counter(
       "rd2h_proxy_taken_out_total", "Times an engine instance left the rotation (it failed)",
-      {"role", "instance"});
+      {"role", "engine"});
   metrics::Family<metrics::Counter>& decode_retry_count = registry.counter(
       "rd2h_proxy_decode_retries_total", "Client requests started again on another Decode");
   metrics::Family<metrics::Counter>& abandoned_count =

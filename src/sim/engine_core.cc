@@ -77,8 +77,10 @@ void Engine::Impl::complete(const std::shared_ptr<EngineRequest>& r, Result resu
   const double seconds =
       std::chrono::duration<double>(std::chrono::steady_clock::now() - r->arrived).count();
   if (prefill && result.ok) ttft.with().observe(seconds);
-  e2e.with({result.ok ? "ok" : "failed"}).observe(seconds);
-  prompts_done.with({result.ok ? "ok" : "failed"}).inc();
+  // A client that went away is no failure of the engine's.
+  const char* outcome = result.ok ? "ok" : r->cancelled.load() ? "cancelled" : "failed";
+  e2e.with({outcome}).observe(seconds);
+  prompts_done.with({outcome}).inc();
   r->done.set_value(std::move(result));
   r->ended();
   active.erase(std::remove(active.begin(), active.end(), r), active.end());

@@ -120,7 +120,16 @@ struct Engine::Impl {
       registry.counter("rd2h_kv_bytes_read_total", "KV bytes read from Prefill ranks");
   metrics::Family<metrics::Histogram>& kv_read_seconds = registry.histogram(
       "rd2h_kv_layer_read_seconds", "Latency of each batched read (one per layer and peer)", {},
-      metrics::latency_buckets());
+      metrics::transfer_buckets());
+  // Every outcome's series present at 0 from the start.
+  const bool outcomes_shown = [this] {
+    for (const char* o : {"ok", "failed", "cancelled"}) {
+      e2e.with({o});
+      prompts_done.with({o});
+    }
+    for (const char* o : {"done", "failed"}) kv_layers.with({o});
+    return true;
+  }();
   void take_transfer(const json& delta) {
     kv_layers.with({"done"}).inc(delta.value("layers_done", uint64_t{0}));
     kv_layers.with({"failed"}).inc(delta.value("layers_failed", uint64_t{0}));

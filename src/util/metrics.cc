@@ -70,6 +70,11 @@ Histogram::Snapshot Histogram::snapshot() const {
   return {bounds_, buckets_, sum_, count_};
 }
 
+std::vector<double> transfer_buckets() {
+  return {0.000005, 0.00001, 0.000025, 0.00005, 0.0001, 0.00025, 0.0005, 0.001, 0.0025,
+          0.005,    0.01,    0.025,    0.05,    0.1,    0.25,    0.5,    1};
+}
+
 std::vector<double> latency_buckets() {
   return {0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05,
           0.1,    0.25,    0.5,    1,     2.5,    5,     10,   30,    60};
@@ -90,6 +95,7 @@ Family<Counter>& Registry::counter(const std::string& name, const std::string& h
   Entry& e = add(name, help, "counter");
   e.counters = std::make_unique<Family<Counter>>(std::move(label_names),
                                                  [] { return std::make_unique<Counter>(); });
+  if (e.counters->label_names().empty()) e.counters->with();  // present at 0 from the start
   return *e.counters;
 }
 
@@ -98,6 +104,7 @@ Family<Gauge>& Registry::gauge(const std::string& name, const std::string& help,
   Entry& e = add(name, help, "gauge");
   e.gauges = std::make_unique<Family<Gauge>>(std::move(label_names),
                                              [] { return std::make_unique<Gauge>(); });
+  if (e.gauges->label_names().empty()) e.gauges->with();
   return *e.gauges;
 }
 
@@ -107,6 +114,7 @@ Family<Histogram>& Registry::histogram(const std::string& name, const std::strin
   Entry& e = add(name, help, "histogram");
   e.histograms = std::make_unique<Family<Histogram>>(
       std::move(label_names), [bounds] { return std::make_unique<Histogram>(bounds); });
+  if (e.histograms->label_names().empty()) e.histograms->with();
   return *e.histograms;
 }
 

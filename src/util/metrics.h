@@ -62,6 +62,8 @@ class Histogram {
 
 // Upper bounds for latencies in seconds, from 100 us to 60 s.
 std::vector<double> latency_buckets();
+// Bounds in seconds for transfers (a layer's read: 5 us up to 1 s).
+std::vector<double> transfer_buckets();
 
 // The p-quantile (0..1] of `values` by nearest rank: the smallest value with at least a
 // share p of them at or below it; 0 for no values. The one definition every figure rd2h

@@ -102,6 +102,12 @@ TEST_F(Stack, AClientThatHangsUpIsGivenUpOnDecodeWhichFreesItsBlocks) {
       return s.free_blocks == kBlocks && s.failed_requests == before + 1;
     })) << "free blocks " << decode_->stats().free_blocks;
     EXPECT_EQ(proxy_->stats().client_cancelled, stream ? 2u : 1u);
+    // Counted as a cancellation, not as a failure of the engine's.
+    EXPECT_TRUE(rd2h::testing::eventually([&] {
+      return metric(decode_->origin(), R"(rd2h_engine_prompts_total{outcome="cancelled"})") ==
+             (stream ? 2 : 1);
+    }));
+    EXPECT_EQ(metric(decode_->origin(), R"(rd2h_engine_prompts_total{outcome="failed"})"), 0);
   }
 }
 
@@ -210,12 +216,12 @@ TEST_F(FastStack, MetricsCountRequestsTransfersAndRendezvous) {
     return metric(proxy, R"(rd2h_http_requests_in_flight{listener="api"})") == 1;
   }));
   EXPECT_EQ(metric(proxy, R"(rd2h_proxy_rendezvous_total{known="true"})"), 2);
-  EXPECT_EQ(metric(proxy, "rd2h_proxy_prefill_dispatches_total{instance=\"" +
-                              prefill_->origin() + "\"}"),
-            2);
+  EXPECT_EQ(
+      metric(proxy, "rd2h_proxy_prefill_dispatches_total{engine=\"" + prefill_->origin() + "\"}"),
+      2);
   EXPECT_EQ(metric(proxy, "rd2h_proxy_time_to_first_token_seconds_count"), 1) << "one stream";
   EXPECT_TRUE(rd2h::testing::eventually([&] {
-    return metric(proxy, "rd2h_proxy_upstream_in_flight{role=\"decode\",instance=\"" +
+    return metric(proxy, "rd2h_proxy_upstream_in_flight{role=\"decode\",engine=\"" +
                              decode_->origin() + "\"}") == 0;
   }));
 
@@ -229,6 +235,11 @@ TEST_F(FastStack, MetricsCountRequestsTransfersAndRendezvous) {
   EXPECT_EQ(metric(decode, R"(rd2h_kv_layers_total{outcome="failed"})"), 0);
   EXPECT_EQ(metric(decode, "rd2h_metaserver_posts_delivered_total"), 2);
   EXPECT_EQ(metric(decode, R"(rd2h_engine_prompts_total{outcome="ok"})"), 2);
+  // Series without a label, and each outcome's, are there from the start at 0.
+  EXPECT_EQ(metric(decode, R"(rd2h_engine_prompts_total{outcome="cancelled"})"), 0);
+  EXPECT_EQ(metric(proxy, "rd2h_proxy_decode_retries_total"), 0);
+  // Layer reads take microseconds: the first bucket is 5 us.
+  EXPECT_TRUE(metric(decode, R"(rd2h_kv_layer_read_seconds_bucket{le="5e-06"})").has_value());
   EXPECT_EQ(metric(decode, "rd2h_engine_time_to_first_token_seconds_count"), 2);
   EXPECT_EQ(metric(decode, "rd2h_engine_free_blocks"), kBlocks);
 }

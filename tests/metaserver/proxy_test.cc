@@ -513,7 +513,7 @@ using rd2h::testing::metric;
 
 // A series of the proxy's metrics about one engine instance.
 std::string about(const std::string& name, const std::string& role, const std::string& origin) {
-  return name + "{role=\"" + role + "\",instance=\"" + origin + "\"}";
+  return name + "{role=\"" + role + "\",engine=\"" + origin + "\"}";
 }
 
 TEST_F(ProxyTest, ADecodeThatIsGoneLeavesTheRotationAtOnceAndItsRequestGoesToAnother) {
