@@ -198,6 +198,11 @@ void add_proxy(CLI::App& app, Commands& c) {
   auto* proxy = c.proxy = app.add_subcommand(
       "proxy", "OpenAI-style front over Prefill and Decode instances, with the metaserver");
   proxy->add_option("--host", px.host, "address to bind (no wildcard by default)");
+  proxy->add_option("--advertise-host", px.advertise_host,
+                    "the address Decode engines reach this proxy at (default: --host; needed "
+                    "with a wildcard --host)");
+  proxy->add_flag("--allow-unauthenticated", px.allow_unauthenticated,
+                  "serve a non-loopback --host without an API key or token (warned)");
   proxy->add_option("--port", px.port, "client API port (0: any)")->check(CLI::Range(0, 65535));
   proxy->add_option("--metaserver-port", px.metaserver_port, "rendezvous port (0: any)")
       ->check(CLI::Range(0, 65535));

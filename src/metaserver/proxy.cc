@@ -6,6 +6,52 @@
 
 namespace rd2h::metaserver {
 
+namespace {
+
+bool is_wildcard(const std::string& host) {
+  return host.empty() || host == "0.0.0.0" || host == "::" || host == "[::]";
+}
+bool is_loopback(const std::string& host) {
+  return host == "localhost" || host.rfind("127.", 0) == 0 || host == "::1" || host == "[::1]";
+}
+
+// Where Decode engines are told to post, and who may reach the proxy: an advertised
+// address they can post to, and no open proxy on a network address unless asked for.
+Status check_addresses(const ProxyConfig& config) {
+  if (config.advertise_host.empty() && is_wildcard(config.host)) {
+    return invalid_argument("--host '" + config.host +
+                            "' is a wildcard address, which Decode engines cannot post their "
+                            "rendezvous to: give --advertise-host, the address they reach this "
+                            "proxy at");
+  }
+  if (!config.advertise_host.empty()) {
+    if (is_wildcard(config.advertise_host)) {
+      return invalid_argument("--advertise-host '" + config.advertise_host +
+                              "' is a wildcard address: give the address Decode engines reach "
+                              "this proxy at");
+    }
+    const std::string& h = config.advertise_host;
+    const bool v6 = h.find(':') != std::string::npos && h.front() != '[';
+    if (auto u = parse_origin("http://" + (v6 ? "[" + h + "]" : h) + ":1"); !u) {
+      return invalid_argument("--advertise-host '" + h + "' is not a valid host name or address");
+    }
+  }
+  if (!is_loopback(config.host) && config.token.empty() && config.api_key.empty()) {
+    const std::string what = "the proxy serves " + config.host +
+                             ", not a loopback address, with neither an API key (--api-key or "
+                             "RD2H_API_KEY) for its clients nor a token (--token-file) for its "
+                             "metaserver and engines: anyone who reaches it may use the "
+                             "engines and post rendezvous";
+    if (!config.allow_unauthenticated) {
+      return invalid_argument(what + "; give them, or --allow-unauthenticated to serve it open");
+    }
+    log::warn("proxy: {} (--allow-unauthenticated)", what);
+  }
+  return Status::ok();
+}
+
+}  // namespace
+
 Expected<std::unique_ptr<Proxy>> Proxy::start(ProxyConfig config) {
   for (const auto& [flag, list] :
        {std::pair{"--prefill", &config.prefill}, std::pair{"--decode", &config.decode}}) {
@@ -13,6 +59,7 @@ Expected<std::unique_ptr<Proxy>> Proxy::start(ProxyConfig config) {
       if (auto u = parse_origin(origin); !u) return u.status().with_context(flag);
     }
   }
+  RD2H_RETURN_IF_ERROR(check_addresses(config));
   if (sodium_init() < 0) return internal_error("libsodium could not be initialised");
   auto impl = std::make_unique<Impl>();
   impl->config = config;

@@ -319,7 +319,10 @@ struct Proxy::Impl {
   std::optional<std::string> probe(const std::string& origin) const;
 
   std::string metaserver_url() const {
-    return "http://" + config.host + ":" + std::to_string(rendezvous_port) + "/v1/metaserver";
+    const std::string& host = config.advertise_host.empty() ? config.host : config.advertise_host;
+    const bool v6 = host.find(':') != std::string::npos && host.front() != '[';
+    return "http://" + (v6 ? "[" + host + "]" : host) + ":" + std::to_string(rendezvous_port) +
+           "/v1/metaserver";
   }
 
   void handle_client(const httplib::Request& req, httplib::Response& res, bool chat);

@@ -749,5 +749,54 @@ TEST(Proxy, RefusesEngineAddressesThatAreNotOrigins) {
   EXPECT_NE(p.status().message().find("127.0.0.1:8000"), std::string::npos);
 }
 
+TEST(Proxy, AWildcardHostNeedsAnAdvertisedAddressWhichDecodeIsToldToPostTo) {
+  ProxyConfig config;
+  config.host = "0.0.0.0";
+  config.token = "a-token-of-sixteen-chars";
+  config.prefill = config.decode = {"http://127.0.0.1:9"};
+  auto refused = Proxy::start(config);
+  ASSERT_FALSE(refused);
+  EXPECT_NE(refused.status().message().find("--advertise-host"), std::string::npos)
+      << refused.status().to_string();
+  for (const char* wrong : {"0.0.0.0", "::", "10.0.0.256"}) {
+    config.advertise_host = wrong;
+    auto p = Proxy::start(config);
+    ASSERT_FALSE(p) << wrong;
+    EXPECT_NE(p.status().message().find(std::string("--advertise-host '") + wrong + "'"),
+              std::string::npos)
+        << p.status().to_string();
+  }
+  config.advertise_host = "proxy-0.example";
+  auto p = Proxy::start(config);
+  ASSERT_TRUE(p) << p.status().to_string();
+  EXPECT_EQ((*p)->metaserver_url().rfind("http://proxy-0.example:", 0), 0u)
+      << (*p)->metaserver_url();
+  config.advertise_host = "fd00::1";
+  auto v6 = Proxy::start(config);
+  ASSERT_TRUE(v6) << v6.status().to_string();
+  EXPECT_EQ((*v6)->metaserver_url().rfind("http://[fd00::1]:", 0), 0u) << (*v6)->metaserver_url();
+}
+
+TEST(Proxy, AProxyOffLoopbackWithoutKeyOrTokenIsRefusedUnlessAllowed) {
+  ProxyConfig config;
+  config.host = "0.0.0.0";
+  config.advertise_host = "127.0.0.1";
+  config.prefill = config.decode = {"http://127.0.0.1:9"};
+  auto refused = Proxy::start(config);
+  ASSERT_FALSE(refused);
+  EXPECT_NE(refused.status().message().find("neither an API key"), std::string::npos)
+      << refused.status().to_string();
+  EXPECT_NE(refused.status().message().find("--allow-unauthenticated"), std::string::npos);
+  config.api_key = "a-client-key-of-sixteen";
+  EXPECT_TRUE(Proxy::start(config)) << "an API key is enough";
+  config.api_key.clear();
+  config.allow_unauthenticated = true;
+  EXPECT_TRUE(Proxy::start(config));
+  config.allow_unauthenticated = false;
+  config.host = "127.0.0.1";
+  config.advertise_host.clear();
+  EXPECT_TRUE(Proxy::start(config)) << "loopback needs neither";
+}
+
 }  // namespace
 }  // namespace rd2h::metaserver

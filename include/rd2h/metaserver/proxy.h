@@ -47,6 +47,12 @@ namespace rd2h::metaserver {
 
 struct ProxyConfig {
   std::string host = "127.0.0.1";    // binds this address only
+  // The address Decode engines reach the proxy at, in the metaserver URL they are given
+  // (empty: `host`). It cannot be a wildcard: a proxy bound to one needs it.
+  std::string advertise_host;
+  // A proxy on an address other than loopback with neither `api_key` nor `token` is
+  // refused at start, unless this is set (then it starts with a warning).
+  bool allow_unauthenticated = false;
   int port = 0;                      // client API; 0 picks a free port
   int metaserver_port = 0;           // rendezvous listener; 0 picks a free port
   std::vector<std::string> prefill;  // engine origins, "http://host:port"
