@@ -361,7 +361,8 @@ std::map<uint64_t, PeerRow> run_peer(const BenchEngineOptions& o, const std::str
   };
   std::string blocks;
   for (uint64_t block : o.block_bytes) {
-    blocks += (blocks.empty() ? "" : ",") + std::to_string(block);
+    if (!blocks.empty()) blocks += ',';
+    blocks += std::to_string(block);
   }
   auto out = run_peers_harness(
       python,
