@@ -127,7 +127,7 @@ Bytes layer_map_of(const Bytes& message) {
 }
 
 void messages() {
-  protocol::ReadReadyBatch example;  // wire-format.md's example
+  protocol::ReadReadyBatch example;  // docs/wire-format.md's example
   example.layer_idx = 0;
   example.layer_name = "model.layers.0.self_attn";
   example.read_reqs = {{"req-0", {3, 4}, {7}, 0, 0}};

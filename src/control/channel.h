@@ -1,5 +1,5 @@
-// ZeroMQ channels of the control plane (spec "Control Protocol", wire-format "Sockets and
-// frames"). Decode binds one ROUTER per TP rank; Prefill connects one DEALER per Decode
+// ZeroMQ channels of the control plane (spec "Control Protocol", docs/wire-format.md
+// "Connections"). Decode binds one ROUTER per TP rank; Prefill connects one DEALER per Decode
 // endpoint. P -> D is one payload frame; D -> P is [identity, "", payload]. Receivers drop
 // empty frames and need exactly one non-empty payload frame. Every wait is bounded.
 #pragma once

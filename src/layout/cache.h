@@ -1,5 +1,5 @@
-// The KV caches a host engine hands the connector (spec "Data Ownership", wire-format
-// "Arithmetic both sides rely on"): one layer's tensors as allocated, what they become in
+// The KV caches a host engine hands the connector (spec "Data Ownership", docs/wire-format.md
+// "Arithmetic both sides share"): one layer's tensors as allocated, what they become in
 // the read arithmetic, the memory regions to register, and
 // the block slice a chunk of Prefill publishes. Pure functions over plain structs.
 #pragma once

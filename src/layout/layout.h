@@ -1,5 +1,5 @@
 // KV layout arithmetic of the connector (spec "Layer transfer", "Layout validation",
-// "Unequal Prefill and Decode TP", wire-format "Arithmetic both sides rely on"): what a
+// "Unequal Prefill and Decode TP", docs/wire-format.md "Arithmetic both sides share"): what a
 // layer's tensors look like on each side, whether the two sides agree, which share of a
 // request each Decode rank and contributor pulls, and the read descriptors for it.
 // Pure functions over plain structs.

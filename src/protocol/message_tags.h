@@ -1,4 +1,4 @@
-// The tags that open each control-plane message on the wire (spec/wire-format.md), shared by
+// The tags that open each control-plane message on the wire (docs/wire-format.md), shared by
 // the encoders (messages_encode.cc) and the decoders (messages.cc).
 #pragma once
 

@@ -1,6 +1,6 @@
 // The control-plane messages of the connector (spec "Control Protocol"), as plain structs,
 // with msgpack codecs byte-compatible with the existing Python implementation
-// (spec/wire-format.md). Decoders validate arity, types and ranges and never allocate
+// (docs/wire-format.md). Decoders validate arity, types and ranges and never allocate
 // beyond the message's size; fields rd2h adds are appended, so older peers still parse us.
 #pragma once
 

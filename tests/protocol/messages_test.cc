@@ -1,4 +1,4 @@
-// The wire messages as rd2h writes and reads them: byte for byte as spec/wire-format.md, the
+// The wire messages as rd2h writes and reads them: byte for byte as docs/wire-format.md, the
 // defaults of shorter (legacy) tuples, round trips, versions and the ACK.
 #include "protocol/messages.h"
 
@@ -13,7 +13,7 @@ using rd2h::testing::bytes;
 using rd2h::testing::hex;
 using rd2h::testing::sample_meta;
 
-// The example of wire-format.md, byte for byte.
+// The example of docs/wire-format.md, byte for byte.
 const char* kReadyExample =
     "97 c4 10 72656164 5f726561 64795f62 61746368 00"
     "b8 6d6f6465 6c2e6c61 79657273 2e302e73 656c665f 6174746e"

@@ -1,7 +1,7 @@
 // What travels between the connector's parts outside the KV protocol: a request's
-// kv_transfer_params (the JSON the proxy and the engines exchange, wire-format "HTTP
-// rendezvous"), and the per-step metadata a scheduler hands its workers, a value type that
-// serializes because the host sends it to worker processes every step.
+// kv_transfer_params (the JSON the proxy and the engines exchange, docs/wire-format.md
+// "The rendezvous over HTTP"), and the per-step metadata a scheduler hands its workers, a value
+// type that serializes because the host sends it to worker processes every step.
 #pragma once
 
 #include <cstddef>
@@ -43,7 +43,7 @@ struct KvTransferParams {
 
   // Parses a kv_transfer_params JSON object; a wrong type is refused naming the key.
   static Expected<KvTransferParams> from_json(std::string_view text);
-  // Decode's rendezvous body: the keys of wire-format.md in their order.
+  // Decode's rendezvous body: the keys of docs/wire-format.md in their order.
   std::string rendezvous_json() const;
   // Prefill's params for the Decode of `ext_id`: this one, or its child in `batch`; a
   // missing child is an error naming it.

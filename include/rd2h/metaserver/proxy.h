@@ -1,5 +1,5 @@
-// rd2h proxy (spec "Request Lifecycle"; wire-format "HTTP rendezvous"): an OpenAI-style HTTP
-// front over Prefill and Decode instances, with the metaserver that pairs them.
+// rd2h proxy (spec "Request Lifecycle"; docs/wire-format.md "The rendezvous over HTTP"): an
+// OpenAI-style HTTP front over Prefill and Decode instances, with the metaserver that pairs them.
 //
 // A client request goes to the least-loaded Decode first, with kv_transfer_params
 // {do_remote_decode: false, do_remote_prefill: true, metaserver: <url>}; Decode's output
