@@ -81,6 +81,10 @@ void Engine::Impl::complete(const std::shared_ptr<EngineRequest>& r, Result resu
   const char* outcome = result.ok ? "ok" : r->cancelled.load() ? "cancelled" : "failed";
   e2e.with({outcome}).observe(seconds);
   prompts_done.with({outcome}).inc();
+  if (result.ok) {
+    prompt_tokens.with().inc(r->request.num_prompt_tokens);
+    if (!prefill) generation_tokens.with().inc(r->generated);
+  }
   r->done.set_value(std::move(result));
   r->ended();
   active.erase(std::remove(active.begin(), active.end(), r), active.end());

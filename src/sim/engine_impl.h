@@ -110,6 +110,12 @@ struct Engine::Impl {
       metrics::latency_buckets());
   metrics::Family<metrics::Counter>& prompts_done =
       registry.counter("rd2h_engine_prompts_total", "Prompts ended, by outcome", {"outcome"});
+  // Tokens of the prompts that ended well: taken in (Prefill and Decode alike), and made
+  // (Decode; Prefill's one token is not an answer's).
+  metrics::Family<metrics::Counter>& prompt_tokens = registry.counter(
+      "rd2h_engine_prompt_tokens_total", "Prompt tokens of the prompts that ended well");
+  metrics::Family<metrics::Counter>& generation_tokens = registry.counter(
+      "rd2h_engine_generation_tokens_total", "Tokens generated for the prompts that ended well");
   // Decode: what its ranks' connectors read, summed over the ranks.
   metrics::Family<metrics::Counter>& kv_layers = registry.counter(
       "rd2h_kv_layers_total", "Layers of requests loaded (done) or failed, summed over ranks",

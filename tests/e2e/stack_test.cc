@@ -235,6 +235,11 @@ TEST_F(FastStack, MetricsCountRequestsTransfersAndRendezvous) {
   EXPECT_EQ(metric(decode, R"(rd2h_kv_layers_total{outcome="failed"})"), 0);
   EXPECT_EQ(metric(decode, "rd2h_metaserver_posts_delivered_total"), 2);
   EXPECT_EQ(metric(decode, R"(rd2h_engine_prompts_total{outcome="ok"})"), 2);
+  // Two prompts of 100 tokens, 2 tokens asked for each; Prefill's one token is no answer's.
+  EXPECT_EQ(metric(decode, "rd2h_engine_prompt_tokens_total"), 200);
+  EXPECT_EQ(metric(decode, "rd2h_engine_generation_tokens_total"), 4);
+  EXPECT_EQ(metric(prefill_->origin(), "rd2h_engine_prompt_tokens_total"), 200);
+  EXPECT_EQ(metric(prefill_->origin(), "rd2h_engine_generation_tokens_total"), 0);
   // Series without a label, and each outcome's, are there from the start at 0.
   EXPECT_EQ(metric(decode, R"(rd2h_engine_prompts_total{outcome="cancelled"})"), 0);
   EXPECT_EQ(metric(proxy, "rd2h_proxy_decode_retries_total"), 0);
