@@ -365,20 +365,16 @@ int run(Commands& c) {
   if (c.log_level.empty() && c.demo->parsed() && std::getenv("RD2H_LOG_LEVEL") == nullptr) {
     c.log_level = "warn";
   }
-  if (c.log_level.empty()) {
-    // The environment's level is checked as the flag's is: a typo is an error, not info.
-    if (const char* env = std::getenv("RD2H_LOG_LEVEL"); env != nullptr && *env != 0) {
-      if (auto st = rd2h::set_log_level(env); !st) {
-        std::fprintf(stderr, "rd2h: RD2H_LOG_LEVEL: %s\n", st.message().c_str());
-        return 2;
-      }
-    }
-  } else {
-    if (auto st = rd2h::set_log_level(c.log_level); !st) {
-      std::fprintf(stderr, "rd2h: --log-level: %s\n", st.message().c_str());
+  // The flag's level, else the environment's, checked alike: a typo is an error, not info.
+  const char* env = std::getenv("RD2H_LOG_LEVEL");
+  const std::string level = !c.log_level.empty() ? c.log_level : env != nullptr ? env : "";
+  if (!level.empty()) {
+    if (auto st = rd2h::set_log_level(level); !st) {
+      std::fprintf(stderr, "rd2h: %s: %s\n", c.log_level.empty() ? "RD2H_LOG_LEVEL" : "--log-level",
+                   st.message().c_str());
       return 2;
     }
-    ::setenv("RD2H_LOG_LEVEL", c.log_level.c_str(), 1);  // for the processes it starts
+    ::setenv("RD2H_LOG_LEVEL", level.c_str(), 1);  // for the processes it starts
   }
   if (c.worker_cmd->parsed())
     return rd2h::sim::run_rank_worker(c.core_url, c.worker_rank, c.core_pid);

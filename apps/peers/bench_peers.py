@@ -193,8 +193,6 @@ def nixl_engine(conn, transport: str, blocks: list, batch_bytes: int, seconds: f
                 min_batches: int) -> None:
     import numpy as np
 
-    import nixl  # noqa: F401
-
     nixl_env(transport)
     agent = nixl_agent("reader", transport)
     metadata, remote_base = conn.recv()
@@ -409,7 +407,6 @@ def nixl_layer(conn, args) -> None:
         offset = sum(tensor_bytes[:t]) * layer_blocks
         for b in range(layer_blocks):
             rows.append((offset + b * size, size))
-    handles = []
     local = np.array([(dest.address + off, size, 0) for off, size in rows], dtype=np.uint64)
     local_list = agent.prep_xfer_dlist("NIXL_INIT_AGENT", local, "DRAM")
     remote_rows = []
@@ -418,9 +415,9 @@ def nixl_layer(conn, args) -> None:
         remote_rows.extend((base + off, size, 0) for off, size in rows)
     remote_list = agent.prep_xfer_dlist(peer, np.array(remote_rows, dtype=np.uint64), "DRAM")
     everything = np.arange(len(rows), dtype=np.int32)
-    for layer in range(args.layers):
-        idx = np.arange(layer * len(rows), (layer + 1) * len(rows), dtype=np.int32)
-        handles.append((layer, idx))
+    # Each layer's rows in the remote list.
+    layer_rows = [np.arange(layer * len(rows), (layer + 1) * len(rows), dtype=np.int32)
+                  for layer in range(args.layers)]
     # One pass over every layer first, as rd2h's bench warms up: nothing measured is the
     # first touch of its memory.
     warmup = args.layers
@@ -434,7 +431,7 @@ def nixl_layer(conn, args) -> None:
                 raise TimeoutError(f"no readiness of layer {i} within {WAIT_S} s")
         layer = i % args.layers
         handle = agent.make_prepped_xfer("READ", local_list, everything, remote_list,
-                                         handles[layer][1], b"read %d" % i)
+                                         layer_rows[layer], b"read %d" % i)
         state = agent.transfer(handle)
         started = time.perf_counter()
         while state == "PROC":

@@ -65,6 +65,11 @@ std::optional<std::string> bad_host(const std::string& host) {
 
 }  // namespace
 
+std::string http_origin(const std::string& host, int port) {
+  const bool v6 = host.find(':') != std::string::npos && host.front() != '[';
+  return "http://" + (v6 ? "[" + host + "]" : host) + ":" + std::to_string(port);
+}
+
 Expected<Url> parse_origin(const std::string& origin) {
   auto wrong = [&](const std::string& why) {
     return invalid_argument("'" + origin + "' is not http://host:port: " + why);

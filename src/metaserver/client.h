@@ -47,6 +47,8 @@ Expected<Url> parse_url(const std::string& url);
 // last label not all digits), a dotted IPv4 address or a bracketed IPv6 one, the port in
 // 1..65535. The error says what is wrong.
 Expected<Url> parse_origin(const std::string& origin);
+// "http://host:port", with an IPv6 host in brackets.
+std::string http_origin(const std::string& host, int port);
 
 class Client {
  public:

@@ -30,10 +30,9 @@ Status check_addresses(const ProxyConfig& config) {
                               "' is a wildcard address: give the address Decode engines reach "
                               "this proxy at");
     }
-    const std::string& h = config.advertise_host;
-    const bool v6 = h.find(':') != std::string::npos && h.front() != '[';
-    if (auto u = parse_origin("http://" + (v6 ? "[" + h + "]" : h) + ":1"); !u) {
-      return invalid_argument("--advertise-host '" + h + "' is not a valid host name or address");
+    if (auto u = parse_origin(http_origin(config.advertise_host, 1)); !u) {
+      return invalid_argument("--advertise-host '" + config.advertise_host +
+                              "' is not a valid host name or address");
     }
   }
   if (!is_loopback(config.host) && config.token.empty() && config.api_key.empty()) {

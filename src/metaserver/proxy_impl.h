@@ -319,9 +319,8 @@ struct Proxy::Impl {
   std::optional<std::string> probe(const std::string& origin) const;
 
   std::string metaserver_url() const {
-    const std::string& host = config.advertise_host.empty() ? config.host : config.advertise_host;
-    const bool v6 = host.find(':') != std::string::npos && host.front() != '[';
-    return "http://" + (v6 ? "[" + host + "]" : host) + ":" + std::to_string(rendezvous_port) +
+    return http_origin(config.advertise_host.empty() ? config.host : config.advertise_host,
+                       rendezvous_port) +
            "/v1/metaserver";
   }
 

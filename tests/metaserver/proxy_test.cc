@@ -749,11 +749,17 @@ TEST(Proxy, RefusesEngineAddressesThatAreNotOrigins) {
   EXPECT_NE(p.status().message().find("127.0.0.1:8000"), std::string::npos);
 }
 
-TEST(Proxy, AWildcardHostNeedsAnAdvertisedAddressWhichDecodeIsToldToPostTo) {
+// A proxy bound to every address, its engines on a closed port.
+ProxyConfig on_wildcard() {
   ProxyConfig config;
   config.host = "0.0.0.0";
-  config.token = "a-token-of-sixteen-chars";
   config.prefill = config.decode = {"http://127.0.0.1:9"};
+  return config;
+}
+
+TEST(Proxy, AWildcardHostNeedsAnAdvertisedAddressWhichDecodeIsToldToPostTo) {
+  ProxyConfig config = on_wildcard();
+  config.token = "a-token-of-sixteen-chars";
   auto refused = Proxy::start(config);
   ASSERT_FALSE(refused);
   EXPECT_NE(refused.status().message().find("--advertise-host"), std::string::npos)
@@ -778,10 +784,8 @@ TEST(Proxy, AWildcardHostNeedsAnAdvertisedAddressWhichDecodeIsToldToPostTo) {
 }
 
 TEST(Proxy, AProxyOffLoopbackWithoutKeyOrTokenIsRefusedUnlessAllowed) {
-  ProxyConfig config;
-  config.host = "0.0.0.0";
+  ProxyConfig config = on_wildcard();
   config.advertise_host = "127.0.0.1";
-  config.prefill = config.decode = {"http://127.0.0.1:9"};
   auto refused = Proxy::start(config);
   ASSERT_FALSE(refused);
   EXPECT_NE(refused.status().message().find("neither an API key"), std::string::npos)
