@@ -9,6 +9,7 @@
 
 #include "bench_engine.h"
 #include "bench_layers.h"
+#include "config_reference.h"
 #include "control/curve.h"
 #include "engine_command.h"
 #include "pd_read.h"
@@ -446,6 +447,8 @@ int main(int argc, char** argv) {
   add_demo(app, c);
   add_worker(app, c);
   add_log_level(c);
+  auto* reference = app.add_subcommand("config-reference",
+                                       "Print the configuration reference (docs/configuration.md)");
   // An unknown command is named as such (CLI11 would only say a subcommand is required).
   const auto commands = app.get_subcommands([](CLI::App*) { return true; });
   if (argc > 1 && argv[1][0] != '-' &&
@@ -458,5 +461,9 @@ int main(int argc, char** argv) {
     return 2;
   }
   CLI11_PARSE(app, argc, argv);
+  if (reference->parsed()) {
+    std::fputs(rd2h::tools::config_reference_markdown(app).c_str(), stdout);
+    return 0;
+  }
   return run(c);
 }

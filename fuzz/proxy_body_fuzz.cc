@@ -1,9 +1,10 @@
 // The bodies the proxy reads: a client's /v1/completions or /v1/chat/completions (first
 // input byte even or odd below 0x80), or a Decode's /v1/metaserver rendezvous (0x80 and
 // up); the rest is the body. A client body is checked with check_openai_body as the proxy
-// and the engines do; one it accepts nests at most kMaxBodyNesting levels, survives what the
-// proxy does with it next (copied, given kv_transfer_params, written out for Decode and for
-// Prefill), and the engine accepts the written body with the same prompt count. A
+// (its routing rules) and the engines (all rules) do; one the proxy accepts nests at most
+// kMaxBodyNesting levels and survives what the proxy does with it next (copied, given
+// kv_transfer_params, written out for Decode and for Prefill); an engine that accepts the
+// client's body accepts the written body with the same prompt count. A
 // rendezvous the proxy takes (an object with a string request_id) is what it hands Prefill
 // as its kv_transfer_params: Prefill parses it or refuses it with a reason.
 #include <algorithm>
@@ -49,7 +50,7 @@ void client_body(std::string_view text, bool chat) {
   auto body = ordered_json::parse(text, nullptr, /*allow_exceptions=*/false);
   if (body.is_discarded() || !body.is_object()) return;  // the proxy's 400
   const http::PromptLimits limits;
-  const auto prompts = http::check_openai_body(body, chat, limits);
+  const auto prompts = http::check_openai_body(body, chat, limits, http::BodyRules::kRoute);
   if (!prompts) {
     fuzz::check_refusal(prompts.status(), "check_openai_body");
     return;
@@ -59,6 +60,10 @@ void client_body(std::string_view text, bool chat) {
   RD2H_FUZZ_CHECK(!chat || *prompts == 1, "a chat body is one prompt");
   RD2H_FUZZ_CHECK(text_depth(text) <= http::kMaxBodyNesting,
                   "a body nested " + std::to_string(text_depth(text)) + " levels deep is accepted");
+  // The proxy forwards what an engine may refuse; what an engine accepts from the client, it
+  // accepts as the proxy writes it.
+  const auto served = http::check_openai_body(body, chat, limits, http::BodyRules::kServe);
+  if (served) RD2H_FUZZ_CHECK(*served == *prompts, "the engine counts other prompts");
   // To Decode: the client's body with the proxy's kv_transfer_params.
   ordered_json to_decode = body;
   to_decode["kv_transfer_params"] = {{"do_remote_decode", false},
@@ -77,10 +82,16 @@ void client_body(std::string_view text, bool chat) {
     const std::string payload = sent->dump();
     const json engine_body = json::parse(payload, nullptr, /*allow_exceptions=*/false);
     RD2H_FUZZ_CHECK(!engine_body.is_discarded(), "the proxy wrote a body that does not parse");
-    const auto at_engine = http::check_openai_body(engine_body, chat, limits);
-    RD2H_FUZZ_CHECK(
-        at_engine && *at_engine == *prompts,
-        "the engine does not accept what the proxy accepted: " + at_engine.status().message());
+    const auto at_engine =
+        http::check_openai_body(engine_body, chat, limits, http::BodyRules::kServe);
+    if (served) {
+      RD2H_FUZZ_CHECK(at_engine && *at_engine == *prompts,
+                      "the engine refuses as the proxy wrote it what it accepts from the "
+                      "client: " +
+                          at_engine.status().message());
+    } else if (!at_engine) {
+      fuzz::check_refusal(at_engine.status(), "check_openai_body at the engine");
+    }
     auto params = connector::KvTransferParams::from_json(engine_body["kv_transfer_params"].dump());
     RD2H_FUZZ_CHECK(params,
                     "the proxy's kv_transfer_params are refused: " + params.status().message());

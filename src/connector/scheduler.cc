@@ -106,7 +106,7 @@ Status Scheduler::update_decode(Request& request,
   KvTransferParams rendezvous;
   rendezvous.request_id = ext;
   rendezvous.remote_engine_id = config_.engine_id;
-  rendezvous.remote_host = config_.host;
+  rendezvous.remote_host = config_.advertise_host.empty() ? config_.host : config_.advertise_host;
   rendezvous.remote_port = base_port_;
   rendezvous.remote_tp_size = parallel_.tp_size;
   rendezvous.remote_pcp_size = parallel_.pcp_size;

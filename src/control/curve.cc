@@ -183,4 +183,8 @@ bool is_loopback_host(std::string_view host) {
   return false;
 }
 
+bool is_wildcard_host(std::string_view host) {
+  return host.empty() || host == "0.0.0.0" || host == "::" || host == "[::]";
+}
+
 }  // namespace rd2h::control

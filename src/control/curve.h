@@ -44,5 +44,8 @@ Expected<std::vector<std::string>> read_public_keys_file(const std::string& path
 
 // Whether `host` names this machine's loopback (127.0.0.0/8, ::1, localhost).
 bool is_loopback_host(std::string_view host);
+// Whether `host` is a wildcard address (empty, 0.0.0.0, ::): one to bind on, never one a
+// peer can be told to reach.
+bool is_wildcard_host(std::string_view host);
 
 }  // namespace rd2h::control

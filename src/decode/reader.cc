@@ -410,6 +410,14 @@ void Reader::refuse_mf_meta(const std::string& identity, const std::string& why)
     std::lock_guard lock(mu_);
     ++stats_.messages_rejected;
   }
+  // Said here too, whole: the operator of this Decode learns why its Prefill gets nothing.
+  uint64_t held_back = 0;
+  if (refused_log_.allow(&held_back)) {
+    log::warn(
+        "decode reader {}: refused a Prefill's MF_META: {} ({} more since the last such "
+        "line)",
+        config_.d_rank, why, held_back);
+  }
   // MF_META has no negative answer: a READ_FAILED for layer 0 tells an rd2h Prefill why
   // no ACK comes; the existing Python Prefill times out waiting for the ACK.
   reply(identity, protocol::encode(protocol::ReadFailed{0, "MF_META refused: " + why}));

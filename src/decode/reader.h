@@ -205,6 +205,7 @@ class Reader {
   std::map<std::string, std::deque<Held>> held_;  // by ZMQ identity; reader thread only
   size_t held_count_ = 0;
   log::RateLimit unknown_log_;  // messages ignored as unknown
+  log::RateLimit refused_log_;  // MF_META refused (a Prefill of another model, say)
 
   mutable std::mutex mu_;  // guards what the worker's thread shares with the reader
   // The batched read in flight, if any (reads_begun_ is its number): a request given up

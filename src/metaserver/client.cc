@@ -7,6 +7,7 @@
 #include <cctype>
 #include <optional>
 
+#include "util/http_server.h"
 #include "util/log.h"
 #include "util/token.h"
 
@@ -181,7 +182,7 @@ void Client::attempt(Job job) {
       // Older proxies answer errors for requests they handled: delivered, as the spec says.
       ++stats_.http_errors;
       log::warn("metaserver: request {}: HTTP {} from {}{}: {}", job.key, res->status,
-                job.url.origin, job.url.path, res->body.substr(0, 200));
+                job.url.origin, job.url.path, http::error_text(res->body));
     }
     return;
   }

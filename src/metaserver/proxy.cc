@@ -2,6 +2,7 @@
 
 #include <sodium.h>
 
+#include "control/curve.h"
 #include "metaserver/proxy_impl.h"
 
 namespace rd2h::metaserver {
@@ -9,7 +10,7 @@ namespace rd2h::metaserver {
 namespace {
 
 bool is_wildcard(const std::string& host) {
-  return host.empty() || host == "0.0.0.0" || host == "::" || host == "[::]";
+  return control::is_wildcard_host(host);
 }
 bool is_loopback(const std::string& host) {
   return host == "localhost" || host.rfind("127.", 0) == 0 || host == "::1" || host == "[::1]";

@@ -20,12 +20,6 @@ std::string uuid4() {
   return out;
 }
 
-// An X-Request-Id a client may give: echoed and logged, so short and printable.
-bool printable_id(const std::string& id) {
-  if (id.empty() || id.size() > 128) return false;
-  return std::all_of(id.begin(), id.end(), [](char c) { return c > 0x20 && c < 0x7f; });
-}
-
 }  // namespace
 
 void Proxy::Impl::start_decode_leg(const std::shared_ptr<Parent>& parent, DecodeLeg& leg,
@@ -88,10 +82,12 @@ void Proxy::Impl::start_decode_leg(const std::shared_ptr<Parent>& parent, Decode
 }
 
 std::variant<Round, std::pair<int, std::string>> Proxy::Impl::begin_round(
-    const std::string& path, const ordered_json& client_body, size_t prompts) {
+    const std::string& path, const ordered_json& client_body, size_t prompts,
+    const std::string& client_id) {
   const bool chat = path == "/v1/chat/completions";
   auto parent = std::make_shared<Parent>();
   parent->id = uuid4();
+  parent->client_id = client_id;
   parent->path = path;
   if (chat) {
     parent->children.push_back("chatcmpl-" + parent->id);
@@ -121,10 +117,8 @@ std::variant<Round, std::pair<int, std::string>> Proxy::Impl::begin_round(
   ordered_json body = client_body;
   body["kv_transfer_params"] = {
       {"do_remote_decode", false}, {"do_remote_prefill", true}, {"metaserver", metaserver_url()}};
-  httplib::Headers headers = auth;
-  headers.emplace("X-Request-Id", parent->id);
   auto leg = std::make_shared<DecodeLeg>();
-  start_decode_leg(parent, *leg, headers, body.dump());
+  start_decode_leg(parent, *leg, engine_headers(*parent), body.dump());
   return Round{parent, leg};
 }
 
@@ -194,7 +188,7 @@ void Proxy::Impl::answer_whole(httplib::Response& res, const std::shared_ptr<Rou
     reissued.with().inc();
     log::info("proxy: request {}: Decode ended it recomputed after {} tokens; round {}", parent->id,
               cont->tokens, cont->rounds + 2);
-    auto next = begin_round(path, next_round_body(*cont), prompts);
+    auto next = begin_round(path, next_round_body(*cont), prompts, parent->client_id);
     if (auto* refused = std::get_if<std::pair<int, std::string>>(&next)) {
       res.status = refused->first;
       return res.set_content(refused->second, "application/json");
@@ -322,7 +316,8 @@ struct Proxy::Impl::StreamRelay {
     impl->reissued.with().inc();
     log::info("proxy: request {}: Decode ended it recomputed after {} tokens; round {}",
               round->parent->id, cont->tokens, cont->rounds + 2);
-    auto next = impl->begin_round(path, impl->next_round_body(*cont), prompts);
+    auto next =
+        impl->begin_round(path, impl->next_round_body(*cont), prompts, round->parent->client_id);
     round->leg.reset();  // joins the leg before its round is finished
     impl->finish(round->parent);
     if (auto* refused = std::get_if<std::pair<int, std::string>>(&next)) {
@@ -344,7 +339,7 @@ struct Proxy::Impl::StreamRelay {
 void Proxy::Impl::handle_client(const httplib::Request& req, httplib::Response& res, bool chat) {
   const auto started = Clock::now();
   const std::string client_id = req.get_header_value("X-Request-Id");
-  if (!client_id.empty() && !printable_id(client_id)) {
+  if (!client_id.empty() && !http::printable_id(client_id)) {
     return http::set_api_error(res, 400, "X-Request-Id must be 1 to 128 printable characters",
                                "X-Request-Id");
   }
@@ -357,7 +352,8 @@ void Proxy::Impl::handle_client(const httplib::Request& req, httplib::Response& 
   }
   http::BodyFault fault;
   const auto prompts = http::check_openai_body(
-      body, chat, http::PromptLimits{config.max_prompts, config.max_prompt_tokens}, &fault);
+      body, chat, http::PromptLimits{config.max_prompts, config.max_prompt_tokens},
+      http::BodyRules::kRoute, &fault);
   if (!prompts) {
     return http::set_api_error(res, 400, prompts.status().message(), fault.param, fault.code);
   }
@@ -370,7 +366,7 @@ void Proxy::Impl::handle_client(const httplib::Request& req, httplib::Response& 
   const bool follow = stream && may_go_on;
   if (may_go_on) *cont = Continuation::of(body, chat);
   const std::string path = chat ? "/v1/chat/completions" : "/v1/completions";
-  auto begun = begin_round(path, body, *prompts);
+  auto begun = begin_round(path, body, *prompts, client_id);
   if (auto* refused = std::get_if<std::pair<int, std::string>>(&begun)) {
     if (!client_id.empty()) res.set_header("X-Request-Id", client_id);
     if (refused->first == 503) res.set_header("Connection", "close");
@@ -388,13 +384,19 @@ void Proxy::Impl::handle_client(const httplib::Request& req, httplib::Response& 
   // again on another (its Prefill dispatch, if any, is stopped).
   for (int attempt = 1;; ++attempt) {
     auto& leg = *round->leg;
-    wait_on_leg(leg, round->parent, [&] { return leg.status != 0 || leg.done; });
+    // A 5xx is read to its end (or its first 64 KiB), so that its reason is logged whole.
+    wait_on_leg(leg, round->parent, [&] {
+      return leg.done || (leg.status != 0 && (leg.status < 500 || leg.held >= (64u << 10)));
+    });
     std::string why;
     {
       std::lock_guard lock(leg.mu);
       const std::string& origin = round->parent->decode_origin;
       if (leg.status >= 500) {
-        why = "Decode " + origin + " answered HTTP " + std::to_string(leg.status);
+        std::string said;
+        for (const auto& c : leg.chunks) said += c;
+        why = "Decode " + origin + " answered HTTP " + std::to_string(leg.status) +
+              (said.empty() ? std::string() : ": " + http::error_text(said));
       } else if (leg.status == 0 && leg.done) {
         why = leg.error.empty() ? "Decode " + origin + " did not answer" : leg.error;
       }
@@ -423,7 +425,7 @@ void Proxy::Impl::handle_client(const httplib::Request& req, httplib::Response& 
     round->parent->fail(why);  // closes its Prefill dispatch, if one began
     round->leg.reset();        // joins the leg before its round is finished
     finish(round->parent);
-    auto again = begin_round(path, body, *prompts);
+    auto again = begin_round(path, body, *prompts, client_id);
     if (auto* refused = std::get_if<std::pair<int, std::string>>(&again)) {
       // No other Decode to try: the client learns both why.
       const auto e = ordered_json::parse(refused->second, nullptr, false);

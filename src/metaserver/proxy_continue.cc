@@ -1,12 +1,42 @@
 // A stream that Decode recomputed goes on in a next round as one answer to its client: which
 // requests may, the next round's body, and each event rewritten (one id, counted usage, one
 // role, the finish held back until the last round).
+#include <set>
+#include <string>
+
 #include "metaserver/proxy_impl.h"
 
 namespace rd2h::metaserver {
 
 bool Proxy::Impl::continuable(const ordered_json& body, bool chat, size_t prompts) {
   if (prompts != 1) return false;  // a prompt list's choices would each need their round
+  // A next round is the prompt and the text so far: only the fields that mean the same on
+  // it. Others (n, echo, logprobs, stop strings, tools, response formats, ...) would change
+  // the answer at the seam, so such a request ends as Decode ended it.
+  static const std::set<std::string, std::less<>> same_on_a_next_round = {"model",
+                                                                          "prompt",
+                                                                          "messages",
+                                                                          "max_tokens",
+                                                                          "max_completion_tokens",
+                                                                          "min_tokens",
+                                                                          "temperature",
+                                                                          "top_p",
+                                                                          "top_k",
+                                                                          "min_p",
+                                                                          "seed",
+                                                                          "presence_penalty",
+                                                                          "frequency_penalty",
+                                                                          "repetition_penalty",
+                                                                          "ignore_eos",
+                                                                          "stream",
+                                                                          "stream_options",
+                                                                          "user",
+                                                                          "kv_transfer_params",
+                                                                          "add_generation_prompt",
+                                                                          "chat_template_kwargs"};
+  for (const auto& [name, value] : body.items()) {
+    if (!value.is_null() && same_on_a_next_round.count(name) == 0) return false;
+  }
   if (chat) return body.contains("messages") && body["messages"].is_array();
   const auto prompt = body.find("prompt");
   if (prompt == body.end()) return false;

@@ -205,9 +205,7 @@ Proxy::Impl::PrefillAttempt Proxy::Impl::attempt_prefill(const std::shared_ptr<P
   EngineAnswer r;
   r.error = "did not answer: the request was given up";
   if (!stopped) {
-    httplib::Headers headers = auth;
-    headers.emplace("X-Request-Id", parent->id);
-    r = ask_engine(*client, "POST", parent->path, headers, payload);
+    r = ask_engine(*client, "POST", parent->path, engine_headers(*parent), payload);
   }
   PrefillAttempt a;
   a.given_up = stopped || parent->prefill_given_up();  // given up meanwhile
@@ -218,7 +216,7 @@ Proxy::Impl::PrefillAttempt Proxy::Impl::attempt_prefill(const std::shared_ptr<P
     a.retry = !r.too_long;  // no answer: another try; an answer too long: none
   } else if (r.status != 200) {
     a.why = "Prefill " + origin + " answered HTTP " + std::to_string(r.status) + ": " +
-            r.body.substr(0, 200);
+            http::error_text(r.body);
     // A 4xx about the body (not the proxy's own token) is the client's to see as it is.
     const auto e = ordered_json::parse(r.body, nullptr, false);
     if (r.status >= 400 && r.status < 500 && r.status != 401 && r.status != 403 && e.is_object() &&

@@ -63,6 +63,7 @@ void set_timeouts(httplib::Client& c, std::chrono::milliseconds t);
 // One client request and the rendezvous of its children.
 struct Parent {
   std::string id;
+  std::string client_id;  // the client's X-Request-Id, if it gave one: in the engines' lines
   std::string path;  // /v1/completions or /v1/chat/completions
   ordered_json body;
   std::vector<std::string> children;
@@ -294,6 +295,14 @@ struct Proxy::Impl {
   void add_routes();
   int api_port = 0, rendezvous_port = 0;
   httplib::Headers auth;  // what the engines are sent: the bearer token, if any
+  // An engine request's headers: the token, the proxy's id for the request (which names its
+  // transfer) and the client's own id, if it gave one, for the engines' lines.
+  httplib::Headers engine_headers(const Parent& parent) const {
+    httplib::Headers headers = auth;
+    headers.emplace("X-Request-Id", parent.id);
+    if (!parent.client_id.empty()) headers.emplace("X-Client-Request-Id", parent.client_id);
+    return headers;
+  }
 
   mutable std::mutex mu;
   std::condition_variable idle_cv;  // a client request finished (drain waits on it)
@@ -344,7 +353,8 @@ struct Proxy::Impl {
   // HTTP status and error body if the proxy cannot take it.
   std::variant<Round, std::pair<int, std::string>> begin_round(const std::string& path,
                                                                const ordered_json& body,
-                                                               size_t prompts);
+                                                               size_t prompts,
+                                                               const std::string& client_id);
   // Whether the client can see Decode's stream as this proxy continues it across rounds.
   static bool continuable(const ordered_json& body, bool chat, size_t prompts);
   // One event of a continued stream: what the client gets of it (maybe nothing).

@@ -72,6 +72,8 @@ void say_setup(const DemoOptions& o, const std::vector<Request>& requests, const
 Status start_engines(const DemoOptions& o, const RunSecrets& token, Fleet& f, const Say& say) {
   std::mt19937 port_rng(std::random_device{}());
   for (int i = 0; i < o.dp; ++i) {
+    say("rd2h demo: starting Decode " + std::to_string(i) + " (" + std::to_string(o.decode_tp) +
+        " ranks, each seeding and registering its KV pool) ...");
     Expected<Server> s = internal_error("not started");
     for (int attempt = 0; attempt < (o.kv_port == 0 ? 8 : 1) && !s; ++attempt) {
       const int base =
@@ -86,6 +88,8 @@ Status start_engines(const DemoOptions& o, const RunSecrets& token, Fleet& f, co
     f.decode.push_back(std::move(*s));
   }
   for (int i = 0; i < o.dp; ++i) {
+    say("rd2h demo: starting Prefill " + std::to_string(i) + " (" + std::to_string(o.prefill_tp) +
+        " ranks, each seeding its KV pool) ...");
     auto s = launch("Prefill " + std::to_string(i), o.prefill_wrapper,
                     engine_args("prefill", o.prefill_tp, o.prefill_host,
                                 kv_config("prefill", i, 1, o.prefill_host, o, token), o, token));
@@ -251,6 +255,7 @@ Expected<DemoSummary> run_demo_once(const DemoOptions& options) {
   RD2H_RETURN_IF_ERROR(start_proxy(o, token, f, say));
   const std::vector<Server*> children = f.children();
   Watch watch(children);
+  say("rd2h demo: warming up: one request per Prefill-Decode pair connects their engines ...");
   RD2H_RETURN_IF_ERROR(warm_up(o, token, f, watch));
 
   std::vector<ClientRecord> records;
@@ -260,6 +265,7 @@ Expected<DemoSummary> run_demo_once(const DemoOptions& options) {
 
   std::vector<std::string> errors;
   if (const std::string death = watch.death(); !death.empty()) errors.push_back(death);
+  say("rd2h demo: collecting the engines' timelines and stopping them ...");
   const std::vector<EngineTrace> traces = collect_and_stop(o, token, f, failed != 0, errors);
 
   // Requests never sent (the run stopped at a failure) are not in the figures.

@@ -187,15 +187,19 @@ DemoSummary summarize(const std::vector<EngineTrace>& engines,
 }
 
 std::string format_summary(const DemoSummary& s) {
+  // Each figure that has a goal shows it beside, and whether this run met it.
+  auto goal = [](bool met, const char* what) {
+    return std::string("  [goal: ") + what + (met ? ", met]" : ", MISSED]");
+  };
   char buf[2048];
   std::string out;
-  std::snprintf(buf, sizeof(buf),
-                "requests          %llu (%llu prompts, %llu failed) in %.1f s\n"
-                "prompt tokens     %llu\n",
-                static_cast<unsigned long long>(s.requests),
-                static_cast<unsigned long long>(s.prompts),
-                static_cast<unsigned long long>(s.failed), s.wall_s,
-                static_cast<unsigned long long>(s.tokens));
+  std::snprintf(
+      buf, sizeof(buf),
+      "requests          %llu (%llu prompts, %llu failed) in %.1f s%s\n"
+      "prompt tokens     %llu\n",
+      static_cast<unsigned long long>(s.requests), static_cast<unsigned long long>(s.prompts),
+      static_cast<unsigned long long>(s.failed), s.wall_s,
+      goal(s.failed == 0, "none failed").c_str(), static_cast<unsigned long long>(s.tokens));
   out += buf;
   if (s.reads == 0) {
     // No engine timeline (--no-timeline): no transfer figures, rather than zeros.
@@ -206,18 +210,20 @@ std::string format_summary(const DemoSummary& s) {
         "KV moved          %.3f GB (%llu bytes) in %llu layer reads\n"
         "layer read        p50 %.0f us, p99 %.0f us\n"
         "transfer          %.2f GB/s per read in flight, %.2f GB/s over the run\n"
-        "hidden behind Prefill compute  %.1f%% of the read time (layer compute p50 %.0f us)\n"
+        "hidden behind Prefill compute  %.1f%% of the read time (layer compute p50 %.0f us)%s\n"
         "Decode-ready delay after the last Prefill layer  p50 %.0f us, p99 %.0f us (%zu "
         "prompts)\n"
-        "  over the prompt's last-layer read (p50 %.0f us)  p50 %.1fx, p99 %.1fx\n"
+        "  over the prompt's last-layer read (p50 %.0f us)  p50 %.1fx, p99 %.1fx%s\n"
         "  until Decode's engine core scheduled it  p50 %.0f us, p99 %.0f us\n"
         "Prefill slot waits  %llu, %.1f ms in total\n",
         static_cast<double>(s.bytes) / 1e9, static_cast<unsigned long long>(s.bytes),
         static_cast<unsigned long long>(s.reads), s.read_p50_us, s.read_p99_us, s.link_gbps,
-        s.aggregate_gbps, 100.0 * s.hidden, s.compute_p50_us, s.ready_delay_p50_us,
+        s.aggregate_gbps, 100.0 * s.hidden, s.compute_p50_us,
+        goal(s.hidden >= kHiddenGoal, "at least 90%").c_str(), s.ready_delay_p50_us,
         s.ready_delay_p99_us, s.ready_matched, s.last_layer_read_p50_us, s.ready_ratio_p50,
-        s.ready_ratio_p99, s.pickup_delay_p50_us, s.pickup_delay_p99_us,
-        static_cast<unsigned long long>(s.slot_waits), s.slot_wait_us / 1e3);
+        s.ready_ratio_p99, goal(s.ready_ratio_p50 <= kReadyRatioGoal, "p50 at most 1.5x").c_str(),
+        s.pickup_delay_p50_us, s.pickup_delay_p99_us, static_cast<unsigned long long>(s.slot_waits),
+        s.slot_wait_us / 1e3);
     out += buf;
   }
   std::snprintf(buf, sizeof(buf), "time to first token  p50 %.1f ms, p99 %.1f ms\n", s.ttft_p50_ms,

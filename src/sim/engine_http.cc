@@ -1,5 +1,6 @@
 #include "sim/engine_impl.h"
 #include "util/json_bounds.h"
+#include "util/log.h"
 
 namespace rd2h::sim {
 
@@ -304,7 +305,8 @@ std::variant<Engine::Impl::Asked, HttpFault> Engine::Impl::read_request(const js
                                                                         const std::string& parent) {
   const http::PromptLimits limits{config.max_prompts, config.max_prompt_tokens};
   http::BodyFault fault;
-  if (auto checked = http::check_openai_body(body, chat, limits, &fault); !checked) {
+  if (auto checked = http::check_openai_body(body, chat, limits, http::BodyRules::kServe, &fault);
+      !checked) {
     return HttpFault{400, checked.status().message(), fault.param, fault.code};
   }
   if (auto m = body.find("model");
@@ -422,10 +424,15 @@ std::optional<HttpFault> Engine::Impl::await_first_token(Call& call) {
 }
 
 void Engine::Impl::serve(const httplib::Request& req, httplib::Response& res, bool chat) {
+  std::string parent = req.get_header_value("X-Request-Id");
   auto fail = [&](const HttpFault& f) {
+    // The engine's own failures are logged whole (the access line has only the status).
+    if (f.status >= 500) {
+      log::warn("{}: request {} failed: {}", prefill ? "prefill" : "decode",
+                plain_request_id(parent) ? parent : "-", f.message);
+    }
     http::set_api_error(res, f.status, f.message, f.param, f.code);
   };
-  std::string parent = req.get_header_value("X-Request-Id");
   if (!parent.empty()) {
     res.set_header("X-Request-Id", parent);
     if (!plain_request_id(parent)) {

@@ -86,7 +86,10 @@ Expected<UcxContext> create_ucx_context(const EngineConfig& config) {
     st = ucp_config_modify(cfg.get(), "TLS", tls);
     if (st != UCS_OK) return ucs_error("setting UCX transports", st);
   }
-  if (!config.listen_host.empty() && std::getenv("UCX_NET_DEVICES") == nullptr) {
+  // A wildcard listen address names no device: UCX chooses among them all.
+  const std::string& h = config.listen_host;
+  const bool wildcard = h.empty() || h == "0.0.0.0" || h == "::" || h == "[::]";
+  if (!wildcard && std::getenv("UCX_NET_DEVICES") == nullptr) {
     RD2H_TRY(device, interface_of(config.listen_host));
     st = ucp_config_modify(cfg.get(), "NET_DEVICES", device.c_str());
     if (st != UCS_OK) return ucs_error("setting UCX's network device to " + device, st);

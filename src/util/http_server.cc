@@ -5,6 +5,7 @@
 
 #include <sodium.h>
 
+#include <algorithm>
 #include <cctype>
 #include <cerrno>
 #include <cstdlib>
@@ -22,6 +23,25 @@ namespace {
 using Clock = std::chrono::steady_clock;
 
 }  // namespace
+
+bool printable_id(const std::string& id) {
+  if (id.empty() || id.size() > 128) return false;
+  return std::all_of(id.begin(), id.end(), [](char c) { return c > 0x20 && c < 0x7f; });
+}
+
+std::string error_text(const std::string& body) {
+  const auto j = nlohmann::json::parse(body, nullptr, /*allow_exceptions=*/false);
+  if (j.is_object()) {
+    const auto e = j.find("error");
+    if (e != j.end() && e->is_object()) {
+      const auto m = e->find("message");
+      if (m != e->end() && m->is_string()) return m->get<std::string>();
+    }
+  }
+  constexpr size_t kShown = 4096;
+  if (body.size() <= kShown) return body;
+  return body.substr(0, kShown) + "... (" + std::to_string(body.size()) + " bytes)";
+}
 
 std::string api_error_json(int status, const std::string& message, const std::string& param,
                            const std::string& code) {
@@ -113,12 +133,19 @@ HttpServer::HttpServer(HttpServerConfig config)
     }
     std::string id = res.get_header_value("X-Request-Id");
     if (id.empty()) id = req.get_header_value("X-Request-Id");
+    if (!printable_id(id)) id = "-";
+    // A proxy in front names the client's own id too: one id follows a request through the
+    // proxy's line and both engines'.
+    if (const std::string client = req.get_header_value("X-Client-Request-Id");
+        printable_id(client)) {
+      id += " client=" + client;
+    }
     // Scrapes and probes come every few seconds: their lines only at debug level, unless
     // they fail.
     const bool routine = (req.path == "/metrics" || req.path == "/health") && res.status < 400;
     log::logger().log(config_.access_log && !routine ? spdlog::level::info : spdlog::level::debug,
-                      "{}: {} {} {} {} {:.1f} ms", config_.name, id.empty() ? "-" : id, req.method,
-                      req.path, res.status, ms);
+                      "{}: {} {} {} {} {:.1f} ms", config_.name, id, req.method, req.path,
+                      res.status, ms);
   });
   server_->set_pre_routing_handler([this](const httplib::Request& req, httplib::Response& res) {
     // A route asked for with a method it does not take: 405, naming those it takes.

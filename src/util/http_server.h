@@ -120,9 +120,16 @@ class HttpServer {
 // from the HTTP status; an empty param or code is null.
 std::string api_error_json(int status, const std::string& message, const std::string& param = {},
                            const std::string& code = {});
+// What an error answer says, whole, for a log line: the message of an OpenAI error object,
+// else the body itself (its first 4 KiB, with its size if longer).
+std::string error_text(const std::string& body);
 // Answers with `status` and that object.
 void set_api_error(httplib::Response& res, int status, const std::string& message,
                    const std::string& param = {}, const std::string& code = {});
+
+// A request id a client may give (X-Request-Id): echoed and logged, so 1 to 128 printable
+// characters, no spaces.
+bool printable_id(const std::string& id);
 
 // Marks the connection of the request being handled to close after its answer (a request
 // whose body was not read to the end leaves the stream unusable).

@@ -1,7 +1,8 @@
 // The fields rd2h reads of an OpenAI-style completion or chat body, checked before anything
-// is registered: their types and ranges, the options the engines do not offer, how deep the
-// body nests, and how many prompts and tokens it may list. The proxy and the simulator's
-// engines use it, so both refuse the same bodies with the same words.
+// is registered. The proxy checks only what it routes by (how deep the body nests, how many
+// prompts and tokens it lists, the token limit, stream and kv_transfer_params) and forwards
+// every other field for the engines to accept or refuse; the simulator's engines check
+// everything, the options they do not offer included. Both refuse with the same words.
 #pragma once
 
 #include <cstdint>
@@ -22,6 +23,9 @@ struct PromptLimits {
 // once per level, so a deeper body (a few hundred KB of brackets) would overflow the stack
 // of the proxy or engine thread that copies or forwards it.
 inline constexpr size_t kMaxBodyNesting = 64;
+
+// Which fields a check covers: those the proxy needs to route a request, or all of them.
+enum class BodyRules { kRoute, kServe };
 
 // Which field a refused body got wrong, for the `param` and `code` of the OpenAI error
 // object ("unsupported_parameter" for an option the engines do not offer, else empty).
@@ -89,15 +93,19 @@ class OpenAiBodyCheck {
     return invalid_argument(std::move(message));
   }
 
-  // max_tokens, max_completion_tokens, min_tokens and seed: integers, the token counts in
-  // range.
-  Status integers() const {
+  // max_tokens and max_completion_tokens: integers in range.
+  Status token_limits() const {
     for (const char* name : {"max_tokens", "max_completion_tokens"}) {
       if (const Json* v = field(name); v && !integer_in(*v, 1, INT32_MAX)) {
         return refuse(
             name, std::string(name) + " must be an integer from 1 to " + std::to_string(INT32_MAX));
       }
     }
+    return Status::ok();
+  }
+
+  // min_tokens and seed: integers, min_tokens in range.
+  Status integers() const {
     if (const Json* v = field("min_tokens"); v && !integer_in(*v, 0, INT32_MAX)) {
       return refuse("min_tokens",
                     "min_tokens must be an integer from 0 to " + std::to_string(INT32_MAX));
@@ -127,21 +135,29 @@ class OpenAiBodyCheck {
     return Status::ok();
   }
 
-  // The strings, the booleans, stream_options and kv_transfer_params.
+  // stream, stream_options and kv_transfer_params: what decides how a request is routed.
+  Status routing_types() const {
+    if (const Json* v = field("stream"); v && !v->is_boolean()) {
+      return refuse("stream", "stream must be a boolean");
+    }
+    RD2H_RETURN_IF_ERROR(stream_options());
+    if (const Json* v = field("kv_transfer_params"); v && !v->is_object()) {
+      return refuse("kv_transfer_params", "kv_transfer_params must be an object");
+    }
+    return Status::ok();
+  }
+
+  // The other strings and booleans.
   Status types() const {
     for (const char* name : {"model", "user"}) {
       if (const Json* v = field(name); v && !v->is_string()) {
         return refuse(name, std::string(name) + " must be a string");
       }
     }
-    for (const char* name : {"stream", "echo", "ignore_eos"}) {
+    for (const char* name : {"echo", "ignore_eos"}) {
       if (const Json* v = field(name); v && !v->is_boolean()) {
         return refuse(name, std::string(name) + " must be a boolean");
       }
-    }
-    RD2H_RETURN_IF_ERROR(stream_options());
-    if (const Json* v = field("kv_transfer_params"); v && !v->is_object()) {
-      return refuse("kv_transfer_params", "kv_transfer_params must be an object");
     }
     return Status::ok();
   }
@@ -184,8 +200,9 @@ class OpenAiBodyCheck {
     return Status::ok();
   }
 
-  // A chat body's messages: the number of prompts (1), or why they are refused.
-  Expected<size_t> messages() const {
+  // A chat body's messages: the number of prompts (1), or why they are refused. With
+  // `each`, every message is checked too.
+  Expected<size_t> messages(bool each) const {
     const Json* messages = field("messages");
     if (!messages) return refuse("messages", "messages is required");
     if (!messages->is_array() || messages->empty()) {
@@ -196,7 +213,7 @@ class OpenAiBodyCheck {
                                     " messages; the limit is " +
                                     std::to_string(limits_.max_prompts));
     }
-    for (size_t i = 0; i < messages->size(); ++i) {
+    for (size_t i = 0; each && i < messages->size(); ++i) {
       RD2H_RETURN_IF_ERROR(message((*messages)[i], "messages[" + std::to_string(i) + "]"));
     }
     return size_t{1};
@@ -312,21 +329,27 @@ class OpenAiBodyCheck {
 }  // namespace detail
 
 // The number of prompts the body lists (1 for a single prompt and for chat), or an error
-// naming the field at fault (also in `*fault`). `Json` is nlohmann::json or ordered_json.
+// naming the field at fault (also in `*fault`), under `rules`. `Json` is nlohmann::json or
+// ordered_json.
 template <typename Json>
 Expected<size_t> check_openai_body(const Json& body, bool chat, const PromptLimits& limits,
-                                   BodyFault* fault = nullptr) {
+                                   BodyRules rules, BodyFault* fault = nullptr) {
   const detail::OpenAiBodyCheck<Json> check(body, limits, fault);
   if (!body.is_object()) return check.refuse("", "the body is not a JSON object");
   if (nests_deeper_than(body, kMaxBodyNesting)) {
     return check.refuse("", "the body nests arrays and objects deeper than " +
                                 std::to_string(kMaxBodyNesting) + " levels");
   }
-  RD2H_RETURN_IF_ERROR(check.integers());
-  RD2H_RETURN_IF_ERROR(check.sampling());
-  RD2H_RETURN_IF_ERROR(check.types());
-  RD2H_RETURN_IF_ERROR(check.unsupported_options());
-  return chat ? check.messages() : check.prompts();
+  RD2H_RETURN_IF_ERROR(check.token_limits());
+  RD2H_RETURN_IF_ERROR(check.routing_types());
+  const bool serve = rules == BodyRules::kServe;
+  if (serve) {
+    RD2H_RETURN_IF_ERROR(check.integers());
+    RD2H_RETURN_IF_ERROR(check.sampling());
+    RD2H_RETURN_IF_ERROR(check.types());
+    RD2H_RETURN_IF_ERROR(check.unsupported_options());
+  }
+  return chat ? check.messages(serve) : check.prompts();
 }
 
 }  // namespace rd2h::http

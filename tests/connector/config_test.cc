@@ -148,6 +148,31 @@ TEST(ConnectorConfig, KvIpMayBeAnExtraSettingAsVllmHasNoKvIpField) {
       << wrong.status().message();
 }
 
+// A Decode may bind a wildcard address, but Prefill must be told one it can reach.
+TEST(ConnectorConfig, AWildcardKvIpNeedsAnAdvertisedAddressThatIsNotOne) {
+  const auto config = [](const std::string& role, const std::string& ip, const std::string& extra) {
+    return ConnectorConfig::from_json(
+        R"({"kv_connector": "rd2h", "kv_role": ")" + role + R"(", "kv_port": 30000, "kv_ip": ")" +
+        ip + R"(", "kv_connector_extra_config": {"insecure": true)" + extra + "}}");
+  };
+  for (const char* ip : {"0.0.0.0", "::"}) {
+    auto bare = config("kv_consumer", ip, "");
+    ASSERT_FALSE(bare) << ip;
+    EXPECT_NE(bare.status().message().find("kv_advertise_ip"), std::string::npos)
+        << bare.status().message();
+    auto told = config("kv_consumer", ip, R"(, "kv_advertise_ip": "10.0.0.2")");
+    ASSERT_TRUE(told) << told.status().to_string();
+    EXPECT_EQ(told->host, ip);
+    EXPECT_EQ(told->advertise_host, "10.0.0.2");
+  }
+  auto wildcard = config("kv_consumer", "10.0.0.2", R"(, "kv_advertise_ip": "0.0.0.0")");
+  ASSERT_FALSE(wildcard);
+  EXPECT_NE(wildcard.status().message().find("'kv_connector_extra_config.kv_advertise_ip'"),
+            std::string::npos)
+      << wildcard.status().message();
+  EXPECT_TRUE(config("kv_producer", "0.0.0.0", "")) << "Prefill binds nothing on kv_ip";
+}
+
 TEST(ConnectorConfig, WithoutKeysOnlyLoopbackRunsUnlessInsecure) {
   const auto config = [](const std::string& ip, const std::string& extra) {
     return ConnectorConfig::from_json(R"({"kv_connector": "rd2h", "kv_role": "kv_consumer",

@@ -99,6 +99,26 @@ TEST(DecodeScheduler, MatchesAllocatesAndPostsTheRendezvousOnce) {
   EXPECT_EQ(testing::SchedulerAccess::tracked(**s), 0u);
 }
 
+// A Decode bound on a wildcard address tells Prefill the address it advertises.
+TEST(DecodeScheduler, TheRendezvousNamesTheAdvertisedAddress) {
+  MetaserverStub meta(200);
+  ConnectorConfig c = config(KvRole::kConsumer);
+  c.host = "0.0.0.0";
+  c.advertise_host = "10.9.8.7";
+  auto s = Scheduler::create(c, Parallel{1, 1, 1, 1}, {{{kMain}, 128}});
+  ASSERT_TRUE(s) << s.status().to_string();
+  KvTransferParams p;
+  p.do_remote_prefill = true;
+  p.metaserver = meta.url();
+  Request r{"cmpl-y-0-abcdefgh", 300, p, {}};
+  const auto matched = (*s)->get_num_new_matched_tokens(r, 0);
+  ASSERT_TRUE(matched.load_async);
+  ASSERT_TRUE((*s)->update_state_after_alloc(r, {{1, 2, 3}}, matched.tokens).is_ok());
+  ASSERT_TRUE(eventually([&] { return meta.bodies().size() == 1; }));
+  EXPECT_NE(meta.bodies()[0].find(R"("remote_host":"10.9.8.7")"), std::string::npos)
+      << meta.bodies()[0];
+}
+
 TEST(DecodeScheduler, RequestsWithoutRemotePrefillAreLeftAlone) {
   auto s = Scheduler::create(config(KvRole::kConsumer), {}, {{{kMain}, 128}});
   ASSERT_TRUE(s);

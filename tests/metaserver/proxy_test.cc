@@ -92,6 +92,7 @@ struct PrefillLog {
   std::condition_variable cv;
   std::vector<json> bodies;
   std::vector<std::string> request_ids;
+  std::vector<std::string> client_ids;     // the X-Client-Request-Id header of each dispatch
   std::vector<std::string> authorization;  // the Authorization header of each dispatch
   std::vector<int> prefill_index;  // which Prefill got each dispatch
   int succeeded = 0;               // Prefill runs that answered 200
@@ -133,6 +134,7 @@ class ProxyTest : public ::testing::Test {
             std::lock_guard lock(log_.mu);
             log_.bodies.push_back(json::parse(req.body));
             log_.request_ids.push_back(req.get_header_value("X-Request-Id"));
+            log_.client_ids.push_back(req.get_header_value("X-Client-Request-Id"));
             log_.authorization.push_back(req.get_header_value("Authorization"));
             log_.prefill_index.push_back(index);
           }
@@ -174,6 +176,7 @@ class ProxyTest : public ::testing::Test {
       std::lock_guard lock(log_.mu);
       decode_bodies_.push_back(body);
       decode_index_.push_back(index);
+      decode_client_ids_.push_back(req.get_header_value("X-Client-Request-Id"));
       mine = decode_bodies_.size();
       if (decode_status_ != 0) {  // a Decode that fails the request at once
         res.status = decode_status_;
@@ -229,10 +232,11 @@ class ProxyTest : public ::testing::Test {
     }
   }
 
-  httplib::Result client_post(const std::string& path, const json& body) {
+  httplib::Result client_post(const std::string& path, const json& body,
+                              const httplib::Headers& headers = {}) {
     httplib::Client c(proxy_->url());
     c.set_read_timeout(60, 0);
-    return c.Post(path, body.dump(), "application/json");
+    return c.Post(path, headers, body.dump(), "application/json");
   }
 
   void TearDown() override {
@@ -250,6 +254,7 @@ class ProxyTest : public ::testing::Test {
   std::atomic<int> resets_{0};
   std::vector<json> decode_bodies_;
   std::vector<int> decode_index_;  // which Decode got each request
+  std::vector<std::string> decode_client_ids_;  // the X-Client-Request-Id of each
   int decode_status_ = 0;          // set: every Decode answers this at once
   int fail_after_dispatch_ = 0;    // set: Decode answers this once Prefill got the request
   bool hold_decodes_ = false;      // Decode answers only once this is false (under log_.mu)
@@ -310,6 +315,71 @@ TEST_F(ProxyTest, PrefillGetsOneTokenToMakeNoStreamOptionsAndTheTokenAndRequestI
   EXPECT_FALSE(log_.request_ids[0].empty()) << "no X-Request-Id to Prefill";
   ASSERT_EQ(decode_bodies_.size(), 1u);
   EXPECT_EQ(decode_bodies_[0]["max_completion_tokens"], 8) << "Decode gets the client's budget";
+}
+
+// The proxy routes; the engines decide what they offer. Options rd2h's own engines refuse
+// reach real ones as the client wrote them, on both legs.
+TEST_F(ProxyTest, EveryOpenAiFieldReachesBothEnginesAsTheClientSentIt) {
+  start();
+  const json options = {{"n", 2},
+                        {"best_of", 3},
+                        {"logprobs", 2},
+                        {"echo", true},
+                        {"stop", {"\n", "END"}},
+                        {"logit_bias", {{"50256", -100}}},
+                        {"response_format", {{"type", "json_object"}}},
+                        {"suffix", "!"},
+                        {"top_k", 5},
+                        {"guided_choice", {"yes", "no"}},
+                        {"temperature", "an engine's business"}};
+  json body = {{"model", "m"}, {"prompt", "hello"}, {"max_tokens", 8}};
+  body.update(options);
+  auto r = client_post("/v1/completions", body);
+  ASSERT_TRUE(r) << httplib::to_string(r.error());
+  EXPECT_EQ(r->status, 200) << r->body;
+  std::lock_guard lock(log_.mu);
+  ASSERT_EQ(decode_bodies_.size(), 1u);
+  ASSERT_EQ(log_.bodies.size(), 1u);
+  for (const auto& [name, value] : options.items()) {
+    EXPECT_EQ(decode_bodies_[0].value(name, json()), value) << name << " to Decode";
+    EXPECT_EQ(log_.bodies[0].value(name, json()), value) << name << " to Prefill";
+  }
+}
+
+// The client's own id reaches both engines beside the proxy's (which names the transfer), so
+// their lines can be found by it; without one, no such header.
+TEST_F(ProxyTest, TheClientsRequestIdReachesBothEnginesBesideTheProxysOwn) {
+  start();
+  const json body = {{"model", "m"}, {"prompt", "hello"}, {"max_tokens", 4}};
+  auto r = client_post("/v1/completions", body, {{"X-Request-Id", "client-7"}});
+  ASSERT_TRUE(r) << httplib::to_string(r.error());
+  EXPECT_EQ(r->status, 200) << r->body;
+  EXPECT_EQ(r->get_header_value("X-Request-Id"), "client-7");
+  auto bare = client_post("/v1/completions", body);
+  ASSERT_TRUE(bare) << httplib::to_string(bare.error());
+  EXPECT_EQ(bare->status, 200) << bare->body;
+  std::lock_guard lock(log_.mu);
+  ASSERT_EQ(log_.client_ids.size(), 2u);
+  ASSERT_EQ(decode_client_ids_.size(), 2u);
+  EXPECT_EQ(log_.client_ids[0], "client-7") << "to Prefill";
+  EXPECT_EQ(decode_client_ids_[0], "client-7") << "to Decode";
+  EXPECT_NE(log_.request_ids[0], "client-7") << "the transfer is named by the proxy's own id";
+  EXPECT_EQ(log_.client_ids[1], "");
+  EXPECT_EQ(decode_client_ids_[1], "");
+}
+
+// An engine's reason is passed on whole, however long what comes before it.
+TEST_F(ProxyTest, APrefillFailureReachesTheClientWithItsWholeReason) {
+  const std::string reason =
+      "MF_META refused: " + std::string(300, '.') + " layer 'model.layers.3' is not in Prefill's";
+  prefill_answer_ = json{{"error", {{"message", reason}, {"type", "server_error"}}}}.dump();
+  attempts_ = 1;
+  start(500);
+  auto r = client_post("/v1/completions", {{"model", "m"}, {"prompt", "hello"}});
+  ASSERT_TRUE(r) << httplib::to_string(r.error());
+  EXPECT_EQ(r->status, 502) << r->body;
+  const json e = json::parse(r->body);
+  EXPECT_NE(e["error"]["message"].get<std::string>().find(reason), std::string::npos) << r->body;
 }
 
 TEST_F(ProxyTest, APrefillAnswerOverTheBoundIsRefusedNotBufferedAndNotRetried) {

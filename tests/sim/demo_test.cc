@@ -466,5 +466,26 @@ TEST(DemoReport, ReadyDelayIsMeasuredFromPrefillsLastLayerToTheLastDecodeRank) {
   EXPECT_DOUBLE_EQ(s.hidden, 0.0) << "both reads ran after compute ended";
 }
 
+// The summary shows each goal beside its figure and whether the run met it.
+TEST(DemoReport, TheSummaryShowsEachGoalAndWhetherItWasMet) {
+  DemoSummary s;
+  s.requests = 4;
+  s.reads = 8;
+  s.hidden = 0.95;
+  s.ready_ratio_p50 = 2.0;
+  const std::string text = format_summary(s);
+  EXPECT_NE(text.find("in 0.0 s  [goal: none failed, met]"), std::string::npos) << text;
+  EXPECT_NE(text.find("(layer compute p50 0 us)  [goal: at least 90%, met]"), std::string::npos)
+      << text;
+  EXPECT_NE(text.find("p99 0.0x  [goal: p50 at most 1.5x, MISSED]"), std::string::npos) << text;
+  s.failed = 1;
+  s.hidden = 0.5;
+  s.ready_ratio_p50 = 1.5;
+  const std::string missed = format_summary(s);
+  EXPECT_NE(missed.find("[goal: none failed, MISSED]"), std::string::npos) << missed;
+  EXPECT_NE(missed.find("[goal: at least 90%, MISSED]"), std::string::npos) << missed;
+  EXPECT_NE(missed.find("[goal: p50 at most 1.5x, met]"), std::string::npos) << missed;
+}
+
 }  // namespace
 }  // namespace rd2h::sim

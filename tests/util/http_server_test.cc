@@ -606,11 +606,11 @@ TEST_F(ProxyHttp, WrongFieldTypesAndOverlongListsAre400NamingTheField) {
     EXPECT_NE(r->body.find(field), std::string::npos) << body.dump() << " -> " << r->body;
   }
   httplib::Client chat(proxy_->url());
-  auto r = chat.Post("/v1/chat/completions", R"({"messages": [{"role": "user", "content": 5}]})",
-                     "application/json");
+  // What a message holds is the engines' to judge; that there is a list of them, the proxy's.
+  auto r = chat.Post("/v1/chat/completions", R"({"messages": 5})", "application/json");
   ASSERT_TRUE(r);
   EXPECT_EQ(r->status, 400);
-  EXPECT_NE(r->body.find("messages[0].content"), std::string::npos) << r->body;
+  EXPECT_NE(r->body.find(R"("param":"messages")"), std::string::npos) << r->body;
   EXPECT_EQ(proxy_->stats().requests, 0u) << "a refused body was registered";
 }
 

@@ -3,7 +3,7 @@ rd2h: a Prefill and a Decode `vllm serve`, `rd2h proxy` in front.
 
 vLLM's CPU MLA backend computes a prompt's next token differently in its prefill path and in
 its decode kernel, so a single instance is no reference for the answers of a Decode that
-computes from pulled KV (see the README). The check here is on the KV itself: each side files
+computes from pulled KV (see docs/design.md, "Limits"). The check here is on the KV itself: each side files
 the SHA-256 of every prompt's latent blocks (the test-only `test_kv_digest_dir` setting),
 Prefill once it saved them and Decode once they arrived, and the two must be equal for every
 prompt.

@@ -34,7 +34,9 @@ struct RequestIdRule {
 struct ConnectorConfig {
   KvRole role = KvRole::kConsumer;
   std::string engine_id;
-  std::string host = "127.0.0.1";  // kv_ip: where Decode binds and what it advertises
+  std::string host = "127.0.0.1";  // kv_ip: where Decode binds (and what it advertises)
+  // kv_advertise_ip: the address Decode tells Prefill to reach it at; empty: kv_ip.
+  std::string advertise_host;
   int kv_port = 0;
 
   // kv_connector_extra_config
@@ -103,5 +105,19 @@ struct ConnectorConfig {
   // The kv_transfer_config that from_json reads back as this configuration.
   std::string to_json() const;
 };
+
+// One key of kv_transfer_config as the connector reads it, for its reference document.
+struct ConfigKey {
+  std::string name;
+  std::string section;        // "" (top level) or "kv_connector_extra_config"
+  std::string type;           // what values it takes
+  std::string default_value;  // as JSON; else "required" or what it follows, in words
+  bool literal = true;        // default_value is JSON
+  std::string who;            // "Prefill", "Decode" or "both"
+  std::string doc;
+};
+
+// Every key the connector reads, from the table from_json reads them with.
+std::vector<ConfigKey> config_reference();
 
 }  // namespace rd2h::connector
