@@ -28,6 +28,7 @@ class Server:
             self.stop()
             raise RuntimeError(f"rd2h {args[0]} did not start: {line!r}")
         self.url = line.split("serving ")[1].split()[0]
+        self.line = line
 
     def stop(self) -> None:
         if self.proc.poll() is None:
