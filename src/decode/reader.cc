@@ -355,13 +355,7 @@ void Reader::handle_undecodable(const control::Inbound& in, const std::string& w
     // A message this Decode does not know (a newer peer's, or a tag sent as str), or an
     // envelope refused with nothing in it to answer for, owes no answer: it is ignored, and
     // the connection keeps its MF_META and what it has in flight.
-    uint64_t held_back = 0;
-    if (unknown_log_.allow(&held_back)) {
-      log::warn(
-          "decode reader {}: ignored a message it does not understand: {} ({} more since "
-          "the last such line)",
-          config_.d_rank, why, held_back);
-    }
+    warn_limited(unknown_log_, "ignored a message it does not understand", why);
     return;
   }
   // A readiness without a layer to answer for, or not a tagged message at all: the
@@ -405,19 +399,20 @@ void Reader::take_readiness(const std::string& identity, protocol::ReadReadyBatc
   handle_ready(identity, ready);
 }
 
+void Reader::warn_limited(log::RateLimit& limit, const char* what, const std::string& why) {
+  uint64_t held_back = 0;
+  if (!limit.allow(&held_back)) return;
+  log::warn("decode reader {}: {}: {} ({} more since the last such line)", config_.d_rank, what,
+            why, held_back);
+}
+
 void Reader::refuse_mf_meta(const std::string& identity, const std::string& why) {
   {
     std::lock_guard lock(mu_);
     ++stats_.messages_rejected;
   }
   // Said here too, whole: the operator of this Decode learns why its Prefill gets nothing.
-  uint64_t held_back = 0;
-  if (refused_log_.allow(&held_back)) {
-    log::warn(
-        "decode reader {}: refused a Prefill's MF_META: {} ({} more since the last such "
-        "line)",
-        config_.d_rank, why, held_back);
-  }
+  warn_limited(refused_log_, "refused a Prefill's MF_META", why);
   // MF_META has no negative answer: a READ_FAILED for layer 0 tells an rd2h Prefill why
   // no ACK comes; the existing Python Prefill times out waiting for the ACK.
   reply(identity, protocol::encode(protocol::ReadFailed{0, "MF_META refused: " + why}));

@@ -164,6 +164,8 @@ class Reader {
   bool destinations_known(const protocol::ReadReadyBatch& ready) const;  // caller holds mu_
   void handle_mf_meta(const std::string& identity, const protocol::MfMeta& meta);
   void refuse_mf_meta(const std::string& identity, const std::string& why);
+  // A line of what a peer can provoke at will: at most one per `limit`'s interval.
+  void warn_limited(log::RateLimit& limit, const char* what, const std::string& why);
   // Forgets a connection that sent what cannot be answered: fails what it has held, drops
   // its MF_META and tells it (answering `last`, if given, as the final READ_FAILED), so that
   // its Prefill fails at once rather than at a deadline.
