@@ -306,6 +306,28 @@ const std::vector<Setting>& settings() {
        "How long a readiness naming a request Decode has not registered yet is held before it "
        "is refused.",
        field(&ConnectorConfig::hold_timeout)},
+      {"event_timeout_ms", "Prefill",
+       "How long Prefill waits for a layer's write event (the device copy into the buffer "
+       "Decode reads) before the layer's requests fail.",
+       field(&ConnectorConfig::event_timeout)},
+      {"max_held", "Decode",
+       "Readiness messages Decode holds, in all, for requests it has not registered yet (see "
+       "hold_timeout_ms); a connection whose message finds no room is dropped.",
+       integer(&ConnectorConfig::max_held, 1, 1 << 20)},
+      {"max_held_per_peer", "Decode",
+       "Of those, held for one Prefill connection, so that one Prefill cannot take every "
+       "place.",
+       integer(&ConnectorConfig::max_held_per_peer, 1, 1 << 20)},
+      {"read_path", "both",
+       "How the transfer engine reads: \"rma\" (one-sided gets), \"am\" (active messages "
+       "the serving side answers), or \"auto\" (one-sided where the transport reads "
+       "one-sided, else active messages).",
+       choice(
+           {"auto", "rma", "am"},
+           [](ConnectorConfig& c, const std::string& s) {
+             c.read_path = *transfer::parse_read_path(s);
+           },
+           [](const ConnectorConfig& c) { return std::string(transfer::to_string(c.read_path)); })},
       {"kv_arrival_timeout_ms", "Decode",
        "How long a Decode request waits for all of its KV; then its load fails (vLLM's "
        "kv_load_failure_policy decides what follows).",
@@ -415,6 +437,19 @@ std::string ConnectorConfig::to_json() const {
   }
   j["kv_connector_extra_config"] = std::move(extra);
   return j.dump();
+}
+
+transfer::EngineConfig ConnectorConfig::engine_config(int device_id) const {
+  transfer::EngineConfig ec;
+  ec.role = role == KvRole::kProducer ? transfer::Role::kPrefill : transfer::Role::kDecode;
+  ec.device_id = device_id;
+  ec.transport = transport;
+  ec.read_timeout = read_timeout;
+  ec.connect_timeout = connect_timeout;
+  ec.read_path = read_path;
+  ec.listen_host = host;
+  ec.share_registered = share_registered_memory;
+  return ec;
 }
 
 std::vector<ConfigKey> config_reference() {

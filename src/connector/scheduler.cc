@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <cctype>
 
+#include "connector/module_configs.h"
 #include "layout/cache.h"
 #include "metaserver/client.h"
 #include "topology/topology.h"
@@ -48,14 +49,10 @@ Expected<std::unique_ptr<Scheduler>> Scheduler::create(ConnectorConfig config, P
     RD2H_TRY(base,
              topology::base_port(s->config_.kv_port, parallel.global_dp_rank, parallel.tp_size));
     s->base_port_ = base;
-    metaserver::ClientConfig mc;
-    mc.timeout = s->config_.metaserver_timeout;
-    mc.attempts = s->config_.metaserver_attempts;
-    mc.resubmit = s->config_.metaserver_resubmit;
     auto token = http::load_token(s->config_.metaserver_token_file);
     if (!token) return token.status().with_context("metaserver_token_file");
-    mc.token = *token;
-    s->metaserver_ = std::make_unique<metaserver::Client>(mc);
+    s->metaserver_ =
+        std::make_unique<metaserver::Client>(metaserver_config(s->config_, std::move(*token)));
   }
   return s;
 }

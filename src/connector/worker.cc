@@ -2,6 +2,7 @@
 
 #include <algorithm>
 
+#include "connector/module_configs.h"
 #include "control/channel.h"
 #include "decode/worker.h"
 #include "layout/cache.h"
@@ -18,15 +19,7 @@ Expected<std::unique_ptr<ConnectorWorker>> ConnectorWorker::create(
                             std::to_string(parallel.tp_size));
   }
   if (!engine) {
-    transfer::EngineConfig ec;
-    ec.role = config.role == KvRole::kProducer ? transfer::Role::kPrefill : transfer::Role::kDecode;
-    ec.device_id = tp_rank;
-    ec.transport = config.transport;
-    ec.read_timeout = config.read_timeout;
-    ec.connect_timeout = config.connect_timeout;
-    ec.listen_host = config.host;
-    ec.share_registered = config.share_registered_memory;
-    RD2H_TRY(bound, transfer::bind_process_engine(ec));
+    RD2H_TRY(bound, transfer::bind_process_engine(config.engine_config(tp_rank)));
     engine = std::move(bound);
   }
   return std::unique_ptr<ConnectorWorker>(
@@ -85,21 +78,9 @@ Status ConnectorWorker::register_kv_caches(std::vector<layout::CacheLayer> layer
         config_.host);
   }
   if (config_.role == KvRole::kProducer) {
-    prefill::WorkerConfig pc;
-    pc.p_rank = tp_rank_;
-    pc.p_tp = parallel_.tp_size;
-    pc.sender.ack_timeout = config_.ack_timeout;
-    pc.sender.reply_timeout = config_.reply_timeout;
-    pc.sender.control_link = config_.control_link;
-    pc.send_timeout = config_.send_timeout;
-    pc.raise_on_peer_failure = config_.raise_on_peer_failure;
-    pc.register_memory = !engine_allocated;
-    if (config_.curve.enabled()) {
-      pc.sender.curve = control::CurveKeyPair{config_.curve.public_key, config_.curve.secret_key};
-      pc.trusted_decode_keys = config_.curve.trusted;
-    }
-    pc.insecure = config_.insecure;
-    RD2H_TRY(w, prefill::Worker::create(pc, engine_, context_, std::move(layers)));
+    RD2H_TRY(w,
+             prefill::Worker::create(prefill_config(config_, parallel_, tp_rank_, engine_allocated),
+                                     engine_, context_, std::move(layers)));
     const auto& slots = w->slots();
     if (!config_.use_layerwise &&
         (slots.main_slot_count() < slots.layer_count() ||
@@ -113,26 +94,13 @@ Status ConnectorWorker::register_kv_caches(std::vector<layout::CacheLayer> layer
     prefill_ = std::move(w);
     return Status::ok();
   }
-  decode::WorkerConfig dc;
-  dc.reader.d_rank = tp_rank_;
-  dc.reader.d_tp = parallel_.tp_size;
-  dc.reader.host = config_.host;
-  dc.reader.hold_timeout = config_.hold_timeout;
-  dc.reader.control_link = config_.control_link;
-  dc.reader.busy_poll = std::chrono::microseconds(config_.busy_poll_us);
-  dc.p_tp = config_.prefill_tp_size;
-  dc.kv_port = config_.kv_port;
-  dc.global_dp_rank = parallel_.global_dp_rank;
-  dc.register_memory = !engine_allocated;
-  if (config_.curve.enabled()) {
-    dc.reader.security = control::ServerSecurity{
-        {config_.curve.public_key, config_.curve.secret_key}, config_.curve.trusted};
-  } else if (!config_.insecure && !control::is_loopback_host(config_.host)) {
+  if (!config_.curve.enabled() && !config_.insecure && !control::is_loopback_host(config_.host)) {
     return failed_precondition("Decode would listen on " + config_.host +
                                ", not a loopback address, without CURVE keys "
                                "(\"insecure\": true listens without them)");
   }
-  RD2H_TRY(w, decode::Worker::create(dc, engine_, context_, layers));
+  RD2H_TRY(w, decode::Worker::create(decode_config(config_, parallel_, tp_rank_, engine_allocated),
+                                     engine_, context_, layers));
   decode_ = std::move(w);
   return Status::ok();
 }

@@ -100,6 +100,12 @@ void set_common_options(zmq::socket_t& s) {
   // A frame larger than any legal message closes its connection as soon as its header is
   // read, before anything is allocated for it.
   s.set(zmq::sockopt::maxmsgsize, static_cast<int64_t>(kMaxFrameBytes));
+  // No high-water mark: at a mark ZeroMQ drops a ROUTER's messages or blocks a DEALER's
+  // send, either of which breaks the one-answer-per-readiness pairing both ends count on.
+  // The protocol bounds the queues instead: a Prefill has at most its slots' readiness in
+  // flight per Decode (its slot gates wait for the answers), and Decode answers each one,
+  // reading as fast as they come and dropping a connection past its hold limits
+  // (ReaderConfig::max_held). Only authenticated peers (CURVE) or loopback ones get here.
   s.set(zmq::sockopt::sndhwm, 0);
   s.set(zmq::sockopt::rcvhwm, 0);
 }

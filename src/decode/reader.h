@@ -132,7 +132,9 @@ class Reader {
   // wakes it.
   struct LinkInbox {
     std::mutex mu;
-    std::deque<std::pair<uint64_t, std::vector<std::byte>>> messages;  // by link token
+    // By link token. Prefill sends a readiness per layer slot it fills and waits for the
+    // answer before filling it again; the reader thread drains this each turn.
+    std::deque<std::pair<uint64_t, std::vector<std::byte>>> messages;
     std::vector<uint64_t> closed;
     UniqueFd fd;  // an eventfd, signalled when something came
   };

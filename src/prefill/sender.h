@@ -138,6 +138,7 @@ class Sender {
   struct LinkInbox {
     std::mutex mu;
     bool opened = false, closed = false;
+    // Decode's answers: one per readiness sent on the link, so no more than `pending`.
     std::deque<std::vector<std::byte>> messages;
   };
   struct Pending {
@@ -151,6 +152,8 @@ class Sender {
     bool acked = false;
     bool commits = false;  // Decode's ACK promised to complete requests on KV_COMMIT only
     std::chrono::steady_clock::time_point ack_deadline;
+    // Both bounded by the slots: a layer's buffer is not written again, so no further task
+    // is given for it, until its tasks are answered or failed.
     std::deque<Task> waiting;         // given before the ACK
     std::deque<Pending> pending;      // sent, in the order Decode answers
     std::shared_ptr<LinkInbox> link;  // the link offered in MF_META, if any
@@ -211,7 +214,7 @@ class Sender {
 
   std::mutex mu_;  // the sockets and everything below
   std::map<std::string, Endpoint> endpoints_;
-  std::deque<Task> queued_;  // waiting for their layer's write
+  std::deque<Task> queued_;  // waiting for their layer's write; bounded by the slots too
   // The thread asking an event to notify (with mu_ held): a notification it gets at once
   // must not take mu_ again.
   std::atomic<std::thread::id> notifying_{};

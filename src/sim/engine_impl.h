@@ -158,6 +158,7 @@ struct Engine::Impl {
 
   std::mutex mu;
   std::condition_variable cv;
+  // Bounded by the HTTP server's threads: each request waits in its handler until served.
   std::deque<std::shared_ptr<EngineRequest>> incoming;
   std::set<std::string> in_flight;  // ext ids of requests not answered yet
   // Reports waiting for the ranks' timeline events (the core thread alone talks to them).
@@ -177,6 +178,7 @@ struct Engine::Impl {
   // entry: it gets blocks for all its prompts at once or none, since Prefill starts only once
   // every prompt has its blocks, and a list holding some while waiting for the rest could
   // wait on blocks that only requests behind it would free.
+  // Bounded as `incoming` is.
   std::deque<std::vector<std::shared_ptr<EngineRequest>>> waiting_blocks;
   std::vector<std::shared_ptr<EngineRequest>> active;
   std::map<std::string, std::shared_ptr<EngineRequest>> verifying;  // by ext id

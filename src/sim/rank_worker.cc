@@ -114,7 +114,7 @@ class Rank {
   void run_verifier();
   std::mutex verify_mu_;
   std::condition_variable verify_cv_;
-  std::deque<Blocks> to_verify_;
+  std::deque<Blocks> to_verify_;  // a request's blocks each; as many as requests admitted
   json verified_ = json::array();
   bool stopping_ = false;
   std::thread verifier_;
@@ -154,13 +154,7 @@ Status Rank::init(const json& j) {
   corrupt_layer_ = j.value("corrupt_layer", -1);
   fault_ = j.value("fault_rank", -1) == rank_;
 
-  transfer::EngineConfig ec;
-  ec.role = prefill_ ? transfer::Role::kPrefill : transfer::Role::kDecode;
-  ec.device_id = rank_;
-  ec.transport = connector.transport;
-  ec.read_timeout = connector.read_timeout;
-  ec.listen_host = connector.host;
-  RD2H_TRY(engine, transfer::create_ucx_engine(ec));
+  RD2H_TRY(engine, transfer::create_ucx_engine(connector.engine_config(rank_)));
   std::shared_ptr<transfer::TransferEngine> shared(std::move(engine));
   if (prefill_) {
     RD2H_TRY(region, shared->allocate_memory(model_->prefill_bytes()));

@@ -117,6 +117,8 @@ class ServedLinks {
   std::vector<Opening> opening_;
   std::list<InFlight> in_flight_;
   std::mutex queue_mu_;  // after mu, when both are taken
+  // Messages sent while another thread progressed the worker, sent by it next: no more
+  // than the callers' own bounds (a readiness per slot, an answer per readiness).
   std::deque<std::pair<uint64_t, std::vector<std::byte>>> queued_;
   // Owners of closed links' endpoints: UCX may still hold their address until the worker goes.
   std::vector<std::unique_ptr<EndpointOwner>> retired_;

@@ -43,6 +43,9 @@ class ThreadPool {
   const size_t max_;
   mutable std::mutex mu_;
   std::condition_variable cv_;
+  // Unbounded here: each user bounds what it submits (the proxy's dispatches by its
+  // max_concurrent client requests, the metaserver client's posts by the requests it
+  // registered, each cancelled with its request).
   std::deque<std::function<void()>> jobs_;
   size_t idle_ = 0;  // threads waiting for a job
   bool stopping_ = false;

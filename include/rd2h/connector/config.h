@@ -56,6 +56,10 @@ struct ConnectorConfig {
   std::chrono::milliseconds read_timeout{5000};          // one batched engine read
   std::chrono::milliseconds connect_timeout{5000};       // Decode's connect to a Prefill
   std::chrono::milliseconds hold_timeout{5000};          // readiness held for unseeded requests
+  std::chrono::milliseconds event_timeout{30000};        // Prefill: a layer's write event
+  size_t max_held = 1024;          // Decode: readiness held for unseeded requests, in all
+  size_t max_held_per_peer = 256;  // and of one Prefill connection
+  transfer::ReadPath read_path = transfer::ReadPath::kAuto;  // how the engine reads
   std::chrono::milliseconds kv_arrival_timeout{120000};  // a Decode request's KV must arrive
   std::chrono::milliseconds metaserver_timeout{5000};    // one metaserver POST
   int metaserver_attempts = 3;                           // before resubmitting
@@ -100,6 +104,10 @@ struct ConnectorConfig {
   bool raise_on_peer_failure = false;
   // Fills `curve` from the two files.
   Status load_curve_keys(std::string secret_key_file, std::string trusted_keys_file);
+
+  // The transfer engine's settings for the TP rank on `device_id`: one place maps them, for
+  // every host that builds an engine from this configuration.
+  transfer::EngineConfig engine_config(int device_id) const;
 
   static Expected<ConnectorConfig> from_json(std::string_view text);
   // The kv_transfer_config that from_json reads back as this configuration.
