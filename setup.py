@@ -46,7 +46,6 @@ class CMakeBuild(build_ext):
             "-DCMAKE_BUILD_TYPE=Release",
             "-DBUILD_SHARED_LIBS=OFF",
             "-DRD2H_BUILD_TESTS=OFF",
-            "-DRD2H_BUILD_BENCH=OFF",
             "-DRD2H_BUILD_APPS=OFF",
             "-DRD2H_INSTALL=OFF",
             "-DRD2H_PYTHON=ON",

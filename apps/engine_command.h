@@ -1,4 +1,4 @@
-// rd2h prefill / rd2h decode: a simulated inference engine (src/sim/engine.h) as
+// rd2h prefill / rd2h decode: a simulated inference engine (sim/engine.h) as
 // an HTTP server, driving the connector as a host engine would, until SIGINT or SIGTERM;
 // then it drains (new requests and /health get 503 while those in flight finish).
 #pragma once

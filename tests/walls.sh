@@ -1,16 +1,18 @@
 #!/bin/bash
 # The walls between modules (ARCHITECTURE.md "Walls that must hold"), checked on the
 # sources' #include lines: prints every include that crosses one, and fails if any does.
-# Usage: walls.sh <src directory>
+# The library's modules are src/*; the simulator (sim/) and the tools (apps/) are hosts.
+# Usage: walls.sh <project directory>
 set -u
-src=${1:?usage: walls.sh <src directory>}
-cd "$src" || exit 2
+root=${1:?usage: walls.sh <project directory>}
+cd "$root/src" || exit 2
 status=0
 
 # A module that is not there would pass every check below: refuse it instead.
-for m in common util protocol topology layout transfer control decode prefill metaserver connector sim; do
-  [ -d "$m" ] || { echo "walls.sh: $src has no module $m"; status=1; }
+for m in common util protocol topology layout transfer control decode prefill metaserver connector ../sim ../apps; do
+  [ -d "$m" ] || { echo "walls.sh: $root/src has no module $m"; status=1; }
 done
+[ -d sim ] && { echo "walls.sh: the simulator is a host of its own, at sim/, not src/sim"; status=1; }
 
 # The includes of module $1 that match the extended regex $2, as "file:line: include".
 includes_matching() {
@@ -54,7 +56,18 @@ for below in common util protocol topology layout transfer control decode prefil
   forbid "$below" '"(connector|sim)/' "nothing below connector includes connector or sim"
 done
 only util "util rd2h" "util is not the connector: only its own headers and the public ones"
-only sim "sim util rd2h" "sim reaches rd2h only through include/rd2h (and util/, its own code)"
+only ../sim "sim util rd2h" "sim reaches rd2h only through include/rd2h (and util/, its own code)"
+# The tools use the public face, util/ and the simulator; the benchmarks and wire tools that
+# drive one module on its own name the headers they take from it here.
+found=$(grep -rnE '^#include "' ../apps --include='*.h' --include='*.cc' |
+        grep -vE '#include "(rd2h|util|sim)/' |
+        grep -vE '#include "(decode/worker|prefill/worker|control/channel|control/curve|transfer/ucx_handles|transfer/ucx_link|common/msgpack_util|protocol/msgpack_field)\.h"' |
+        grep -vE '#include "[a-z_]+\.h"')
+if [ -n "$found" ]; then
+  echo "apps uses the public face, util/ and sim/, and only the module headers listed here:"
+  echo "$found" | sed 's/^/  /'
+  status=1
+fi
 
 [ "$status" -eq 0 ] && echo "every wall holds"
 exit "$status"
