@@ -279,8 +279,8 @@ Status Engine::Impl::step() {
   std::vector<Write> writes;
   uint64_t step_tokens = 0;
   if (prefill) schedule_chunks(scheduled, writes, step_tokens);
-  RD2H_TRY(handed, scheduler->build_connector_meta(scheduled));
-  const std::vector<std::byte> meta = connector::encode(handed);  // as a host ships it
+  RD2H_TRY(meta, scheduler->build_connector_meta(scheduled));  // as a host ships it
+  RD2H_TRY(handed, connector::decode_metadata(meta));
   bool waiting = false;
   for (auto& r : active) waiting = waiting || r->state != EngineRequest::State::kRunning;
   if (scheduled.empty() && !waiting && handed.empty()) {

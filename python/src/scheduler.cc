@@ -71,12 +71,12 @@ class Scheduler {
     for (const auto& [id, blocks, computed, resumed] : scheduled) {
       steps.push_back({id, blocks, computed, resumed});
     }
-    auto bytes = take(get().build_metadata(steps));
+    auto bytes = take(get().build_connector_meta(steps));
     return py::bytes(reinterpret_cast<const char*>(bytes.data()), bytes.size());
   }
   void request_finished(const std::string& request_id, uint64_t num_prompt_tokens,
                         const std::optional<std::string>& params) {
-    (void)get().request_finished(make_request(request_id, num_prompt_tokens, params));
+    (void)take(get().request_finished(make_request(request_id, num_prompt_tokens, params)));
   }
   int base_port() { return get().base_port(); }
 

@@ -348,12 +348,13 @@ const std::vector<Setting>& settings() {
 Status read_extra(const json& extra, ConnectorConfig& c) {
   if (!extra.is_object()) return bad("kv_connector_extra_config", "must be an object");
   const auto& table = settings();
-  for (const auto& [key, value] : extra.items()) {
+  for (const auto& item : extra.items()) {
+    const std::string& key = item.key();
     const std::string where = "kv_connector_extra_config." + key;
     auto s =
         std::find_if(table.begin(), table.end(), [&](const Setting& s) { return s.name == key; });
     if (s == table.end()) return bad(where, "is not a setting of this connector");
-    RD2H_RETURN_IF_ERROR(s->access.read(value, where, c));
+    RD2H_RETURN_IF_ERROR(s->access.read(item.value(), where, c));
   }
   return Status::ok();
 }

@@ -192,7 +192,7 @@ Status HostOffloadScheduler::update_state_after_alloc(
   return Status::ok();
 }
 
-Expected<std::vector<std::byte>> HostOffloadScheduler::build_metadata(
+Expected<std::vector<std::byte>> HostOffloadScheduler::build_connector_meta(
     const std::vector<ScheduledRequest>& scheduled) {
   OffloadMetadata meta;
   std::swap(meta, pending_);
@@ -214,7 +214,7 @@ Expected<std::vector<std::byte>> HostOffloadScheduler::build_metadata(
   return encode(meta);
 }
 
-Expected<FinishedRequest> HostOffloadScheduler::finish(const Request& request) {
+Expected<FinishedRequest> HostOffloadScheduler::request_finished(const Request& request) {
   requests_.erase(request.request_id);
   computed_.erase(request.request_id);
   return FinishedRequest{};

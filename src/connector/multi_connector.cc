@@ -181,24 +181,24 @@ Status MultiConnectorScheduler::update_state_after_alloc(
   return first;
 }
 
-Expected<std::vector<std::byte>> MultiConnectorScheduler::build_metadata(
+Expected<std::vector<std::byte>> MultiConnectorScheduler::build_connector_meta(
     const std::vector<ScheduledRequest>& scheduled) {
   std::vector<std::vector<std::byte>> blobs;
   for (auto& c : connectors_) {
-    auto m = c->build_metadata(scheduled);
+    auto m = c->build_connector_meta(scheduled);
     if (!m) return m.status().with_context(c->name());
     blobs.push_back(std::move(*m));
   }
   return encode_multi(blobs);
 }
 
-Expected<FinishedRequest> MultiConnectorScheduler::finish(const Request& request) {
+Expected<FinishedRequest> MultiConnectorScheduler::request_finished(const Request& request) {
   chosen_.erase(request.request_id);
   FinishedRequest out;
   std::string from;
   Status error;
   for (auto& c : connectors_) {
-    auto f = c->finish(request);
+    auto f = c->request_finished(request);
     if (!f) {
       if (error.is_ok()) error = f.status().with_context(c->name());
       continue;

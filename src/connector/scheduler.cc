@@ -198,7 +198,7 @@ Expected<std::optional<prefill::SendRequest>> Scheduler::next_chunk(Send& s,
   return std::optional<prefill::SendRequest>(std::move(out));
 }
 
-Expected<ConnectorMetadata> Scheduler::build_connector_meta(
+Expected<ConnectorMetadata> Scheduler::step_metadata(
     const std::vector<ScheduledRequest>& scheduled) {
   ConnectorMetadata meta;
   std::vector<std::string> last_out;  // internal ids whose last chunk this step publishes
@@ -221,9 +221,9 @@ Expected<ConnectorMetadata> Scheduler::build_connector_meta(
   return meta;
 }
 
-Expected<std::vector<std::byte>> Scheduler::build_metadata(
+Expected<std::vector<std::byte>> Scheduler::build_connector_meta(
     const std::vector<ScheduledRequest>& scheduled) {
-  RD2H_TRY(meta, build_connector_meta(scheduled));
+  RD2H_TRY(meta, step_metadata(scheduled));
   return encode(meta);
 }
 
@@ -233,7 +233,7 @@ MetaserverStats Scheduler::metaserver_stats() const {
   return {s.delivered, s.http_errors, s.transport_errors, s.cancelled};
 }
 
-FinishedRequest Scheduler::request_finished(const Request& request) {
+Expected<FinishedRequest> Scheduler::request_finished(const Request& request) {
   if (config_.role == KvRole::kConsumer) {
     computed_.erase(request.request_id);
     auto it = recv_.find(request.request_id);
@@ -247,7 +247,7 @@ FinishedRequest Scheduler::request_finished(const Request& request) {
   } else {
     send_.erase(request.request_id);
   }
-  return {};
+  return FinishedRequest{};
 }
 
 }  // namespace rd2h::connector

@@ -9,6 +9,7 @@
 #include "decode/worker.h"
 #include "metaserver/client.h"
 #include "prefill/worker.h"
+#include "rd2h/connector/metadata.h"
 #include "rd2h/connector/scheduler.h"
 #include "rd2h/connector/worker.h"
 #include "rd2h/transfer/transfer_engine.h"
@@ -24,6 +25,13 @@ struct WorkerAccess {
     return w.engine_;
   }
 };
+
+// The metadata a step hands the workers, decoded as a worker decodes it.
+inline Expected<ConnectorMetadata> built(KvConnectorScheduler& s,
+                                         const std::vector<ScheduledRequest>& scheduled) {
+  RD2H_TRY(bytes, s.build_connector_meta(scheduled));
+  return decode_metadata(bytes);
+}
 
 struct SchedulerAccess {
   // Requests with state in the scheduler.

@@ -148,12 +148,4 @@ std::vector<Ended> CompletionTracker::take(const std::vector<RankTerminal>& rank
   return ended;
 }
 
-Expected<Finished> CompletionTracker::get_finished(const AllGather& all_gather) {
-  auto ranks = all_gather(terminal());
-  if (!ranks) return ranks.status().with_context("gathering completions across Decode TP ranks");
-  Finished out;
-  for (auto& e : take(*ranks)) (e.failed ? out.failed : out.finished).push_back(e.internal_id);
-  return out;
-}
-
 }  // namespace rd2h::decode

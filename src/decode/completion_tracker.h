@@ -79,11 +79,9 @@ class CompletionTracker {
   // A read for the request failed on this rank: the request is terminal and failed.
   void on_failed(const std::string& ext_id);
 
-  // Gathers terminal states across the TP ranks and returns the requests every rank has
-  // finished (failed if any rank failed), freeing their state.
-  Expected<Finished> get_finished(const AllGather& all_gather);
-  // The same in two steps, for callers that gather without holding their lock: this rank's
-  // terminal requests, then what every rank's states end.
+  // Completion across the TP ranks, in two steps so that the caller gathers without
+  // holding its lock: this rank's terminal requests, then, given every rank's, the requests
+  // they all ended (failed if any rank failed), their state freed.
   RankTerminal terminal() const;
   std::vector<Ended> take(const std::vector<RankTerminal>& ranks);
 

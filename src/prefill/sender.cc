@@ -115,13 +115,6 @@ Sender::~Sender() {
   }
 }
 
-void Sender::send(const std::string& url, const protocol::ReadReadyBatch& ready,
-                  std::vector<GateTicket> tickets, std::shared_ptr<WriteEvent> event,
-                  std::string server_key) {
-  send(url, ready.layer_idx, protocol::encode(ready), std::move(tickets), std::move(event),
-       std::move(server_key), ready.done_ext_ids);
-}
-
 void Sender::send(const std::string& url, int64_t layer_idx, std::vector<std::byte> payload,
                   std::vector<GateTicket> tickets, std::shared_ptr<WriteEvent> event,
                   std::string server_key, std::vector<std::string> final_ids) {
@@ -136,7 +129,7 @@ void Sender::send(const std::string& url, int64_t layer_idx, std::vector<std::by
   t.event_deadline = Clock::now() + config_.event_timeout;
   std::lock_guard lock(mu_);
   if (stopping_.load()) {
-    return settle(t.tickets, failed_precondition("the Prefill sender stopped"));
+    return answer_tickets(t.tickets, failed_precondition("the Prefill sender stopped"));
   }
   queued_.push_back(std::move(t));
   pump();
@@ -152,8 +145,8 @@ void Sender::count(uint64_t SenderStats::*field) {
   ++(stats_.*field);
 }
 
-void Sender::settle(const std::vector<GateTicket>& tickets, const Status& outcome,
-                    bool from_decode) {
+void Sender::answer_tickets(const std::vector<GateTicket>& tickets, const Status& outcome,
+                            bool from_decode) {
   // Counted before the gates open, so whoever a gate wakes sees the count.
   count(from_decode ? &SenderStats::answers : &SenderStats::failures);
   for (const auto& t : tickets) t.gate->answer(t.generation, outcome);
@@ -248,7 +241,7 @@ void Sender::run() {
   for (auto& [url, ep] : endpoints_) fail_endpoint(url, ep, stopped);
   std::deque<Task> unsent;
   unsent.swap(queued_);
-  for (auto& t : unsent) settle(t.tickets, stopped);  // queued last: failed all the same
+  for (auto& t : unsent) answer_tickets(t.tickets, stopped);  // queued last: failed all the same
 }
 
 std::optional<Status> Sender::write_outcome(Task& t) {
@@ -287,9 +280,9 @@ void Sender::pump() {
       if (!*st) {
         Task failed = std::move(t);
         queued_.pop_front();
-        settle(failed.tickets,
-               Status(st->code(), "layer " + std::to_string(failed.layer_idx) +
-                                      " was not published: " + st->message()));
+        answer_tickets(failed.tickets,
+                       Status(st->code(), "layer " + std::to_string(failed.layer_idx) +
+                                              " was not published: " + st->message()));
         continue;
       }
     }

@@ -77,18 +77,16 @@ class Sender {
   Sender(const Sender&) = delete;
   Sender& operator=(const Sender&) = delete;
 
-  // Sends `ready` to the Decode endpoint at `url`: at once when `event` (if any) completed
+  // Sends a layer's readiness (`payload`, for layer `layer_idx`) to the Decode endpoint at
+  // `url`: at once when `event` (if any) completed
   // and the connection is acknowledged, else as soon as both are. Its answer goes to every
   // ticket's gate generation (SlotGate::open counted this endpoint there). Readiness go
   // out in the order they were given.
   // With CURVE keys, `server_key` is the Decode's public key (Z85). `final_ids`: the
   // requests the readiness completes (its done_ext_ids), committed (KV_COMMIT) once Decode
   // answers READ_DONE, where Decode takes commits.
-  void send(const std::string& url, const protocol::ReadReadyBatch& ready,
-            std::vector<GateTicket> tickets, std::shared_ptr<WriteEvent> event = nullptr,
-            std::string server_key = {});
-  // The same with the readiness encoded already (protocol::encode_readiness): the hot path,
-  // which encodes a step's requests once, not once per layer.
+  // The readiness comes encoded (protocol::encode_readiness): a step's requests are
+  // encoded once, not once per layer.
   void send(const std::string& url, int64_t layer_idx, std::vector<std::byte> payload,
             std::vector<GateTicket> tickets, std::shared_ptr<WriteEvent> event = nullptr,
             std::string server_key = {}, std::vector<std::string> final_ids = {});
@@ -197,8 +195,8 @@ class Sender {
   void fail_endpoint(const std::string& url, Endpoint& ep, const Status& why);
   // Answers every ticket with `outcome`. Counted as an answer when Decode gave it, else as a
   // failure of the sender's own.
-  void settle(const std::vector<GateTicket>& tickets, const Status& outcome,
-              bool from_decode = false);
+  void answer_tickets(const std::vector<GateTicket>& tickets, const Status& outcome,
+                      bool from_decode = false);
   void count(uint64_t SenderStats::*field);
 
   SenderConfig config_;

@@ -1,5 +1,5 @@
 // Prefill's sender, per Decode connection: MF_META and its ACK, the link it offers, readiness
-// sent, answers read and settled, and connections dropped when lost or late.
+// sent, answers read and given to their gates, and connections dropped when lost or late.
 #include <sodium.h>
 
 #include "prefill/sender.h"
@@ -23,7 +23,7 @@ void Sender::dispatch(Task task) {
     std::optional<control::ClientSecurity> security;
     if (config_.curve) security = control::ClientSecurity{*config_.curve, task.server_key};
     auto dealer = control::DealerChannel::connect(context_, task.url, security);
-    if (!dealer) return settle(task.tickets, dealer.status());
+    if (!dealer) return answer_tickets(task.tickets, dealer.status());
     ep.dealer = std::move(*dealer);
     ep.acked = false;
     ep.ack_deadline = Clock::now() + config_.ack_timeout;
@@ -75,7 +75,7 @@ void Sender::transmit(Endpoint& ep, Task task) {
   }
   Status st = ep.on_link ? engine_->send_on_link(ep.link_token, task.payload)
                          : ep.dealer->send(task.payload);
-  if (!st) return settle(task.tickets, st);
+  if (!st) return answer_tickets(task.tickets, st);
   ep.pending.push_back({task.layer_idx, std::move(task.tickets),
                         Clock::now() + config_.reply_timeout, std::move(task.final_ids)});
   trace::instant("readiness", "sender", task.layer_idx);
@@ -176,13 +176,13 @@ bool Sender::answer(const std::string& url, Endpoint& ep, std::span<const std::b
     Status st = ep.on_link ? engine_->send_on_link(ep.link_token, commit) : ep.dealer->send(commit);
     if (!st) {
       // Uncommitted, Decode fails those requests; this connection is not to be trusted.
-      settle(p.tickets, Status::ok(), /*from_decode=*/true);
+      answer_tickets(p.tickets, Status::ok(), /*from_decode=*/true);
       fail_endpoint(url, ep, Status(st.code(), "cannot commit to " + url + ": " + st.message()));
       return false;
     }
     count(&SenderStats::commits);
   }
-  settle(p.tickets, ok ? Status::ok() : Status(code, reason), /*from_decode=*/true);
+  answer_tickets(p.tickets, ok ? Status::ok() : Status(code, reason), /*from_decode=*/true);
   return true;
 }
 
@@ -232,8 +232,8 @@ void Sender::check_deadlines() {
 }
 
 void Sender::fail_endpoint(const std::string& /*url*/, Endpoint& ep, const Status& why) {
-  for (auto& p : ep.pending) settle(p.tickets, why);
-  for (auto& t : ep.waiting) settle(t.tickets, why);
+  for (auto& p : ep.pending) answer_tickets(p.tickets, why);
+  for (auto& t : ep.waiting) answer_tickets(t.tickets, why);
   ep.pending.clear();
   ep.waiting.clear();
   ep.dealer.reset();  // the next readiness reconnects and sends MF_META again

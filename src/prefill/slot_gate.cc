@@ -17,10 +17,7 @@ uint64_t SlotGate::open(int64_t layer_idx, size_t endpoints, uint64_t tag) {
 
 void SlotGate::answer(uint64_t generation, const Status& outcome) {
   std::lock_guard lock(mu_);
-  if (generation != generation_ || answered_ >= expected_) {
-    ++ignored_;
-    return;
-  }
+  if (generation != generation_ || answered_ >= expected_) return;  // late or extra
   ++answered_;
   if (!outcome && failure_.is_ok()) failure_ = outcome;
   changed_.notify_all();
@@ -46,16 +43,6 @@ Status SlotGate::wait_answers(std::unique_lock<std::mutex>& lock, const Deadline
   return Status::ok();
 }
 
-Status SlotGate::wait(const Deadline& deadline) {
-  std::unique_lock lock(mu_);
-  RD2H_RETURN_IF_ERROR(wait_answers(lock, deadline));
-  if (!failure_.is_ok()) {
-    failure_raised_ = true;
-    return Status(failure_.code(), "layer " + std::to_string(layer_) + ": " + failure_.message());
-  }
-  return Status::ok();
-}
-
 Status SlotGate::settle(const Deadline& deadline) {
   std::unique_lock lock(mu_);
   RD2H_RETURN_IF_ERROR(wait_answers(lock, deadline));
@@ -71,19 +58,9 @@ bool SlotGate::answered() const {
   return answered_ >= expected_;
 }
 
-uint64_t SlotGate::generation() const {
-  std::lock_guard lock(mu_);
-  return generation_;
-}
-
 uint64_t SlotGate::tag() const {
   std::lock_guard lock(mu_);
   return tag_;
-}
-
-size_t SlotGate::ignored_answers() const {
-  std::lock_guard lock(mu_);
-  return ignored_;
 }
 
 }  // namespace rd2h::prefill

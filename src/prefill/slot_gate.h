@@ -36,21 +36,17 @@ class SlotGate {
   // Every pending generation fails with `reason` (the sender thread died, the peer is gone).
   void fail(const std::string& reason);
 
-  // Returns once the current generation has all its answers (ok, or the first failure with
-  // its layer and reason), or a timeout error naming the layer and the missing answers.
-  Status wait(const Deadline& deadline);
-
   // The reuse gate, before a new owner opens the slot: returns once the current generation
-  // has all its answers. Its failure is returned only if no wait() returned it yet, so the
-  // compute path raises each failure once and the slot is free afterwards.
+  // has all its answers, or a timeout error naming the layer and the missing answers. A
+  // failure among the answers (with its layer and reason) is returned once, to the first
+  // caller after it came, so the compute path raises each failure once and the slot is
+  // free afterwards.
   Status settle(const Deadline& deadline);
 
-  // Whether the current generation has all its answers (settle() and wait() return at once).
+  // Whether the current generation has all its answers (settle() returns at once).
   bool answered() const;
 
-  uint64_t generation() const;
   uint64_t tag() const;  // of the current generation
-  size_t ignored_answers() const;
 
  private:
   Status wait_answers(std::unique_lock<std::mutex>& lock, const Deadline& deadline);
@@ -64,7 +60,6 @@ class SlotGate {
   size_t answered_ = 0;
   Status failure_;  // first failure of the current generation
   bool failure_raised_ = false;
-  size_t ignored_ = 0;
 };
 
 // An answer owed to one generation of one gate.

@@ -238,7 +238,7 @@ Status Worker::save_kv_layer(std::string_view layer_name, std::shared_ptr<WriteE
   const std::vector<SlotGate*> gates = gates_of(found);
   const Deadline deadline(config_.send_timeout);
   for (SlotGate* gate : gates) {
-    RD2H_RETURN_IF_ERROR(settle(*gate, deadline)
+    RD2H_RETURN_IF_ERROR(wait_reusable(*gate, deadline)
                              .with_context("layer " + std::to_string(layer.index) +
                                            " cannot take its storage slot"));
   }
@@ -262,7 +262,7 @@ Status Worker::wait_for_layer_send(std::string_view layer_name) {
   const Deadline deadline(config_.send_timeout);
   for (SlotGate* gate : gates_of(found)) {
     RD2H_RETURN_IF_ERROR(
-        settle(*gate, deadline)
+        wait_reusable(*gate, deadline)
             .with_context("waiting for Decode to read " + std::string(layer_name)));
   }
   return Status::ok();
@@ -290,14 +290,14 @@ Status Worker::wait_for_save() {
   Status first;
   for (auto* gates : {&main_gates_, &indexer_gates_}) {
     for (auto& gate : *gates) {
-      Status st = settle(*gate, deadline);
+      Status st = wait_reusable(*gate, deadline);
       if (!st && first.is_ok()) first = st.with_context("waiting for Decode to read the step");
     }
   }
   return first;
 }
 
-Status Worker::settle(SlotGate& gate, const Deadline& deadline) {
+Status Worker::wait_reusable(SlotGate& gate, const Deadline& deadline) {
   // The answers are read off the sockets on this thread: no hand-off on the way back.
   if (!gate.answered()) sender_->serve_until([&gate] { return gate.answered(); }, deadline);
   Status st = gate.settle(deadline);

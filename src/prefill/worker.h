@@ -130,10 +130,10 @@ class Worker {
   Expected<std::string> decode_key(const SendRequest& r) const;
   // The gates of a layer's slots: main, then indexer when it has one.
   std::vector<SlotGate*> gates_of(size_t layer);
-  // Settles `gate` (see SlotGate::settle); a failure of a step that already raised is
-  // swallowed, any other marks its step raised. A Decode's failure is not raised unless
+  // Waits until `gate`'s slot may be reused (SlotGate::settle); a failure of a step that already
+  // raised is swallowed, any other marks its step raised. A Decode's failure is not raised unless
   // config_.raise_on_peer_failure (counted and, once per step, logged instead).
-  Status settle(SlotGate& gate, const Deadline& deadline);
+  Status wait_reusable(SlotGate& gate, const Deadline& deadline);
 
   WorkerConfig config_;
   std::shared_ptr<transfer::TransferEngine> engine_;

@@ -200,7 +200,7 @@ TEST_F(Lifecycle, AChunkedRequestWithACachedPrefixGoesFromRendezvousToDecodeRead
   ASSERT_EQ(decode_scheduler_->get_num_new_matched_tokens(d, 32).tokens, 68u);
   const std::vector<int64_t> d_blocks = {9, 3, 14, 0, 7, 11, 5};
   ASSERT_TRUE(decode_scheduler_->update_state_after_alloc(d, {d_blocks}, 68).is_ok());
-  auto dmeta = decode_scheduler_->build_connector_meta({});
+  auto dmeta = testing::built(*decode_scheduler_, {});
   ASSERT_TRUE(dmeta);
   decode_start(*dmeta);
 
@@ -213,11 +213,11 @@ TEST_F(Lifecycle, AChunkedRequestWithACachedPrefixGoesFromRendezvousToDecodeRead
   const std::vector<int64_t> p_blocks = {2, 6, 1, 12, 8, 15, 4};
   ASSERT_TRUE(prefill_scheduler_->update_state_after_alloc(p, {{2, 6, 1, 12}}, 0).is_ok());
 
-  auto chunk1 = prefill_scheduler_->build_connector_meta({{p.request_id, {}, 64}});
+  auto chunk1 = testing::built(*prefill_scheduler_, {{p.request_id, {}, 64}});
   ASSERT_TRUE(chunk1);
   prefill_step(*chunk1);
   EXPECT_TRUE(decode_finished().recving.empty()) << "ready before the final chunk";
-  auto chunk2 = prefill_scheduler_->build_connector_meta({{p.request_id, {{8, 15, 4}}, 100}});
+  auto chunk2 = testing::built(*prefill_scheduler_, {{p.request_id, {{8, 15, 4}}, 100}});
   ASSERT_TRUE(chunk2);
   prefill_step(*chunk2);
 
@@ -247,8 +247,8 @@ TEST_F(Lifecycle, AChunkedRequestWithACachedPrefixGoesFromRendezvousToDecodeRead
       }
     }
   }
-  decode_scheduler_->request_finished(d);
-  prefill_scheduler_->request_finished(p);
+  (void)decode_scheduler_->request_finished(d);
+  (void)prefill_scheduler_->request_finished(p);
   EXPECT_EQ(testing::SchedulerAccess::tracked(*decode_scheduler_), 0u);
   EXPECT_EQ(testing::SchedulerAccess::tracked(*prefill_scheduler_), 0u);
 }

@@ -286,7 +286,7 @@ TEST(MultiConnectorScheduler, TheOffloadLoadsAPrefixWhileRd2hSeesAndPublishesEve
   const auto matched = multi.get_num_new_matched_tokens(r, 0);
   EXPECT_EQ(matched.tokens, 32u) << "two stored blocks";
   ASSERT_TRUE(multi.update_state_after_alloc(r, {{10, 11, 12, 13}}, 32).is_ok());
-  auto bytes = multi.build_metadata({{r.request_id, {}, 50}});
+  auto bytes = multi.build_connector_meta({{r.request_id, {}, 50}});
   ASSERT_TRUE(bytes) << bytes.status().to_string();
   auto blobs = decode_multi(*bytes);
   ASSERT_TRUE(blobs);
@@ -304,7 +304,7 @@ TEST(MultiConnectorScheduler, TheOffloadLoadsAPrefixWhileRd2hSeesAndPublishesEve
   EXPECT_EQ(published->save[0].main_block_ids, (std::vector<int64_t>{10, 11, 12, 13}))
       << "rd2h publishes the loaded prefix too: Decode needs the whole prompt";
   EXPECT_TRUE(published->save[0].final_chunk);
-  EXPECT_TRUE(multi.finish(r));
+  EXPECT_TRUE(multi.request_finished(r));
 }
 
 // A scheduler that returns kv_transfer_params when a request finishes.
@@ -317,10 +317,11 @@ class ParamsOnFinish final : public KvConnectorScheduler {
                                   uint64_t) override {
     return Status::ok();
   }
-  Expected<std::vector<std::byte>> build_metadata(const std::vector<ScheduledRequest>&) override {
+  Expected<std::vector<std::byte>> build_connector_meta(
+      const std::vector<ScheduledRequest>&) override {
     return std::vector<std::byte>{};
   }
-  Expected<FinishedRequest> finish(const Request&) override {
+  Expected<FinishedRequest> request_finished(const Request&) override {
     return FinishedRequest{false, KvTransferParams{}};
   }
 
@@ -342,10 +343,11 @@ class Matcher final : public KvConnectorScheduler {
     if (external > 0) loaded_ = !blocks.empty();
     return Status::ok();
   }
-  Expected<std::vector<std::byte>> build_metadata(const std::vector<ScheduledRequest>&) override {
+  Expected<std::vector<std::byte>> build_connector_meta(
+      const std::vector<ScheduledRequest>&) override {
     return std::vector<std::byte>{};
   }
-  Expected<FinishedRequest> finish(const Request&) override { return FinishedRequest{}; }
+  Expected<FinishedRequest> request_finished(const Request&) override { return FinishedRequest{}; }
   bool reports_preempted(const Request& r) const override { return r.request_id == preempted_; }
   bool loaded_ = false;
 
@@ -376,14 +378,14 @@ TEST(MultiConnectorScheduler, AtMostOneConnectorMayReturnKvTransferParams) {
   one.push_back(std::make_unique<ParamsOnFinish>("a"));
   MultiConnectorScheduler single(std::move(one));
   Request r{"r-abcdefgh", 1, std::nullopt, {}};
-  auto f = single.finish(r);
+  auto f = single.request_finished(r);
   ASSERT_TRUE(f);
   EXPECT_TRUE(f->params.has_value());
   std::vector<std::unique_ptr<KvConnectorScheduler>> two;
   two.push_back(std::make_unique<ParamsOnFinish>("a"));
   two.push_back(std::make_unique<ParamsOnFinish>("b"));
   MultiConnectorScheduler both(std::move(two));
-  auto g = both.finish(r);
+  auto g = both.request_finished(r);
   ASSERT_FALSE(g);
   EXPECT_NE(g.status().message().find("both a and b"), std::string::npos) << g.status().message();
 }

@@ -85,17 +85,17 @@ TEST(DecodeScheduler, MatchesAllocatesAndPostsTheRendezvousOnce) {
             R"("remote_cached_tokens":128})");
   EXPECT_EQ(meta.bodies()[0].find("[1,2,3]"), std::string::npos) << "block ids left Decode";
 
-  auto m = (*s)->build_connector_meta({});
+  auto m = testing::built(**s, {});
   ASSERT_TRUE(m);
   ASSERT_EQ(m->load.size(), 1u);
   EXPECT_EQ(m->load[0].ext_id, "cmpl-x-0");
   EXPECT_EQ(m->load[0].internal_id, "cmpl-x-0-abcdefgh");
   EXPECT_EQ(m->load[0].main_blocks, (std::vector<int64_t>{1, 2, 3}));
   EXPECT_EQ(m->load[0].indexer_blocks, (std::vector<int64_t>{20, 21, 22}));
-  EXPECT_TRUE((*s)->build_connector_meta({})->empty()) << "a load is handed out once";
+  EXPECT_TRUE(testing::built(**s, {})->empty()) << "a load is handed out once";
 
-  (*s)->request_finished(r);
-  EXPECT_EQ((*s)->build_connector_meta({})->abort, std::vector<std::string>{"cmpl-x-0"});
+  (void)(*s)->request_finished(r);
+  EXPECT_EQ(testing::built(**s, {})->abort, std::vector<std::string>{"cmpl-x-0"});
   EXPECT_EQ(testing::SchedulerAccess::tracked(**s), 0u);
 }
 
@@ -125,7 +125,7 @@ TEST(DecodeScheduler, RequestsWithoutRemotePrefillAreLeftAlone) {
   Request plain{"r-abcdefgh", 100, std::nullopt, {}};
   EXPECT_EQ((*s)->get_num_new_matched_tokens(plain, 0).tokens, 0u);
   EXPECT_TRUE((*s)->update_state_after_alloc(plain, {{1}}, 0).is_ok());
-  EXPECT_TRUE((*s)->build_connector_meta({})->empty());
+  EXPECT_TRUE(testing::built(**s, {})->empty());
 }
 
 TEST(DecodeScheduler, WithoutAMetaserverOrWhenVirtualNothingIsPostedButTheRequestIsTracked) {
@@ -150,11 +150,11 @@ TEST(DecodeScheduler, WithoutAMetaserverOrWhenVirtualNothingIsPostedButTheReques
   EXPECT_FALSE(client->pending("a")) << "posted without a metaserver";
   EXPECT_FALSE(client->pending("b")) << "a virtual request was posted";
   EXPECT_TRUE(client->pending("c")) << "the control request was not posted";
-  auto m = (*s)->build_connector_meta({});
+  auto m = testing::built(**s, {});
   ASSERT_TRUE(m);
   ASSERT_EQ(m->load.size(), 3u) << "every request is still expected";
   EXPECT_EQ(testing::SchedulerAccess::tracked(**s), 3u);
-  for (Request* r : {&a, &b, &c}) (*s)->request_finished(*r);
+  for (Request* r : {&a, &b, &c}) (void)(*s)->request_finished(*r);
   EXPECT_EQ(testing::SchedulerAccess::tracked(**s), 0u);
 }
 
@@ -176,7 +176,7 @@ TEST(PrefillScheduler, EachChunkPublishesItsNewlyCompleteBlocksAndTheLastItsPart
   Request r{"cmpl-x-0-abcdefgh", 100, from_decode(32), {}};
   EXPECT_EQ((*s)->get_num_new_matched_tokens(r, 0).tokens, 0u);
   ASSERT_TRUE((*s)->update_state_after_alloc(r, {{10, 11, 12, 13}}, 0).is_ok());
-  auto first = (*s)->build_connector_meta({{r.request_id, {}, 64}});
+  auto first = testing::built(**s, {{r.request_id, {}, 64}});
   ASSERT_TRUE(first) << first.status().to_string();
   ASSERT_EQ(first->save.size(), 1u);
   const auto& a = first->save[0];
@@ -189,13 +189,13 @@ TEST(PrefillScheduler, EachChunkPublishesItsNewlyCompleteBlocksAndTheLastItsPart
   EXPECT_EQ(a.main_start, 2);
   EXPECT_FALSE(a.final_chunk);
 
-  auto last = (*s)->build_connector_meta({{r.request_id, {{14, 15, 16}}, 100}});
+  auto last = testing::built(**s, {{r.request_id, {{14, 15, 16}}, 100}});
   ASSERT_TRUE(last);
   ASSERT_EQ(last->save.size(), 1u);
   EXPECT_EQ(last->save[0].main_block_ids, (std::vector<int64_t>{14, 15, 16}));
   EXPECT_EQ(last->save[0].main_start, 4);
   EXPECT_TRUE(last->save[0].final_chunk);
-  (*s)->request_finished(r);
+  (void)(*s)->request_finished(r);
   EXPECT_EQ(testing::SchedulerAccess::tracked(**s), 0u);
 }
 
@@ -204,13 +204,13 @@ TEST(PrefillScheduler, ARequestIsForgottenOnceItsLastChunkIsPublished) {
   ASSERT_TRUE(s);
   Request r{"cmpl-x-0-abcdefgh", 40, from_decode(0), {}};
   ASSERT_TRUE((*s)->update_state_after_alloc(r, {{10, 11, 12}}, 0).is_ok());
-  auto last = (*s)->build_connector_meta({{r.request_id, {}, 40}});
+  auto last = testing::built(**s, {{r.request_id, {}, 40}});
   ASSERT_TRUE(last);
   ASSERT_EQ(last->save.size(), 1u);
   EXPECT_TRUE(last->save[0].final_chunk);
   EXPECT_EQ(testing::SchedulerAccess::tracked(**s), 0u);
   // A later step of the same request (its first decode step) publishes nothing.
-  auto later = (*s)->build_connector_meta({{r.request_id, {{13}}, 41}});
+  auto later = testing::built(**s, {{r.request_id, {{13}}, 41}});
   ASSERT_TRUE(later);
   EXPECT_TRUE(later->save.empty()) << "the last partial block was sent again";
 }
@@ -226,7 +226,7 @@ TEST(PrefillScheduler, ADecodeEndpointWithoutHostOrPortHasNothingToSend) {
   ASSERT_TRUE((*s)->update_state_after_alloc(a, {{1}}, 0).is_ok());
   ASSERT_TRUE((*s)->update_state_after_alloc(b, {{2}}, 0).is_ok());
   EXPECT_EQ(testing::SchedulerAccess::tracked(**s), 0u);
-  auto m = (*s)->build_connector_meta({{a.request_id, {}, 16}, {b.request_id, {}, 16}});
+  auto m = testing::built(**s, {{a.request_id, {}, 16}, {b.request_id, {}, 16}});
   ASSERT_TRUE(m);
   EXPECT_TRUE(m->save.empty()) << "a readiness would go nowhere";
 }
@@ -238,11 +238,11 @@ TEST(PrefillScheduler, AResumedRequestPublishesFromItsNewBlocks) {
   ASSERT_TRUE(s);
   Request r{"cmpl-x-0-abcdefgh", 64, from_decode(0), {}};
   ASSERT_TRUE((*s)->update_state_after_alloc(r, {{10, 11}}, 0).is_ok());
-  auto first = (*s)->build_connector_meta({{r.request_id, {}, 32}});
+  auto first = testing::built(**s, {{r.request_id, {}, 32}});
   ASSERT_TRUE(first);
   ASSERT_EQ(first->save.size(), 1u);
   EXPECT_EQ(first->save[0].main_block_ids, (std::vector<int64_t>{10, 11}));
-  auto resumed = (*s)->build_connector_meta({{r.request_id, {{20, 21, 22, 23}}, 64, true}});
+  auto resumed = testing::built(**s, {{r.request_id, {{20, 21, 22, 23}}, 64, true}});
   ASSERT_TRUE(resumed) << resumed.status().to_string();
   ASSERT_EQ(resumed->save.size(), 1u);
   EXPECT_EQ(resumed->save[0].main_block_ids, (std::vector<int64_t>{22, 23}));
@@ -255,7 +255,7 @@ TEST(PrefillScheduler, SeparateIndexerGroupsSliceByTheirOwnBlockSize) {
   ASSERT_TRUE(s);
   Request r{"cmpl-x-0-abcdefgh", 40, from_decode(0), {}};
   ASSERT_TRUE((*s)->update_state_after_alloc(r, {{7, 8}, {1, 2, 3}}, 0).is_ok());
-  auto m = (*s)->build_connector_meta({{r.request_id, {}, 40}});
+  auto m = testing::built(**s, {{r.request_id, {}, 40}});
   ASSERT_TRUE(m);
   ASSERT_EQ(m->save.size(), 1u);
   EXPECT_EQ(m->save[0].main_block_ids, (std::vector<int64_t>{1, 2, 3}));
@@ -272,7 +272,7 @@ TEST(PrefillScheduler, APromptListChildIsFoundAndAMissingOneIsNamed) {
   list.batch = {{"cmpl-p-0", from_decode(0)}, {"cmpl-p-1", child}};
   Request second{"cmpl-p-1-abcdefgh", 16, list, {}};
   ASSERT_TRUE((*s)->update_state_after_alloc(second, {{5}}, 0).is_ok());
-  auto m = (*s)->build_connector_meta({{second.request_id, {}, 16}});
+  auto m = testing::built(**s, {{second.request_id, {}, 16}});
   ASSERT_TRUE(m);
   ASSERT_EQ(m->save.size(), 1u);
   EXPECT_EQ(m->save[0].d_base_port, 40000) << "the child's own Decode endpoint";

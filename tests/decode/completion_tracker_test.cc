@@ -16,15 +16,25 @@ AllGather group_with(std::vector<RankTerminal> others) {
 
 const AllGather kAlone = group_with({});
 
+// What the reader's get_finished makes of the tracker: every rank's terminal states
+// gathered, the ended requests taken.
+Expected<Finished> finished_of(CompletionTracker& t, const AllGather& all_gather) {
+  auto ranks = all_gather(t.terminal());
+  if (!ranks) return ranks.status();
+  Finished out;
+  for (auto& e : t.take(*ranks)) (e.failed ? out.failed : out.finished).push_back(e.internal_id);
+  return out;
+}
+
 TEST(CompletionTracker, CompletesAfterEveryContributorReportsTheFinalLayer) {
   CompletionTracker t;
   ASSERT_TRUE(t.add_request("ext-1", "int-1").is_ok());
   for (int member : {0, 2, 3}) {
     ASSERT_TRUE(t.on_final_layer("ext-1", member, 4).is_ok());
-    EXPECT_TRUE(t.get_finished(kAlone)->finished.empty()) << "after member " << member;
+    EXPECT_TRUE(finished_of(t, kAlone)->finished.empty()) << "after member " << member;
   }
   ASSERT_TRUE(t.on_final_layer("ext-1", 1, 4).is_ok());
-  auto done = t.get_finished(kAlone);
+  auto done = finished_of(t, kAlone);
   ASSERT_TRUE(done);
   EXPECT_EQ(done->finished, std::vector<std::string>{"int-1"});
   EXPECT_TRUE(done->failed.empty());
@@ -56,16 +66,16 @@ TEST(CompletionTracker, DuplicateFinalSignalDoesNotAdvance) {
   ASSERT_TRUE(t.add_request("r", "i").is_ok());
   ASSERT_TRUE(t.on_final_layer("r", 0, 2).is_ok());
   ASSERT_TRUE(t.on_final_layer("r", 0, 2).is_ok());
-  EXPECT_TRUE(t.get_finished(kAlone)->finished.empty());
+  EXPECT_TRUE(finished_of(t, kAlone)->finished.empty());
   ASSERT_TRUE(t.on_final_layer("r", 1, 2).is_ok());
-  EXPECT_EQ(t.get_finished(kAlone)->finished, std::vector<std::string>{"i"});
+  EXPECT_EQ(finished_of(t, kAlone)->finished, std::vector<std::string>{"i"});
 }
 
 TEST(CompletionTracker, AFailedReadMakesTheRequestTerminalAndFailed) {
   CompletionTracker t;
   ASSERT_TRUE(t.add_request("r", "i").is_ok());
   t.on_failed("r");
-  auto done = t.get_finished(kAlone);
+  auto done = finished_of(t, kAlone);
   EXPECT_TRUE(done->finished.empty());
   EXPECT_EQ(done->failed, std::vector<std::string>{"i"});
 }
@@ -75,10 +85,10 @@ TEST(CompletionTracker, EveryDecodeRankMustBeTerminal) {
   ASSERT_TRUE(t.add_request("r", "i").is_ok());
   ASSERT_TRUE(t.on_final_layer("r", 0, 1).is_ok());
   // Another rank has not finished "r": nothing is reported and the state stays.
-  EXPECT_TRUE(t.get_finished(group_with({RankTerminal{}}))->finished.empty());
+  EXPECT_TRUE(finished_of(t, group_with({RankTerminal{}}))->finished.empty());
   EXPECT_EQ(t.tracked(), 1u);
   // Another rank finished but failed: failed everywhere.
-  auto done = t.get_finished(group_with({RankTerminal{{"r", true}}}));
+  auto done = finished_of(t, group_with({RankTerminal{{"r", true}}}));
   EXPECT_EQ(done->failed, std::vector<std::string>{"i"});
   EXPECT_TRUE(done->finished.empty());
 }
@@ -87,9 +97,9 @@ TEST(CompletionTracker, ACompletionBeforeTheRequestIsKnownIsKept) {
   CompletionTracker t;
   ASSERT_TRUE(t.on_final_layer("r", 1, 2).is_ok());
   ASSERT_TRUE(t.on_final_layer("r", 0, 2).is_ok());
-  EXPECT_TRUE(t.get_finished(kAlone)->finished.empty());
+  EXPECT_TRUE(finished_of(t, kAlone)->finished.empty());
   ASSERT_TRUE(t.add_request("r", "i").is_ok());
-  EXPECT_EQ(t.get_finished(kAlone)->finished, std::vector<std::string>{"i"});
+  EXPECT_EQ(finished_of(t, kAlone)->finished, std::vector<std::string>{"i"});
 }
 
 TEST(CompletionTracker, EarlyCompletionsAreBounded) {
@@ -109,11 +119,11 @@ TEST(CompletionTracker, AbortedRequestsIgnoreLateSignalsAndAreForgotten) {
   ASSERT_TRUE(t.on_final_layer("r", 0, 1).is_ok());
   t.on_failed("r");
   EXPECT_EQ(t.tracked(), 0u);
-  EXPECT_TRUE(t.get_finished(kAlone)->finished.empty());
+  EXPECT_TRUE(finished_of(t, kAlone)->finished.empty());
   // Re-adding the same id starts afresh.
   ASSERT_TRUE(t.add_request("r", "i2").is_ok());
   ASSERT_TRUE(t.on_final_layer("r", 0, 1).is_ok());
-  EXPECT_EQ(t.get_finished(kAlone)->finished, std::vector<std::string>{"i2"});
+  EXPECT_EQ(finished_of(t, kAlone)->finished, std::vector<std::string>{"i2"});
 }
 
 TEST(CompletionTracker, ContributorOutsideTheRatioIsRejected) {
@@ -130,9 +140,9 @@ TEST(CompletionTracker, TheContributorCountComesWithEachRequestsSignals) {
   ASSERT_TRUE(t.add_request("one", "i1").is_ok());
   ASSERT_TRUE(t.on_final_layer("two", 0, 2).is_ok());
   ASSERT_TRUE(t.on_final_layer("one", 0, 1).is_ok());
-  EXPECT_EQ(t.get_finished(kAlone)->finished, std::vector<std::string>{"i1"});
+  EXPECT_EQ(finished_of(t, kAlone)->finished, std::vector<std::string>{"i1"});
   ASSERT_TRUE(t.on_final_layer("two", 1, 2).is_ok());
-  EXPECT_EQ(t.get_finished(kAlone)->finished, std::vector<std::string>{"i2"});
+  EXPECT_EQ(finished_of(t, kAlone)->finished, std::vector<std::string>{"i2"});
 }
 
 TEST(CompletionTracker, ContributorsDisagreeingOnTheirCountFailTheRequest) {
@@ -143,13 +153,13 @@ TEST(CompletionTracker, ContributorsDisagreeingOnTheirCountFailTheRequest) {
   EXPECT_EQ(st.code(), StatusCode::kFailedPrecondition);
   EXPECT_NE(st.message().find("says tp_ratio 2, an earlier one said 4"), std::string::npos)
       << st.message();
-  auto done = t.get_finished(kAlone);
+  auto done = finished_of(t, kAlone);
   EXPECT_EQ(done->failed, std::vector<std::string>{"i"});
   // Before the request is known as well.
   ASSERT_TRUE(t.on_final_layer("early", 0, 2).is_ok());
   EXPECT_FALSE(t.on_final_layer("early", 0, 1).is_ok());
   ASSERT_TRUE(t.add_request("early", "ie").is_ok());
-  EXPECT_EQ(t.get_finished(kAlone)->failed, std::vector<std::string>{"ie"});
+  EXPECT_EQ(finished_of(t, kAlone)->failed, std::vector<std::string>{"ie"});
 }
 
 TEST(CompletionTracker, AFailingGatherIsReportedAndLosesNothing) {
@@ -159,10 +169,10 @@ TEST(CompletionTracker, AFailingGatherIsReportedAndLosesNothing) {
   AllGather broken = [](const RankTerminal&) -> Expected<std::vector<RankTerminal>> {
     return timeout_error("rank 1 did not answer");
   };
-  auto st = t.get_finished(broken);
+  auto st = finished_of(t, broken);
   ASSERT_FALSE(st);
   EXPECT_NE(st.status().message().find("rank 1 did not answer"), std::string::npos);
-  EXPECT_EQ(t.get_finished(kAlone)->finished, std::vector<std::string>{"i"});
+  EXPECT_EQ(finished_of(t, kAlone)->finished, std::vector<std::string>{"i"});
 }
 
 TEST(Combine, AllRanksAgreeOnTheSameAnswer) {

@@ -21,6 +21,14 @@ const decode::AllGather kAlone =
   return std::vector<decode::RankTerminal>{mine};
 };
 
+// A readiness sent as the Prefill worker sends it: encoded once, its done ids committed
+// once Decode answers.
+void send_ready(Sender& s, const std::string& url, const protocol::ReadReadyBatch& r,
+                std::vector<GateTicket> tickets, std::shared_ptr<WriteEvent> event = nullptr) {
+  s.send(url, r.layer_idx, protocol::encode(r), std::move(tickets), std::move(event), {},
+         r.done_ext_ids);
+}
+
 class SenderTest : public ::testing::Test {
  protected:
   void start_reader(int port = 0, bool control_link = true,
@@ -70,12 +78,12 @@ class SenderTest : public ::testing::Test {
   static Status wait(Sender& s, SlotGate& gate) {
     const Deadline deadline(10s);
     s.serve_until([&] { return gate.answered(); }, deadline);
-    return gate.wait(deadline);
+    return gate.settle(deadline);
   }
   // Sends one readiness through a fresh gate generation and waits for its answer.
   Status send_and_wait(Sender& s, const protocol::ReadReadyBatch& r, SlotGate& gate) {
     const uint64_t g = gate.open(r.layer_idx, 1);
-    s.send(reader_url_or_(), r, {{&gate, g}});
+    send_ready(s, reader_url_or_(), r, {{&gate, g}});
     return wait(s, gate);
   }
   // A reader and a sender whose connection to it is acknowledged (one layer went through).
@@ -182,10 +190,10 @@ TEST_F(SenderTest, AnswersAreServedWhileALaterLayerIsStillBeingWritten) {
   auto s = sender();
   SlotGate g0, g1;
   const uint64_t first = g0.open(0, 1);
-  s->send(reader_->url(), ready(0, {}), {{&g0, first}});
+  send_ready(*s, reader_->url(), ready(0, {}), {{&g0, first}});
   auto writing = std::make_shared<HostWriteEvent>();
   const uint64_t second = g1.open(1, 1);
-  s->send(reader_->url(), ready(1, {}), {{&g1, second}}, writing);
+  send_ready(*s, reader_->url(), ready(1, {}), {{&g1, second}}, writing);
   // Layer 0's answer comes in while layer 1's write runs (the sender is not stuck on it).
   Status st = wait(*s, g0);
   EXPECT_TRUE(st.is_ok()) << st.to_string();
@@ -203,9 +211,9 @@ TEST_F(SenderTest, AReadinessWhoseWriteIsDoneGoesOnTheWireBeforeSendReturns) {
   auto written = std::make_shared<HostWriteEvent>();
   written->complete();
   SlotGate g0, g1;
-  s->send(reader_->url(), ready(1, {}), {{&g0, g0.open(1, 1)}});
+  send_ready(*s, reader_->url(), ready(1, {}), {{&g0, g0.open(1, 1)}});
   EXPECT_EQ(s->stats().readiness_sent, before + 1) << "handed to another thread to send";
-  s->send(reader_->url(), ready(2, {}), {{&g1, g1.open(2, 1)}}, written);
+  send_ready(*s, reader_->url(), ready(2, {}), {{&g1, g1.open(2, 1)}}, written);
   EXPECT_EQ(s->stats().readiness_sent, before + 2) << "a completed write was not sent at once";
   EXPECT_TRUE(wait(*s, g0).is_ok());
   EXPECT_TRUE(wait(*s, g1).is_ok());
@@ -221,7 +229,7 @@ TEST_F(SenderTest, AReadinessGoesOutFromTheThreadThatCompletesItsWrite) {
   for (int l = 0; l < 20; ++l) {
     auto written = std::make_shared<HostWriteEvent>();
     const uint64_t g = gate.open(l % kLayers, 1);
-    s->send(reader_->url(), ready(l % kLayers, {}), {{&gate, g}}, written);
+    send_ready(*s, reader_->url(), ready(l % kLayers, {}), {{&gate, g}}, written);
     written->complete();
     ASSERT_TRUE(wait(*s, gate).is_ok()) << "layer " << l;
   }
@@ -245,8 +253,8 @@ TEST_F(SenderTest, AWriteEventThatCannotNotifyIsWaitedOnAndItsOutcomeDecides) {
   auto s = sender();
   auto good = std::make_shared<WaitOnlyEvent>(), bad = std::make_shared<WaitOnlyEvent>();
   SlotGate g0, g1;
-  s->send(reader_->url(), ready(0, {}), {{&g0, g0.open(0, 1)}}, good);
-  s->send(reader_->url(), ready(1, {}), {{&g1, g1.open(1, 1)}}, bad);
+  send_ready(*s, reader_->url(), ready(0, {}), {{&g0, g0.open(0, 1)}}, good);
+  send_ready(*s, reader_->url(), ready(1, {}), {{&g1, g1.open(1, 1)}}, bad);
   EXPECT_EQ(s->stats().readiness_sent, 0u) << "sent before its write completed";
   ASSERT_TRUE(eventually([&] { return good->blocking_waits.load() > 0; }))
       << "nobody waits on an event that cannot notify";
@@ -269,8 +277,8 @@ TEST_F(SenderTest, AWriteThatNeverCompletesFailsItsLayerInTimeAndOutlivesTheSend
   auto never = std::make_shared<HostWriteEvent>();
   SlotGate gate;
   const uint64_t g = gate.open(2, 1);
-  s->send(reader_->url(), ready(2, {}), {{&gate, g}}, never);
-  Status st = gate.wait(Deadline(10s));
+  send_ready(*s, reader_->url(), ready(2, {}), {{&gate, g}}, never);
+  Status st = gate.settle(Deadline(10s));
   EXPECT_EQ(st.code(), StatusCode::kTimeout) << st.to_string();
   EXPECT_NE(st.message().find("layer 2 was not published: the layer's KV write did not complete"),
             std::string::npos)
@@ -279,10 +287,10 @@ TEST_F(SenderTest, AWriteThatNeverCompletesFailsItsLayerInTimeAndOutlivesTheSend
   auto late = std::make_shared<HostWriteEvent>();
   SlotGate other;
   const uint64_t h = other.open(3, 1);
-  s->send(reader_->url(), ready(3, {}), {{&other, h}}, late);
+  send_ready(*s, reader_->url(), ready(3, {}), {{&other, h}}, late);
   s.reset();
   late->complete();
-  EXPECT_EQ(other.wait(Deadline(10s)).code(), StatusCode::kFailedPrecondition);
+  EXPECT_EQ(other.settle(Deadline(10s)).code(), StatusCode::kFailedPrecondition);
 }
 
 TEST_F(SenderTest, ADecodeThatNeverAcknowledgesFailsTheGateInTime) {
@@ -305,8 +313,8 @@ TEST_F(SenderTest, AReadinessWaitsBehindAnEarlierLayerWhoseWriteIsStillRunning) 
   const uint64_t before = s->stats().readiness_sent;
   auto writing = std::make_shared<HostWriteEvent>();
   SlotGate g1, g2;
-  s->send(reader_->url(), ready(1, {}), {{&g1, g1.open(1, 1)}}, writing);
-  s->send(reader_->url(), ready(2, {}), {{&g2, g2.open(2, 1)}});  // written already
+  send_ready(*s, reader_->url(), ready(1, {}), {{&g1, g1.open(1, 1)}}, writing);
+  send_ready(*s, reader_->url(), ready(2, {}), {{&g2, g2.open(2, 1)}});  // written already
   EXPECT_EQ(s->stats().readiness_sent, before) << "layer 2 overtook layer 1";
   writing->complete();
   EXPECT_TRUE(wait(*s, g2).is_ok());
@@ -319,7 +327,7 @@ TEST_F(SenderTest, AnswersNobodyWaitsForAreReadAllTheSame) {
   auto s = sender();
   SlotGate gate;
   const uint64_t g = gate.open(0, 1);
-  s->send(reader_->url(), ready(0, {}), {{&gate, g}});
+  send_ready(*s, reader_->url(), ready(0, {}), {{&gate, g}});
   // No serve_until: the sender's own thread reads the answer within its slice.
   EXPECT_TRUE(eventually([&] { return gate.answered(); })) << "the answer was never read";
   EXPECT_EQ(s->stats().answers, 1u);
@@ -333,9 +341,9 @@ TEST_F(SenderTest, StoppingTheSenderFailsWhatIsStillPending) {
   auto s = sender(config);
   SlotGate gate;
   const uint64_t g = gate.open(4, 1);
-  s->send((*silent)->url(), ready(4, {}), {{&gate, g}});
+  send_ready(*s, (*silent)->url(), ready(4, {}), {{&gate, g}});
   s.reset();  // the sender thread ends with the answer still owed
-  Status st = gate.wait(Deadline(10s));
+  Status st = gate.settle(Deadline(10s));
   EXPECT_EQ(st.code(), StatusCode::kFailedPrecondition) << st.to_string();
   EXPECT_NE(st.message().find("layer 4: the Prefill sender stopped"), std::string::npos)
       << st.message();

@@ -54,7 +54,8 @@ struct FinishedRequest {
   std::optional<KvTransferParams> params;  // for the proxy; rd2h returns none
 };
 
-// The scheduler role of a KV connector as a host engine drives it. build_metadata's bytes
+// The scheduler role of a KV connector as a host engine drives it (vLLM's names).
+// build_connector_meta's bytes
 // go to every worker of the engine for the step, to the same connector's worker role.
 class KvConnectorScheduler {
  public:
@@ -65,9 +66,9 @@ class KvConnectorScheduler {
   virtual Status update_state_after_alloc(Request& request,
                                           const std::vector<std::vector<int64_t>>& block_ids,
                                           uint64_t num_external_tokens) = 0;
-  virtual Expected<std::vector<std::byte>> build_metadata(
+  virtual Expected<std::vector<std::byte>> build_connector_meta(
       const std::vector<ScheduledRequest>& scheduled) = 0;
-  virtual Expected<FinishedRequest> finish(const Request& request) = 0;
+  virtual Expected<FinishedRequest> request_finished(const Request& request) = 0;
   // Whether update_state_after_alloc must see the request's full block groups even when
   // another connector was chosen to load it.
   virtual bool requires_full_blocks_on_update_after_alloc() const { return false; }

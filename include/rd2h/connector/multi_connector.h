@@ -73,9 +73,9 @@ class MultiConnectorScheduler final : public KvConnectorScheduler {
   Status update_state_after_alloc(Request& request,
                                   const std::vector<std::vector<int64_t>>& block_ids,
                                   uint64_t num_external_tokens) override;
-  Expected<std::vector<std::byte>> build_metadata(
+  Expected<std::vector<std::byte>> build_connector_meta(
       const std::vector<ScheduledRequest>& scheduled) override;
-  Expected<FinishedRequest> finish(const Request& request) override;
+  Expected<FinishedRequest> request_finished(const Request& request) override;
   bool requires_full_blocks_on_update_after_alloc() const override;
 
   KvConnectorScheduler& connector(size_t i) { return *connectors_[i]; }

@@ -77,13 +77,10 @@ class Scheduler final : public KvConnectorScheduler {
   Status update_state_after_alloc(Request& request,
                                   const std::vector<std::vector<int64_t>>& block_ids,
                                   uint64_t num_external_tokens) override;
-  Expected<ConnectorMetadata> build_connector_meta(const std::vector<ScheduledRequest>& scheduled);
-  Expected<std::vector<std::byte>> build_metadata(
+  // The step's metadata for the workers (encode(ConnectorMetadata)).
+  Expected<std::vector<std::byte>> build_connector_meta(
       const std::vector<ScheduledRequest>& scheduled) override;
-  FinishedRequest request_finished(const Request& request);
-  Expected<FinishedRequest> finish(const Request& request) override {
-    return request_finished(request);
-  }
+  Expected<FinishedRequest> request_finished(const Request& request) override;
   // rd2h needs every block group on update_state_after_alloc, even when a composed
   // connector is the one chosen for lookup.
   bool requires_full_blocks_on_update_after_alloc() const override { return true; }
@@ -111,6 +108,7 @@ class Scheduler final : public KvConnectorScheduler {
   // request's (replacing them when it resumed), then the chunk the step publishes, or none
   // when it publishes nothing.
   Status add_new_blocks(Send& s, const ScheduledRequest& step);
+  Expected<ConnectorMetadata> step_metadata(const std::vector<ScheduledRequest>& scheduled);
   Expected<std::optional<prefill::SendRequest>> next_chunk(Send& s, const ScheduledRequest& step);
 
   ConnectorConfig config_;
