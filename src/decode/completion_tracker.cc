@@ -107,8 +107,8 @@ void CompletionTracker::update_terminal(Request& r) {
       s.failed || (s.contributors > 0 && s.contributors_done.size() == static_cast<size_t>(s.contributors));
 }
 
-Finished combine(const std::vector<RankTerminal>& ranks) {
-  Finished out;
+Combined combine(const std::vector<RankTerminal>& ranks) {
+  Combined out;
   if (ranks.empty()) return out;
   for (const auto& [ext_id, failed_here] : ranks.front()) {
     bool everywhere = true, failed = failed_here;
@@ -134,7 +134,7 @@ RankTerminal CompletionTracker::terminal() const {
 }
 
 std::vector<Ended> CompletionTracker::take(const std::vector<RankTerminal>& ranks) {
-  const Finished done = combine(ranks);
+  const Combined done = combine(ranks);
   std::vector<Ended> ended;
   for (const auto* list : {&done.finished, &done.failed}) {
     for (const auto& ext_id : *list) {

@@ -121,7 +121,12 @@ class CompletionTracker {
   std::deque<std::string> removed_order_;
 };
 
+// What every rank's terminal states end, by external id.
+struct Combined {
+  std::vector<std::string> finished;  // terminal on every rank, failed on none
+  std::vector<std::string> failed;    // terminal on every rank, failed on some
+};
 // Every rank runs the same gather: a request is done once it is terminal on every rank.
-Finished combine(const std::vector<RankTerminal>& ranks);
+Combined combine(const std::vector<RankTerminal>& ranks);
 
 }  // namespace rd2h::decode

@@ -133,8 +133,20 @@ Expected<Finished> Reader::get_finished(const AllGather& all_gather) {
 }
 
 ReaderStats Reader::stats() const {
-  std::lock_guard lock(mu_);
-  return stats_;
+  const auto get = [](const auto& counter) { return counter.load(std::memory_order_relaxed); };
+  const Counters& c = counters_;
+  return {.layers_done = get(c.layers_done),
+          .layers_failed = get(c.layers_failed),
+          .messages_rejected = get(c.messages_rejected),
+          .readiness_held = get(c.readiness_held),
+          .held_now = get(c.held_now),
+          .connections = get(c.connections),
+          .reads = get(c.reads),
+          .bytes_read = get(c.bytes_read),
+          .read_ns = get(c.read_ns),
+          .links_opened = get(c.links_opened),
+          .readiness_on_link = get(c.readiness_on_link),
+          .readiness_polled = get(c.readiness_polled)};
 }
 
 size_t Reader::tracked_requests() const {
@@ -208,11 +220,8 @@ void Reader::drain_held() {
       Held h = std::move(queue.front());
       queue.pop_front();
       --held_count_;
-      {
-        std::lock_guard lock(mu_);
-        stats_.held_now = held_count_;
-        if (!h.refusal.empty()) ++stats_.layers_failed;
-      }
+      set_held_now();
+      if (!h.refusal.empty()) count(&Counters::layers_failed);
       if (!h.refusal.empty()) {
         reply(it->first, protocol::encode(protocol::ReadFailed{h.ready.layer_idx, h.refusal}));
       } else {
@@ -286,8 +295,7 @@ void Reader::open_link(const std::string& identity, const Peer& peer, uint64_t t
   }
   link_of_[identity] = PeerLink{token, false};
   link_peer_[token] = identity;
-  std::lock_guard lock(mu_);
-  ++stats_.links_opened;
+  count(&Counters::links_opened);
 }
 
 void Reader::close_link(const std::string& identity) {
@@ -310,16 +318,15 @@ void Reader::handle(const control::Inbound& in, bool* polled) {
       // Polling stops once nothing is owed: a readiness taken in the same batch after the
       // message that settled the last request did not find the reader polling for it.
       *polled = *polled && !owed_.empty();
-      ++stats_.readiness_on_link;
-      if (*polled) ++stats_.readiness_polled;
+      count(&Counters::readiness_on_link);
+      if (*polled) count(&Counters::readiness_polled);
     }
     take_readiness(in.identity, std::move(*ready));
   } else if (auto* commit = std::get_if<protocol::KvCommit>(&*message)) {
     // It answers a READ_DONE already sent, which no held readiness precedes: taken at once.
     handle_commit(in.identity, *commit);
   } else {
-    std::lock_guard lock(mu_);
-    ++stats_.messages_rejected;  // replies are Prefill's to receive, not ours
+    count(&Counters::messages_rejected);  // replies are Prefill's to receive, not ours
   }
 }
 
@@ -327,10 +334,7 @@ void Reader::handle_undecodable(const control::Inbound& in, const std::string& w
   bool as_str = false;
   const auto tag = protocol::peek_tag(in.payload, &as_str);
   if (tag == "mf_meta") return refuse_mf_meta(in.identity, why);  // counted there
-  {
-    std::lock_guard lock(mu_);
-    ++stats_.messages_rejected;
-  }
+  count(&Counters::messages_rejected);
   // Answer whatever can be answered: Prefill waits for a reply to every readiness.
   if (auto layer = protocol::salvage_layer_index(in.payload)) {
     // In its turn: behind what this connection has held, so replies keep their order.
@@ -340,14 +344,10 @@ void Reader::handle_undecodable(const control::Inbound& in, const std::string& w
       failed.layer_idx = *layer;
       queue->second.push_back({std::move(failed), std::chrono::steady_clock::now(), why});
       ++held_count_;
-      std::lock_guard lock(mu_);
-      stats_.held_now = held_count_;
+      set_held_now();
       return;
     }
-    {
-      std::lock_guard lock(mu_);
-      ++stats_.layers_failed;
-    }
+    count(&Counters::layers_failed);
     reply(in.identity, protocol::encode(protocol::ReadFailed{*layer, why}));
     return;
   }
@@ -381,9 +381,8 @@ void Reader::take_readiness(const std::string& identity, protocol::ReadReadyBatc
   if (hold && room) {
     held_[identity].push_back({std::move(ready), std::chrono::steady_clock::now(), {}});
     ++held_count_;
-    std::lock_guard lock(mu_);
-    ++stats_.readiness_held;
-    stats_.held_now = held_count_;
+    count(&Counters::readiness_held);
+    set_held_now();
     return;
   }
   if (mine > 0) {
@@ -407,10 +406,7 @@ void Reader::warn_limited(log::RateLimit& limit, const char* what, const std::st
 }
 
 void Reader::refuse_mf_meta(const std::string& identity, const std::string& why) {
-  {
-    std::lock_guard lock(mu_);
-    ++stats_.messages_rejected;
-  }
+  count(&Counters::messages_rejected);
   // Said here too, whole: the operator of this Decode learns why its Prefill gets nothing.
   warn_limited(refused_log_, "refused a Prefill's MF_META", why);
   // MF_META has no negative answer: a READ_FAILED for layer 0 tells an rd2h Prefill why
@@ -422,9 +418,9 @@ void Reader::drop_peer(const std::string& identity, const std::string& why,
                        const protocol::ReadReadyBatch* last) {
   if (auto queue = held_.find(identity); queue != held_.end()) {
     for (auto& h : queue->second) {
+      count(&Counters::layers_failed);
       {
         std::lock_guard lock(mu_);
-        ++stats_.layers_failed;
         for (const auto& req : h.ready.read_reqs) tracker_.on_failed(req.ext_id);
         for (const auto& ext_id : h.ready.done_ext_ids) tracker_.on_failed(ext_id);
       }
@@ -432,19 +428,18 @@ void Reader::drop_peer(const std::string& identity, const std::string& why,
     }
     held_count_ -= queue->second.size();
     held_.erase(queue);
-    std::lock_guard lock(mu_);
-    stats_.held_now = held_count_;
+    set_held_now();
   }
   peers_.erase(identity);
+  set_connections();
   {
     std::lock_guard lock(mu_);
-    stats_.connections = peers_.size();
     // What this connection was sending, or had sent and not committed, cannot complete.
     fail_owed(identity);
   }
   if (last != nullptr) {
+    count(&Counters::layers_failed);
     std::lock_guard lock(mu_);
-    ++stats_.layers_failed;
     for (const auto& req : last->read_reqs) tracker_.on_failed(req.ext_id);
     for (const auto& ext_id : last->done_ext_ids) tracker_.on_failed(ext_id);
   }
@@ -496,10 +491,7 @@ void Reader::handle_mf_meta(const std::string& identity, const protocol::MfMeta&
     for (const auto& [ext_id, signal] : old->second.uncommitted) tracker_.on_failed(ext_id);
   }
   peers_[identity] = std::move(peer);
-  {
-    std::lock_guard lock(mu_);
-    stats_.connections = peers_.size();
-  }
+  set_connections();
   const std::string_view ack = commits ? protocol::kAckCommitPayload : protocol::kAckPayload;
   reply(identity, std::vector<std::byte>(reinterpret_cast<const std::byte*>(ack.data()),
                                          reinterpret_cast<const std::byte*>(ack.data()) + ack.size()));

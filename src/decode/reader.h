@@ -230,7 +230,20 @@ class Reader {
   };
   std::vector<Aborted> aborted_;  // to report
   CompletionTracker tracker_;     // every request's state: completion, destinations, deadline
-  ReaderStats stats_;
+  // The reader's counters: written by the reader thread, read by stats() from any thread,
+  // each on its own (no lock).
+  struct Counters {
+    std::atomic<uint64_t> layers_done{0}, layers_failed{0}, messages_rejected{0}, readiness_held{0},
+        reads{0}, bytes_read{0}, read_ns{0}, links_opened{0}, readiness_on_link{0},
+        readiness_polled{0};
+    std::atomic<size_t> held_now{0}, connections{0};
+  };
+  Counters counters_;
+  void count(std::atomic<uint64_t> Counters::*counter, uint64_t n = 1) {
+    (counters_.*counter).fetch_add(n, std::memory_order_relaxed);
+  }
+  void set_held_now() { counters_.held_now.store(held_count_, std::memory_order_relaxed); }
+  void set_connections() { counters_.connections.store(peers_.size(), std::memory_order_relaxed); }
   metrics::Histogram read_seconds_{metrics::transfer_buckets()};
 
   std::atomic<bool> stopping_{false};

@@ -32,7 +32,7 @@ void Reader::handle_ready(const std::string& identity, const protocol::ReadReady
     for (const auto& ext_id : ready.done_ext_ids) {
       if (tracker_.known(ext_id)) one_source(ext_id);
     }
-    ++stats_.layers_done;
+    count(&Counters::layers_done);
     if (commits) {
       // Complete once Prefill commits them (handle_commit); owed until then.
       for (const auto& ext_id : ready.done_ext_ids) {
@@ -61,7 +61,7 @@ void Reader::handle_ready(const std::string& identity, const protocol::ReadReady
     trace::instant("answer out", "reader", ready.layer_idx);
     return;
   }
-  ++stats_.layers_failed;
+  count(&Counters::layers_failed);
   // Every request of a failed layer may hold partly written blocks: all of them fail.
   for (const auto& req : ready.read_reqs) tracker_.on_failed(req.ext_id);
   for (const auto& ext_id : ready.done_ext_ids) tracker_.on_failed(ext_id);
@@ -71,8 +71,7 @@ void Reader::handle_ready(const std::string& identity, const protocol::ReadReady
 void Reader::handle_commit(const std::string& identity, const protocol::KvCommit& commit) {
   auto peer = peers_.find(identity);
   if (peer == peers_.end() || !peer->second.commits) {
-    std::lock_guard lock(mu_);
-    ++stats_.messages_rejected;
+    count(&Counters::messages_rejected);
     return;
   }
   std::lock_guard lock(mu_);
@@ -170,10 +169,10 @@ Status Reader::read_planned(const std::string& session, const protocol::ReadRead
   }
   std::lock_guard lock(mu_);
   read_in_flight_ = false;
-  ++stats_.reads;
-  stats_.read_ns += static_cast<uint64_t>(ns);
+  count(&Counters::reads);
+  count(&Counters::read_ns, static_cast<uint64_t>(ns));
   read_seconds_.observe(static_cast<double>(ns) / 1e9);
-  if (st.is_ok()) stats_.bytes_read += bytes;
+  if (st.is_ok()) count(&Counters::bytes_read, bytes);
   return st;
 }
 

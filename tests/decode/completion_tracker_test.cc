@@ -179,7 +179,7 @@ TEST(Combine, AllRanksAgreeOnTheSameAnswer) {
   std::vector<RankTerminal> ranks{{{"a", false}, {"b", false}, {"c", true}},
                                   {{"a", false}, {"c", false}},
                                   {{"a", false}, {"b", false}, {"c", false}}};
-  Finished f = combine(ranks);
+  const Combined f = combine(ranks);
   EXPECT_EQ(f.finished, std::vector<std::string>{"a"});
   EXPECT_EQ(f.failed, std::vector<std::string>{"c"});
 }
