@@ -1,14 +1,12 @@
-// The decoders of the control-plane messages: READ_READY_BATCH in one pass over its bytes, the
-// others through msgpack's object tree, each checked; the ACK, and the version check of MF_META.
+// The decoders of the control-plane messages, every one a single pass of the in-place cursor
+// over its bytes, each field checked; the ACK, and the version check of MF_META.
 #include "protocol/messages.h"
 
 #include <algorithm>
 #include <cstring>
-#include <msgpack.hpp>
 
 #include "protocol/message_tags.h"
 #include "protocol/msgpack_cursor.h"
-#include "protocol/msgpack_field.h"
 
 namespace rd2h::protocol {
 
@@ -16,12 +14,16 @@ namespace {
 
 // ---- decoding ----
 
-Expected<std::vector<uint64_t>> uints(const Field& f) {
-  RD2H_TRY(items, f.array(0, kMaxTensorsPerLayer));
+std::string at(size_t i) {
+  return "message[" + std::to_string(i) + "]";
+}
+
+Expected<std::vector<uint64_t>> uints(Cursor& c, const std::string& path) {
+  RD2H_TRY(n, c.array([&] { return path; }, 0, kMaxTensorsPerLayer));
   std::vector<uint64_t> out;
-  out.reserve(items.size());
-  for (const auto& item : items) {
-    RD2H_TRY(v, item.unsigned_int());
+  out.reserve(n);
+  for (size_t i = 0; i < n; ++i) {
+    RD2H_TRY(v, c.unsigned_int([&] { return path + "[" + std::to_string(i) + "]"; }));
     out.push_back(v);
   }
   return out;
@@ -29,42 +31,43 @@ Expected<std::vector<uint64_t>> uints(const Field& f) {
 
 // A layer's tensors agree with each other: as many entries in every array, main tensors
 // and the indexer among them, bytes per block within bounds.
-Status check_layer_meta(const Field& f, const LayerMeta& m) {
+Status check_layer_meta(const std::string& path, const LayerMeta& m) {
+  auto error = [&](const std::string& what) { return invalid_argument(path + ": " + what); };
   const size_t n = m.base_addrs.size();
   if (m.block_len.size() != n || m.block_size_scale.size() != n || m.tensor_group_idx.size() != n) {
-    return f.error("base_addrs, block_len, block_size_scale and tensor_group_idx have " +
-                   std::to_string(n) + ", " + std::to_string(m.block_len.size()) + ", " +
-                   std::to_string(m.block_size_scale.size()) + " and " +
-                   std::to_string(m.tensor_group_idx.size()) + " entries; they must match");
+    return error("base_addrs, block_len, block_size_scale and tensor_group_idx have " +
+                 std::to_string(n) + ", " + std::to_string(m.block_len.size()) + ", " +
+                 std::to_string(m.block_size_scale.size()) + " and " +
+                 std::to_string(m.tensor_group_idx.size()) + " entries; they must match");
   }
   if (m.main_tensor_count == 0 || m.main_tensor_count > n) {
-    return f.error("main_tensor_count " + std::to_string(m.main_tensor_count) + " with " +
-                   std::to_string(n) + " tensors");
+    return error("main_tensor_count " + std::to_string(m.main_tensor_count) + " with " +
+                 std::to_string(n) + " tensors");
   }
   if (m.has_indexer && m.main_tensor_count == n) {
-    return f.error("has_indexer is set but there is no tensor after the " +
-                   std::to_string(m.main_tensor_count) + " main ones");
+    return error("has_indexer is set but there is no tensor after the " +
+                 std::to_string(m.main_tensor_count) + " main ones");
   }
   for (size_t i = 0; i < n; ++i) {
     if (m.block_len[i] == 0 || m.block_size_scale[i] == 0) {
-      return f.error("tensor " + std::to_string(i) + " has zero bytes per block");
+      return error("tensor " + std::to_string(i) + " has zero bytes per block");
     }
     if (m.block_len[i] > (uint64_t{1} << 40) / m.block_size_scale[i]) {
-      return f.error("tensor " + std::to_string(i) + " bytes per block overflow");
+      return error("tensor " + std::to_string(i) + " bytes per block overflow");
     }
   }
   return Status::ok();
 }
 
-Expected<LayerMeta> decode_layer_meta(const Field& f) {
-  if (!f.is_map()) return f.error("expected a map, got " + f.type_name());
-  const auto& map = f.raw().via.map;
+// One layer's entry of MF_META's layer map (a map of named fields), at `path`.
+Expected<LayerMeta> cursor_layer_meta(Cursor& c, const std::string& path) {
+  RD2H_TRY(fields, c.map([&] { return path; }, 64));
   LayerMeta m;
   uint32_t seen = 0;
-  for (uint32_t i = 0; i < map.size; ++i) {
-    Field key(map.ptr[i].key, f.path() + " key");
-    RD2H_TRY(name, key.str(64));
-    Field value(map.ptr[i].val, f.path() + "." + name);
+  for (size_t i = 0; i < fields; ++i) {
+    RD2H_TRY(name_view, c.str([&] { return path + " key"; }, 64));
+    const std::string name(name_view);
+    const std::string where = path + "." + name;
     // The four per-tensor arrays, in wire order; each sets one bit of `seen`.
     static constexpr std::pair<std::string_view, std::vector<uint64_t> LayerMeta::*> kArrays[] = {
         {"base_addrs", &LayerMeta::base_addrs},
@@ -75,20 +78,22 @@ Expected<LayerMeta> decode_layer_meta(const Field& f) {
     auto array = std::find_if(std::begin(kArrays), std::end(kArrays),
                               [&](const auto& a) { return a.first == name; });
     if (array != std::end(kArrays)) {
-      RD2H_TRY(v, uints(value));
+      RD2H_TRY(v, uints(c, where));
       m.*(array->second) = std::move(v);
       seen |= 1u << (array - std::begin(kArrays));
     } else if (name == "main_tensor_count") {
-      RD2H_TRY(v, value.unsigned_int());
+      RD2H_TRY(v, c.unsigned_int([&] { return where; }));
       m.main_tensor_count = v;
       seen |= 16;
     } else if (name == "has_indexer") {
-      RD2H_TRY(v, value.boolean());
+      RD2H_TRY(v, c.boolean([&] { return where; }));
       m.has_indexer = v;
       seen |= 32;
-    }  // unknown keys: a newer peer's additions
+    } else if (!c.skip_values(1)) {  // unknown keys: a newer peer's additions
+      return c.truncated();
+    }
   }
-  if ((seen & 3) != 3) return f.error("missing base_addrs or block_len");
+  if ((seen & 3) != 3) return invalid_argument(path + ": missing base_addrs or block_len");
   // The rest may be left out, as the existing connector reads them: no scaled blocks, one
   // group, K and V as the main tensors, an indexer if there are more tensors than those.
   const size_t n = m.base_addrs.size();
@@ -96,62 +101,58 @@ Expected<LayerMeta> decode_layer_meta(const Field& f) {
   if ((seen & 8) == 0) m.tensor_group_idx.assign(n, 0);
   if ((seen & 16) == 0) m.main_tensor_count = 2;
   if ((seen & 32) == 0) m.has_indexer = n > m.main_tensor_count;
-  RD2H_RETURN_IF_ERROR(check_layer_meta(f, m));
+  RD2H_RETURN_IF_ERROR(check_layer_meta(path, m));
   return m;
 }
 
-Expected<MfMeta> decode_mf_meta(const std::vector<Field>& t) {
-  if (t.size() < 3)
-    return invalid_argument("MF_META: " + std::to_string(t.size()) +
+// MF_META after its tag: the session, the layer map (a msgpack value of its own inside a
+// bin), then the fields rd2h appends.
+Expected<MfMeta> cursor_mf_meta(Cursor& c, size_t fields) {
+  if (fields < 3) {
+    return invalid_argument("MF_META: " + std::to_string(fields) +
                             " elements, expected at least 3");
+  }
   MfMeta m;
-  RD2H_TRY(session, t[1].str());
-  m.p_session = std::move(session);
-  RD2H_TRY(map_bytes, t[2].bin());
-  RD2H_TRY(
-      oh, parse(std::as_bytes(std::span(map_bytes.data(), map_bytes.size())), "MF_META layer map"));
-  Field map(oh.get(), "MF_META layer map");
-  if (!map.is_map()) return map.error("expected a map, got " + map.type_name());
-  const auto& mv = map.raw().via.map;
-  if (mv.size > kMaxLayers) {
-    return map.error(std::to_string(mv.size) + " layers exceed the limit of " +
-                     std::to_string(kMaxLayers));
+  RD2H_TRY(session, c.str([] { return at(1); }, kMaxStringBytes));
+  m.p_session = std::string(session);
+  RD2H_TRY(map_bytes, c.bin([] { return at(2); }));
+  const auto layer_map = std::as_bytes(std::span(map_bytes.data(), map_bytes.size()));
+  const std::string what = "MF_META layer map";
+  RD2H_RETURN_IF_ERROR(check_msgpack_bounds(layer_map, kTreeDepth, what));
+  Cursor map(layer_map);
+  map.set_what(what);
+  RD2H_TRY(layers, map.map([&] { return what; }, kMaxLayers));
+  for (size_t i = 0; i < layers; ++i) {
+    RD2H_TRY(name, map.str([&] { return what + " key"; }, 1024));
+    RD2H_TRY(meta, cursor_layer_meta(map, "MF_META layer " + std::string(name)));
+    m.layers.emplace_back(std::string(name), std::move(meta));
   }
-  for (uint32_t i = 0; i < mv.size; ++i) {
-    Field key(mv.ptr[i].key, "MF_META layer map key");
-    RD2H_TRY(name, key.str(1024));
-    RD2H_TRY(meta, decode_layer_meta(Field(mv.ptr[i].val, "MF_META layer " + name)));
-    m.layers.emplace_back(std::move(name), std::move(meta));
-  }
-  if (t.size() > 3) {
-    RD2H_TRY(v, t[3].unsigned_int());
+  if (fields > 3) {
+    RD2H_TRY(v, c.unsigned_int([] { return at(3); }));
     m.protocol_version = v;
   }
-  if (t.size() > 4) {
-    RD2H_TRY(v, t[4].unsigned_int());
+  if (fields > 4) {
+    RD2H_TRY(v, c.unsigned_int([] { return at(4); }));
     m.cache_layout_version = v;
   }
-  if (t.size() > 5) {
-    RD2H_TRY(v, t[5].str(256));
-    m.backend_name = std::move(v);
+  if (fields > 5) {
+    RD2H_TRY(v, c.str([] { return at(5); }, 256));
+    m.backend_name = std::string(v);
   }
-  if (t.size() > 6) {
-    RD2H_TRY(v, t[6].bin());
+  if (fields > 6) {
+    RD2H_TRY(v, c.bin([] { return at(6); }));
     const auto* p = reinterpret_cast<const std::byte*>(v.data());
     m.backend_metadata.assign(p, p + v.size());
   }
-  if (t.size() > 7) {
-    RD2H_TRY(v, t[7].unsigned_int());
+  if (fields > 7) {
+    RD2H_TRY(v, c.unsigned_int([] { return at(7); }));
     m.control_link = v;
   }
+  if (fields > 8 && !c.skip_values(fields - 8)) return c.truncated();
   return m;
 }
 
 // ---- streaming decoding ----
-
-std::string at(size_t i) {
-  return "message[" + std::to_string(i) + "]";
-}
 
 // Block ids of one list, counted against the readiness' total.
 Expected<std::vector<int64_t>> cursor_block_ids(Cursor& c, size_t req, size_t field,
@@ -309,54 +310,68 @@ Expected<Message> decode_message(std::span<const std::byte> payload) {
       return Message(std::move(m));
     }
   }
-  // The other messages are small (MF_META's layer map is bounded by kMaxLayers and
-  // kMaxTensorsPerLayer): decoded through msgpack's object tree.
-  RD2H_TRY(oh, parse(payload, "message"));
-  Field top(oh.get(), "message");
-  if (top.raw().type != msgpack::type::ARRAY) {
-    return invalid_argument("message: top level is " + top.type_name() + ", not an array");
+  // The other messages are small: checked whole for their bounds (nesting, declared items
+  // present, nothing trailing), then read with the same cursor.
+  RD2H_RETURN_IF_ERROR(check_msgpack_bounds(payload, kTreeDepth, "message"));
+  Cursor c(payload);
+  Header h;
+  if (!c.header(h)) return c.truncated();
+  if (h.kind != Header::kArray) {
+    return invalid_argument(std::string("message: top level is ") + kind_name(h) +
+                            ", not an array");
   }
-  RD2H_TRY(t, top.array(1, 64));
-  RD2H_TRY(tag, t[0].bin());
-  // READ_DONE and READ_FAILED with elements past the ones read are accepted (a newer
-  // sender's), as the existing connector does.
+  const size_t fields = h.n;
+  if (fields < 1 || fields > 64) {
+    return invalid_argument("message: " + std::to_string(fields) + " elements, expected 1 to 64");
+  }
+  RD2H_TRY(tag, c.bin([] { return at(0); }));
+  // Elements past the ones read are accepted (a newer sender's), as the existing connector
+  // does.
+  auto rest = [&](size_t read) -> Status {
+    if (fields > read && !c.skip_values(fields - read)) return c.truncated();
+    return Status::ok();
+  };
   if (tag == kTagReadDone) {
-    if (t.size() < 2) {
-      return invalid_argument("READ_DONE: " + std::to_string(t.size()) +
+    if (fields < 2) {
+      return invalid_argument("READ_DONE: " + std::to_string(fields) +
                               " elements, expected at least 2");
     }
-    RD2H_TRY(layer, t[1].integer(0, kMaxLayerIndex));
+    RD2H_TRY(layer, c.integer([] { return at(1); }, 0, kMaxLayerIndex));
+    RD2H_RETURN_IF_ERROR(rest(2));
     return Message(ReadDone{layer});
   }
   if (tag == kTagReadFailed) {
-    if (t.size() < 2) {
-      return invalid_argument("READ_FAILED: " + std::to_string(t.size()) +
+    if (fields < 2) {
+      return invalid_argument("READ_FAILED: " + std::to_string(fields) +
                               " elements, expected at least 2");
     }
-    RD2H_TRY(layer, t[1].integer(0, kMaxLayerIndex));
+    RD2H_TRY(layer, c.integer([] { return at(1); }, 0, kMaxLayerIndex));
     ReadFailed m{layer, {}};
-    if (t.size() >= 3) {
-      RD2H_TRY(error, t[2].str());
-      m.error = std::move(error);
+    if (fields >= 3) {
+      RD2H_TRY(error, c.str([] { return at(2); }, kMaxStringBytes));
+      m.error = std::string(error);
     }
+    RD2H_RETURN_IF_ERROR(rest(3));
     return Message(std::move(m));
   }
   if (tag == kTagMfMeta) {
-    RD2H_TRY(m, decode_mf_meta(t));
+    RD2H_TRY(m, cursor_mf_meta(c, fields));
     return Message(std::move(m));
   }
   if (tag == kTagKvCommit) {
-    if (t.size() < 3) {
-      return invalid_argument("KV_COMMIT: " + std::to_string(t.size()) +
+    if (fields < 3) {
+      return invalid_argument("KV_COMMIT: " + std::to_string(fields) +
                               " elements, expected at least 3");
     }
-    RD2H_TRY(layer, t[1].integer(0, kMaxLayerIndex));
-    RD2H_TRY(ids, t[2].array(0, kMaxDoneExtIds));
+    RD2H_TRY(layer, c.integer([] { return at(1); }, 0, kMaxLayerIndex));
+    RD2H_TRY(n, c.array([] { return at(2); }, 0, kMaxDoneExtIds));
     KvCommit m{layer, {}};
-    for (size_t i = 0; i < ids.size(); ++i) {
-      RD2H_TRY(id, ids[i].str(kMaxExtIdBytes));
+    m.ext_ids.reserve(n);
+    for (size_t i = 0; i < n; ++i) {
+      RD2H_TRY(id, c.str([&] { return at(2) + "[" + std::to_string(i) + "]"; }, kMaxExtIdBytes));
       m.ext_ids.emplace_back(id);
     }
+    RD2H_RETURN_IF_ERROR(rest(3));
     return Message(std::move(m));
   }
   std::string shown(tag.substr(0, 32));

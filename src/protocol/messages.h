@@ -1,7 +1,6 @@
-// The control-plane messages of the connector (spec "Control Protocol"), as plain structs,
-// with msgpack codecs byte-compatible with the existing Python implementation
-// (docs/wire-format.md). Decoders validate arity, types and ranges and never allocate
-// beyond the message's size; fields rd2h adds are appended, so older peers still parse us.
+// The control-plane messages (spec "Control Protocol") as plain structs, with msgpack codecs
+// byte-compatible with the existing Python implementation (docs/wire-format.md). Decoders check
+// arity, types and ranges and never allocate beyond the message's size; rd2h's fields come last.
 #pragma once
 
 #include <cstddef>
@@ -158,6 +157,8 @@ std::optional<std::string> peek_tag(std::span<const std::byte> payload, bool* as
 // from_msgpack). The error names `what` and the offending offset.
 Status check_msgpack_bounds(std::span<const std::byte> bytes, size_t max_depth,
                             std::string_view what);
+// How deep the messages other than the readiness may nest (MF_META's layer map is 3).
+inline constexpr size_t kTreeDepth = 16;
 
 // Refuses a peer whose stated protocol or cache-layout version differs from ours, naming
 // both. A legacy peer states none and is accepted.

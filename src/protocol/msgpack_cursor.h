@@ -1,6 +1,6 @@
-// Reading msgpack in place: a forward-only cursor over borrowed bytes that decodes
-// without building an object tree, for the messages on the hot path and for the bounds
-// check every message passes before msgpack-c sees it.
+// Reading msgpack in place: a forward-only cursor over borrowed bytes that decodes without
+// building an object tree. Every protocol message is read with it, and every untrusted
+// msgpack value passes its bounds check before a recursive parser sees it.
 #pragma once
 
 #include <cstddef>
@@ -121,7 +121,46 @@ class Cursor {
     return std::string_view(body, h.n);
   }
 
-  // An integer in [min, max], with Field::integer's messages.
+  // The next value as a map header with at most `max_pairs` pairs.
+  template <typename Where>
+  Expected<size_t> map(Where&& where, size_t max_pairs) {
+    Header h;
+    if (!header(h)) return truncated();
+    if (h.kind != Header::kMap) return error(where, "expected a map, got ", h);
+    if (h.n > max_pairs) {
+      return invalid_argument(where() + ": " + std::to_string(h.n) +
+                              " entries exceed the limit of " + std::to_string(max_pairs));
+    }
+    if (2 * h.n > left()) {
+      return invalid_argument(what_ + ": not valid msgpack (a map of " + std::to_string(h.n) +
+                              " entries in the " + std::to_string(left()) + " bytes left)");
+    }
+    return static_cast<size_t>(h.n);
+  }
+  template <typename Where>
+  Expected<bool> boolean(Where&& where) {
+    Header h;
+    if (!header(h)) return truncated();
+    if (h.kind != Header::kBool) {
+      if (!skip_body(h)) return truncated();
+      return error(where, "expected a bool, got ", h);
+    }
+    return h.u != 0;
+  }
+  // A non-negative integer of any size.
+  template <typename Where>
+  Expected<uint64_t> unsigned_int(Where&& where) {
+    Header h;
+    if (!header(h)) return truncated();
+    if (h.kind != Header::kInt) {
+      if (!skip_body(h)) return truncated();
+      return error(where, "expected an unsigned integer, got ", h);
+    }
+    if (h.negative) return invalid_argument(where() + ": " + std::to_string(h.i) + " is negative");
+    return h.u;
+  }
+
+  // An integer in [min, max].
   template <typename Where>
   Expected<int64_t> integer(Where&& where, int64_t min, int64_t max) {
     Header h;
@@ -148,8 +187,15 @@ class Cursor {
   bool skip_values(uint64_t count);
 
   void set_what(std::string what) { what_ = std::move(what); }
+  const std::string& what() const { return what_; }
 
  private:
+  // Skips what follows a header of a scalar with a body (str, bin, ext, float).
+  bool skip_body(const Header& h) {
+    const bool has_body = h.kind == Header::kStr || h.kind == Header::kBin ||
+                          h.kind == Header::kExt || h.kind == Header::kFloat;
+    return !has_body || skip(h.n);
+  }
   // Reads a big-endian unsigned number of `bytes`; false when the input is shorter.
   bool big_endian(size_t bytes, uint64_t& out);
   template <typename Where>

@@ -1,6 +1,6 @@
-// Reading msgpack through its object tree, bounded: a view of one value with the path
-// that led to it, for messages a user can act on; and the parse that builds the tree only
-// once the bytes are known to bound it.
+// Reading msgpack through its object tree, bounded, for `rd2h pd-read`'s handshake (the
+// protocol's messages are read with msgpack_cursor): a view of one value with its path, and
+// a parse that builds the tree only once the bytes are known to bound it.
 #pragma once
 
 #include <msgpack.hpp>
@@ -99,9 +99,6 @@ class Field {
   const msgpack::object& o_;
   std::string path_;
 };
-
-// Nesting of the messages read through msgpack's object tree (MF_META's layer map is 3).
-inline constexpr size_t kTreeDepth = 16;
 
 // Parses one msgpack value that must span all of `bytes`. msgpack-c allocates a container's
 // items when it reads its header, so every declared item is first checked to be present:
