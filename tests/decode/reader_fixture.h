@@ -68,7 +68,7 @@ class ReaderTest : public ::testing::Test {
   // Decode reads its destinations after the reader reports the request finished, which
   // synchronises through the reader's lock; a test checking bytes right after a READ_DONE
   // (which travels through ZeroMQ, invisible to ThreadSanitizer) does the same.
-  void sync_with_reader() { (void)reader_->stats(); }
+  void sync_with_reader() { (void)reader_->tracked_requests(); }
   protocol::ReadReadyBatch ready(int layer, std::vector<protocol::ReadReq> reqs,
                                  std::vector<std::string> done = {}) {
     return {layer, layer_name(layer), std::move(reqs), std::move(done), 0, 1};
