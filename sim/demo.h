@@ -1,9 +1,6 @@
-// rd2h demo: a whole prefill/decode-disaggregated deployment on this machine. Starts the
-// proxy (with its metaserver), Prefill and Decode engines (`rd2h prefill` / `rd2h decode`,
-// one process per TP rank each), sends a workload through the proxy's OpenAI-style API,
-// checks that Decode verified every byte of every prompt's KV, prints progress and a
-// summary, optionally writes a Chrome trace, and stops everything. Exits non-zero on any
-// mismatch, error, hang or unclean shutdown.
+// rd2h demo: a whole prefill/decode-disaggregated deployment on this machine, driven through
+// the proxy's OpenAI-style API; Decode verifies every byte of every prompt's KV. Exits non-zero
+// on any mismatch, error, hang or unclean shutdown.
 #pragma once
 
 #include <cstdint>

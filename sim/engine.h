@@ -1,12 +1,6 @@
-// A small inference engine that drives the connector exactly as a host engine does, through
-// the connector's public headers (it borrows the library's private timeline, subprocess and
-// ZeroMQ helpers for its own plumbing): an OpenAI-style HTTP front and an engine core
-// (scheduler loop with a token budget and chunked prefill, a block allocator) in this
-// process, and one worker process per TP rank that the core sends each step's connector
-// metadata to. Prefill "computes" each layer by writing KV whose bytes are a function of
-// (token ids, layer, tensor, block position) into a few physical layer buffers; Decode keeps
-// main KV in one POSIX shared-memory pool its ranks share, checks every byte of every block
-// it received before it decodes, and reports the check in its response.
+// A small inference engine that drives the connector exactly as a host engine does, through its
+// public headers: an HTTP front and an engine core in this process, one worker process per TP
+// rank. Decode checks every byte of every block it received before it decodes.
 #pragma once
 
 #include <sys/types.h>

@@ -1,7 +1,6 @@
-// The simulator's own IPC between its processes (the engine core and its TP ranks, the
-// Decode ranks' gather): a ZeroMQ ROUTER that binds and DEALERs that connect, each with a
-// context of its own. A message is one frame of at most kMaxIpcMessageBytes; a larger one
-// closes its connection before anything is allocated for it.
+// The simulator's IPC between its processes (the core and its TP ranks, the Decode ranks'
+// gather): a ZeroMQ ROUTER that binds and DEALERs that connect, each with its own context. A
+// message is one frame of at most kMaxIpcMessageBytes; a larger one closes its connection unread.
 #pragma once
 
 #include <chrono>

@@ -1,8 +1,6 @@
-// Where the simulator keeps each block of each layer, and what it holds. Prefill: one
-// region per rank of `slots` physical layer buffers (layer l uses buffer l % slots), each
-// tensor a run of `num_blocks` blocks. Decode: main tensors (K, V) of every layer in one
-// pool the ranks share, indexer (and scale) of every layer per rank. A block's bytes are a
-// function of its tokens, layer, tensor and position, so any copy can be checked.
+// Where the simulator keeps each block of each layer, and what it holds: Prefill's layer
+// buffers (layer l in buffer l % slots), Decode's shared main pool and per-rank indexer. A block's
+// bytes are a function of its tokens, layer, tensor and position, so any copy can be checked.
 #pragma once
 
 #include <cstdint>

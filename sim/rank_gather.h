@@ -1,7 +1,6 @@
-// The Decode TP group's CPU all-gather when its ranks are separate processes: rank 0 binds
-// a ROUTER, the others connect a DEALER; each round every rank sends its terminal set and
-// gets every rank's, in rank order. Rounds are numbered, so a late message from a round a
-// rank gave up on is dropped instead of being taken for the next one.
+// The Decode TP group's all-gather when its ranks are separate processes: rank 0 binds, the
+// others connect, and each round every rank gets every rank's terminal set in rank order.
+// Rounds are numbered: a late message of a round a rank gave up on is dropped.
 #pragma once
 
 #include <chrono>

@@ -1,7 +1,6 @@
-// A POSIX shared-memory region the Decode TP rank processes map together (the main KV
-// pool). The creator names and sizes it; every rank opens it by name. RAII: unmapped on
-// destruction, and unlinked by its creator (at the latest then; earlier once every rank
-// mapped it, so a crash leaves nothing behind).
+// A POSIX shared-memory region the Decode TP rank processes map together (the main KV pool):
+// the creator names and sizes it, every rank opens it by name. Unmapped on destruction; its
+// creator unlinks it once every rank mapped it, at the latest on destruction.
 #pragma once
 
 #include <cstddef>

@@ -1,8 +1,6 @@
-// How `rd2h demo` stops on SIGINT or SIGTERM: every process it started (the proxy and the
-// engines, which stop their own TP ranks) is sent SIGTERM, so the run fails at once and the
-// demo cleans up and returns; should it not return within a bound, those processes are
-// killed and the demo exits. (Its children also get SIGTERM if the demo itself dies: see
-// Subprocess::Options::die_with_parent.)
+// How `rd2h demo` stops on SIGINT or SIGTERM: every process it started gets SIGTERM, so the
+// run fails at once and the demo cleans up and returns; past a bound, those processes are
+// killed and the demo exits.
 #pragma once
 
 #include <atomic>

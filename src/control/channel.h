@@ -1,7 +1,6 @@
 // ZeroMQ channels of the control plane (spec "Control Protocol", docs/wire-format.md
-// "Connections"). Decode binds one ROUTER per TP rank; Prefill connects one DEALER per Decode
-// endpoint. P -> D is one payload frame; D -> P is [identity, "", payload]. Receivers drop
-// empty frames and need exactly one non-empty payload frame. Every wait is bounded.
+// "Connections"): Decode binds one ROUTER per TP rank, Prefill connects one DEALER per Decode
+// endpoint. A message is one non-empty payload frame (empty ones dropped); every wait is bounded.
 #pragma once
 
 #include <chrono>

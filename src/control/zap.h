@@ -1,7 +1,6 @@
-// ZeroMQ's authentication hook (ZAP, RFC 27) for CURVE servers: one handler per context,
-// answering on inproc://zeromq.zap.01 from its own thread. Each secured ROUTER gets a ZAP
-// domain naming the client keys it trusts; a client whose key is not among them is refused
-// (it gets nothing) and the refusal is logged with its address.
+// ZeroMQ's authentication hook (ZAP, RFC 27) for CURVE servers: one handler per context, on
+// its own thread. Each secured ROUTER gets a ZAP domain naming the client keys it trusts; any
+// other client is refused (it gets nothing) and the refusal is logged with its address.
 #pragma once
 
 #include <atomic>

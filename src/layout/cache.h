@@ -1,7 +1,6 @@
 // The KV caches a host engine hands the connector (spec "Data Ownership", docs/wire-format.md
-// "Arithmetic both sides share"): one layer's tensors as allocated, what they become in
-// the read arithmetic, the memory regions to register, and
-// the block slice a chunk of Prefill publishes. Pure functions over plain structs.
+// "Arithmetic both sides share"): a layer's tensors as allocated and as read, the regions to
+// register, the block slice a Prefill chunk publishes. Pure functions over plain structs.
 #pragma once
 
 #include <cstdint>

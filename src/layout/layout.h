@@ -1,8 +1,6 @@
-// KV layout arithmetic of the connector (spec "Layer transfer", "Layout validation",
-// "Unequal Prefill and Decode TP", docs/wire-format.md "Arithmetic both sides share"): what a
-// layer's tensors look like on each side, whether the two sides agree, which share of a
-// request each Decode rank and contributor pulls, and the read descriptors for it.
-// Pure functions over plain structs.
+// KV layout arithmetic (docs/wire-format.md "Arithmetic both sides share"): a layer's tensors
+// on each side, whether the sides agree, the share of a request each Decode rank and
+// contributor pulls, and its read descriptors. Pure functions over plain structs.
 #pragma once
 
 #include <cstdint>

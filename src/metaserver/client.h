@@ -1,10 +1,6 @@
-// Decode's metaserver client (spec "Decode allocation and rendezvous", "Failure and
-// Compatibility"): posts each request's rendezvous JSON to the proxy's metaserver in the
-// background. Transport errors are retried (`attempts` times, with a short backoff), then
-// the post is resubmitted every `resubmit` until it is delivered, cancelled (the request
-// finished) or the client stops. An HTTP error response counts as delivered, and is
-// logged. Every post is bounded by `timeout`, so a slow or holding server occupies a worker
-// thread for at most that long and never wedges the pool.
+// Decode's metaserver client: posts each request's rendezvous JSON to the proxy's metaserver in
+// the background, retrying until delivered, cancelled (the request finished) or stopped. An HTTP
+// error response counts as delivered (and is logged); every post is bounded by `timeout`.
 #pragma once
 
 #include <chrono>

@@ -1,8 +1,6 @@
-// The proxy's insides, shared by its parts: a client request and its rounds, and
-// Proxy::Impl, whose client side (proxy_client.cc: OpenAI routes, Decode legs, streams;
-// proxy_continue.cc: a recomputed stream continued across rounds) and engine side
-// (proxy_engines.cc: rendezvous, Prefill dispatch, the operator routes) are files of their
-// own; proxy.cc starts and stops it.
+// The proxy's insides, shared by its files (proxy.cc starts and stops it; proxy_client.cc,
+// proxy_continue.cc and proxy_engines.cc are its client and engine sides): a client request
+// and its rounds, and Proxy::Impl.
 #pragma once
 
 #include <httplib.h>

@@ -1,21 +1,6 @@
-// Prefill's control plane to Decode (spec "Layer transfer", "Control Protocol"): one DEALER
-// per Decode endpoint, MF_META once per connection (readiness waits for its ACK), then each
-// readiness, whose answer goes to the slot gate generation it belongs to. Every wait is
-// bounded: an endpoint that does not ACK, or does not answer a readiness in time, fails the
-// gates waiting on it and is reconnected (with MF_META again) on next use.
-//
-// No thread stands between the compute thread and the wire: send() puts a readiness on the
-// socket at once when its layer's write is complete, and the thread waiting for an answer
-// reads it off the socket itself (serve_until). The sender's own thread does what nobody
-// waits on: the ACK of a new connection, a write event that completes later, deadlines and
-// closed connections. The sockets are touched under one mutex, never across a wait.
-// The gates passed to send() must outlive the sender.
-//
-// With a transfer engine that has links, each connection's MF_META offers one (a fresh
-// random token); once Decode opens it, readiness and answers travel on the engine's own
-// connection instead of ZeroMQ, from the first readiness sent with none outstanding on the
-// connection (so answers keep their order). ZeroMQ still carries MF_META, its ACK, and
-// watches the connection; a link that closes fails the connection like a closed socket.
+// Prefill's control plane to Decode (spec "Control Protocol"): one connection per Decode
+// endpoint, MF_META once per connection, then each readiness, whose answer settles its slot
+// gate generation. Every wait is bounded. The gates passed to send() must outlive the sender.
 #pragma once
 
 #include <atomic>

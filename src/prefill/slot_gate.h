@@ -1,10 +1,6 @@
-// Physical-storage completion on Prefill (spec "Correctness Invariants"): one gate per
-// physical main or indexer storage slot. A layer that publishes readiness from a slot opens
-// a new generation of the slot's gate, expecting one answer per Decode endpoint; the slot
-// may be overwritten only once every endpoint answered. Answers carry the generation they
-// belong to, so a late answer for an older owner can never release a newer one. Waits are
-// bounded; a failed read or a dead sender releases the gate with an error, so the compute
-// path raises instead of deadlocking. Thread-safe.
+// Physical-storage completion on Prefill (spec "Correctness Invariants"): one gate per physical
+// main or indexer slot, which may be overwritten only once every Decode told about its owner
+// answered; an older owner's late answer never releases it. Waits are bounded. Thread-safe.
 #pragma once
 
 #include <chrono>

@@ -1,14 +1,6 @@
-// The Prefill side of the connector in one TP rank (spec "Layer transfer", "Physical-storage
-// completion", "Unequal Prefill and Decode TP"): registers the rank's KV caches with the
-// transfer engine, publishes each layer to the Decode endpoints of the step's requests as
-// soon as the layer's write completes, and gates the reuse of every physical storage slot
-// on the answers of every endpoint that was told about the slot's previous owner.
-//
-// The compute thread calls bind_step, save_kv_layer, wait_for_layer_send and wait_for_save:
-// it puts a layer's readiness on the wire itself and reads the answers it waits for off the
-// sockets itself (the sender's thread handles what nobody waits on). No wait is unbounded:
-// a failed read, a dead Decode or a dead sender turns into an error on the compute path
-// naming the layer and the reason.
+// The Prefill side of the connector in one TP rank (spec "Layer transfer"): registers the rank's
+// KV caches, publishes each layer to the step's Decode endpoints once its write completes, and
+// gates slot reuse on their answers. The compute thread calls it; no wait is unbounded.
 #pragma once
 
 #include <chrono>

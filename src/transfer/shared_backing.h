@@ -1,15 +1,6 @@
-// Caller-registered memory that co-located peers read without the caller's help.
-//
-// A serving engine allocates its KV caches itself (torch tensors: private anonymous pages)
-// and registers them. Such pages cannot be mapped by another process, so reads from them
-// would need the owner to answer each one. share_in_place moves the range's pages into a
-// memfd without moving the range: same addresses, same bytes, now backed by a file that a
-// co-located reader maps (through /proc/<pid>/fd/<n>, which needs the same rights as
-// reading the process's memory) and copies from while the owner is busy or stopped.
-//
-// Preconditions: nothing writes the range while it is being moved (registration happens
-// before the caches are used), and the process does not fork children that write it (the
-// pages are shared with a child rather than copied on write).
+// Caller-registered memory that co-located peers read without the caller's help: share_in_place
+// moves a range's pages into a memfd in place (same addresses, same bytes). Preconditions:
+// nothing writes the range while it moves, and no forked child writes it afterwards.
 #pragma once
 
 #include <sys/types.h>

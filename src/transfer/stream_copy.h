@@ -1,7 +1,6 @@
-// Copies for reads from mapped shared memory. Large ranges are copied with non-temporal
-// (streaming) stores: the destination is a KV pool the CPU does not read back soon, and
-// skipping the read-for-ownership of every destination line moves about 1.5x the bytes of
-// memcpy per second on the machines measured. Small ranges use memcpy.
+// Copies for reads from mapped shared memory: ranges of kStreamCopyMin bytes and more with
+// non-temporal (streaming) stores, smaller ones with memcpy. Call stream_copy_fence() before
+// reporting the copies complete.
 #pragma once
 
 #include <cstddef>

@@ -1,8 +1,6 @@
-// The links of one UCX engine (TransferEngine::expect_link and the rest): those it serves,
-// on its serving worker (ServedLinks), and those it opened on its sessions. A token names
-// one link on the engine, of either kind. A thread progresses the workers of linked
-// sessions while nobody reads on them, sleeping on their event fds, so their messages
-// arrive; a caller that drives the links (link_fd) takes its place meanwhile.
+// The links of one UCX engine: those it serves on its serving worker and those it opened on its
+// sessions, a token naming one link of either kind. Its thread progresses the linked sessions
+// nobody reads on; a caller that drives the links (link_fd) takes its place meanwhile.
 #pragma once
 
 #include <atomic>

@@ -1,14 +1,6 @@
-// Links of the UCX engine (TransferEngine::expect_link and the rest): control messages on
-// the data plane's own connection, as active messages.
-//
-// The connecting side (a Decode reading from a Prefill) opens a link on its session: it
-// sends kAmLinkOpen with the token and its session worker's address to the peer's serving
-// worker. The serving side then connects an endpoint of its own back to that worker, so
-// each side owns the endpoint it sends on: the serving side's messages travel on the link's
-// endpoint, the connecting side's on the session's. A token is the capability: it was
-// handed over the authenticated control channel, and a message naming one that is not
-// expected is dropped. Both sides send eager (UCX 1.13's rendezvous over TCP can abort a
-// sender whose peer vanishes); a message longer than kMaxLinkMessageBytes is dropped.
+// Links of the UCX engine: control messages on the data plane's own connection, as eager active
+// messages. A token, handed over the authenticated control channel, is the capability: a message
+// naming one not expected, or longer than kMaxLinkMessageBytes, is dropped.
 #pragma once
 
 #include <ucp/api/ucp.h>

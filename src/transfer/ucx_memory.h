@@ -1,7 +1,6 @@
-// The memory an engine exposes: ranges registered or allocated in its UCX context, each
-// with its packed rkey for peers, and, for a Prefill's own KV memory, the memfd its pages
-// moved into so co-located readers map it (shared_backing.h). Lookups run under a shared
-// lock that the caller takes for as long as it uses what it found.
+// The memory an engine exposes: ranges registered or allocated in its UCX context, each with
+// its packed rkey and, for a Prefill's own KV memory, the memfd co-located readers map. A caller
+// holds the shared lock for as long as it uses what a lookup found.
 #pragma once
 
 #include <ucp/api/ucp.h>

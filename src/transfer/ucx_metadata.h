@@ -1,7 +1,6 @@
-// The UCX engine's exported metadata: how to reach a peer engine and what it exposes.
-// Encoded as one msgpack map led by its version "v"; decoding bounds the bytes before msgpack
-// reads them and validates every field a connect() relies on, so garbage, truncated or
-// oversized bytes fail with a message naming the field, never an exception or a crash.
+// The UCX engine's exported metadata: how to reach a peer engine and what it exposes, as one
+// msgpack map led by its version "v". Decoding bounds the bytes first and checks every field
+// connect() relies on: bad bytes fail naming the field, never with an exception or a crash.
 #pragma once
 
 #include <cstdint>

@@ -1,12 +1,6 @@
-// One batch of reads on a UCX session, by the path each region takes:
-//  - mapped: a co-located peer's region is mapped into this process (by UCX, or from the
-//    peer's memfd): a read is a copy, with no protocol and no help from the peer.
-//  - rma: ucp_get, where the endpoint's RMA lanes are hardware (RDMA).
-//  - am: otherwise. UCX 1.13 emulates get in software on TCP and shared memory, and its
-//    emulation aborts the serving process when a reader vanishes with reads in flight.
-//    So the reader asks with an active message and the server answers each range with one
-//    (ucx_serving.h), whose failures UCX reports through callbacks like any send.
-// Also the am path's wire format (both ends are rd2h engines; native byte order).
+// One batch of reads on a UCX session, each region by its path: mapped (a plain copy), rma
+// (ucp_get on RDMA lanes) or am (active messages the peer's serving worker answers); and the am
+// path's wire format (both ends are rd2h engines; native byte order).
 #pragma once
 
 #include <ucp/api/ucp.h>

@@ -1,7 +1,6 @@
-// An engine's serving worker: the worker whose address the engine exports. Its own thread
-// progresses it, sleeping on the worker's event fd, so peers' reads are served without the
-// application's help: it answers the am read path's requests from registered memory and
-// carries the links this engine serves (ucx_link.h).
+// An engine's serving worker, whose address the engine exports. Its own thread progresses it,
+// so peers' reads are served without the application's help: it answers the am read path's
+// requests from registered memory and carries the links this engine serves (ucx_link.h).
 #pragma once
 
 #include <ucp/api/ucp.h>

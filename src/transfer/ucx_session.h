@@ -1,13 +1,6 @@
 // A UCX session: one connection from this engine to a peer engine, with its own worker,
-// endpoint, unpacked rkeys, peer liveness watch, and the state of the batch being read.
-// Everything here runs on the thread that holds Session::mu.
-//
-// Failure detection: UCX's shared-memory transports do not support peer error handling,
-// and asking for it makes UCX fall back to TCP. So endpoints to co-located peers use no
-// error handling and the session watches the peer process through a pidfd; endpoints to
-// remote peers (or over TCP) use UCP_ERR_HANDLING_MODE_PEER. A failed session is torn down
-// by destroying its worker, which cancels whatever it had in flight without touching other
-// sessions.
+// endpoint, rkeys, peer liveness watch and the batch being read. Everything here runs on the
+// thread that holds Session::mu; a failed session is torn down by destroying its worker.
 #pragma once
 
 #include <ucp/api/ucp.h>

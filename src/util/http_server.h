@@ -1,23 +1,6 @@
-// The one way rd2h serves HTTP (the proxy's API and metaserver listener, the simulator's
-// engines): cpp-httplib's routing and parsing, with rd2h's own connection handling around it.
-//
-// - Listens with a real backlog (httplib's is 5, compiled into Debian's library) and with
-//   SO_REUSEADDR only: a second server on a port in use fails with "address in use".
-// - A connection holds a thread only while a request of it is served: one thread waits for
-//   the requests (head and body) of all the others (up to `max_waiting_connections` and
-//   `max_waiting_bytes`, the longest waiting closed beyond), so idle and slow-loris clients
-//   hold no thread, however slowly they send their body. A whole request goes to a
-//   thread of a pool started on demand up to `max_connections` (all joined at stop()); with
-//   every thread busy it is answered 503 and closed, never queued, unless it is for /health
-//   or carries the server's token: a few reserve threads serve those.
-// - Every wait is bounded: an idle connection is closed after `keep_alive_timeout`, a
-//   request's head must arrive whole within `header_timeout` of its first byte, and the
-//   whole request within `request_timeout`.
-// - Bodies are bounded by `max_body_bytes`, whatever their framing (Content-Length,
-//   chunked, none, compressed): beyond it the answer is 413 and the connection is closed.
-// - Routes registered with `Auth::kToken` need `Authorization: Bearer <token>` when a token
-//   is configured (compared in constant time); without it the answer is 401 and the handler
-//   does not run. Routes registered with `Auth::kApiKey` need the client API key the same way.
+// The one way rd2h serves HTTP (the proxy's API and metaserver, the simulator's engines):
+// cpp-httplib's routing and parsing inside rd2h's own connection handling. Every wait, body and
+// connection count is bounded. A route's token or API key is checked before its handler runs (401).
 #pragma once
 
 #include <httplib.h>

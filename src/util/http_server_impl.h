@@ -1,7 +1,6 @@
 // HttpServer's insides, shared by its two parts: the connection handling and its limits
-// (http_connection.cc: the thread per connection, the deadlines of every wait, the
-// keep-alive loop, the 503 beyond the bound) and the server's front (http_server.cc: the
-// routes and their tokens, the access log and metrics, start and stop).
+// (http_connection.cc) and the server's front: routes and tokens, access log and metrics, start
+// and stop (http_server.cc).
 #pragma once
 
 #include <httplib.h>

@@ -1,8 +1,6 @@
 // JSON from the network parsed within bounds set before anything is built: one SAX pass
-// (no document) measures the depth and the weight of the document the text would become,
-// and stops at the first bound passed; only text within both is parsed into a document.
-// nlohmann's document costs far more than its text: `{}` (2 bytes) becomes a 16-byte value
-// and a heap-allocated map, so 16 MiB of `{},` would take about 650 MB.
+// measures the depth and the weight of the document the text would become, stopping at the
+// first bound passed; only text within both is parsed into a document.
 #pragma once
 
 #include <cstddef>

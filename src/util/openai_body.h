@@ -1,8 +1,6 @@
-// The fields rd2h reads of an OpenAI-style completion or chat body, checked before anything
-// is registered. The proxy checks only what it routes by (how deep the body nests, how many
-// prompts and tokens it lists, the token limit, stream and kv_transfer_params) and forwards
-// every other field for the engines to accept or refuse; the simulator's engines check
-// everything, the options they do not offer included. Both refuse with the same words.
+// The fields rd2h reads of an OpenAI-style completion or chat body, checked before anything is
+// registered: the proxy checks only what it routes by (BodyRules::kRoute), the simulator's
+// engines everything (kServe). Both refuse with the same words.
 #pragma once
 
 #include <cstdint>

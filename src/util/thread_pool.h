@@ -1,8 +1,5 @@
-// ThreadPool: threads started on demand up to a bound, reused once idle, all joined at
-// stop(). The one pool of the project: the HTTP server's connections, the proxy's Prefill
-// dispatches, the metaserver client's posts and the demo's clients run on it. (No Debian
-// package offers a pool that is bounded, starts its threads only when work comes and can
-// refuse work instead of queueing it, which the HTTP server needs.)
+// ThreadPool: threads started on demand up to a bound, reused once idle, all joined at stop().
+// The project's one pool. try_run refuses work when every thread is busy; run queues it.
 #pragma once
 
 #include <condition_variable>

@@ -1,7 +1,6 @@
-// A process-wide timeline recorder: spans and instants on the monotonic clock (the same
-// clock in every process of a host), kept in memory until drained. Off by default; when
-// off, recording costs one relaxed load. Bounded: past `kMaxEvents` events are counted and
-// dropped.
+// A process-wide timeline recorder: spans and instants on the monotonic clock, kept in memory
+// until drained; any thread may record. Off by default (recording then costs one relaxed
+// load); past `kMaxEvents` events are counted and dropped.
 #pragma once
 
 #include <cstddef>

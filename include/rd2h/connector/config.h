@@ -1,11 +1,6 @@
-// The connector's configuration, in the shape of vLLM's kv_transfer_config JSON:
-//
-//   {"kv_connector": "SfaRemoteD2HConnector", "kv_role": "kv_consumer", "kv_port": 30000,
-//    "engine_id": "decode-0", "kv_ip": "10.0.0.2",
-//    "kv_connector_extra_config": {"transfer_backend": "ucx", "use_layerwise": true, ...}}
-//
-// Top-level keys the connector does not use (vLLM has many) are ignored; every key inside
-// kv_connector_extra_config must be known. A bad value is refused naming its key.
+// The connector's configuration, read from vLLM's kv_transfer_config JSON (from_json). Top-level
+// keys the connector does not use are ignored; every key inside kv_connector_extra_config must
+// be known, and a bad value is refused naming its key.
 #pragma once
 
 #include <chrono>

@@ -1,9 +1,6 @@
-// A layerwise host-offload connector, the second connector rd2h is composed with (spec
-// "AscendMultiConnector Integration"). On Prefill it saves each layer's blocks into a host
-// store keyed by their content (so a prefix computed once can be reused) and, before a
-// layer computes, loads stored blocks back into the layer's buffers. It shares those
-// layerwise physical buffers with rd2h: before it overwrites a buffer it waits on the
-// buffer-reuse waiter, which MultiConnector sets to rd2h's wait_for_layer_send.
+// A layerwise host-offload connector, composed with rd2h (spec "AscendMultiConnector
+// Integration"): saves and loads a layer's blocks through a host store keyed by content, and
+// overwrites a layer buffer it shares with rd2h only once the buffer-reuse waiter returned.
 #pragma once
 
 #include <cstddef>

@@ -1,7 +1,6 @@
 // What travels between the connector's parts outside the KV protocol: a request's
-// kv_transfer_params (the JSON the proxy and the engines exchange, docs/wire-format.md
-// "The rendezvous over HTTP"), and the per-step metadata a scheduler hands its workers, a value
-// type that serializes because the host sends it to worker processes every step.
+// kv_transfer_params (docs/wire-format.md "The rendezvous over HTTP") and the per-step
+// metadata a scheduler hands its workers, a value type that serializes for worker processes.
 #pragma once
 
 #include <cstddef>

@@ -1,10 +1,6 @@
-// MultiConnector, worker role (spec "AscendMultiConnector Integration"): composes
-// connectors behind one KvConnectorWorker. rd2h's completion provider runs first for
-// wait_for_layer_load, save_kv_layer and on_kv_cache_written, so rd2h's storage-reuse gate
-// closes before another connector publishes or reuses the same physical buffer; rd2h's
-// wait_for_layer_send is handed to the others as their buffer-reuse waiter (and once one
-// takes it, rd2h's own wait_for_layer_load is not called on top of it). The per-step
-// metadata is one blob per connector, in composition order.
+// MultiConnector (spec "AscendMultiConnector Integration"): composes connectors behind one
+// KvConnectorWorker and one KvConnectorScheduler. rd2h runs first wherever buffer reuse depends
+// on the order, and its wait_for_layer_send is the others' buffer-reuse waiter.
 #pragma once
 
 #include <map>

@@ -1,17 +1,6 @@
-// The scheduler half of the connector, in the shape of vLLM's KV Connector V1 scheduler
-// role (spec "Request Lifecycle"). The host engine's scheduler calls it; what it returns
-// from build_connector_meta goes to every worker of the engine for the step.
-//
-// Decode (kv_consumer): a request with do_remote_prefill gets its remaining prompt tokens
-// matched asynchronously; once blocks are allocated, their ids are kept here (they never
-// leave Decode) and the rendezvous (host, base port, parallel sizes, engine id, cached
-// tokens) is posted to the request's metaserver in the background.
-//
-// Prefill (kv_producer): a request with do_remote_decode is tracked with its Decode
-// endpoint, source blocks and token counts; every step publishes its newly complete
-// blocks, and the final chunk its partial block too.
-//
-// Not thread-safe: the host's scheduler thread calls it.
+// The scheduler half of the connector, shaped like vLLM's KV Connector V1 scheduler role (spec
+// "Request Lifecycle"): what build_connector_meta returns goes to every worker for the step.
+// Not thread-safe: only the host's scheduler thread calls it.
 #pragma once
 
 #include <map>

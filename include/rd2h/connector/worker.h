@@ -1,11 +1,6 @@
-// The worker half of the connector, in the shape of vLLM's KV Connector V1 worker role: one
-// per TP rank process. On Prefill it wraps prefill::Worker (publish each layer, gate slot
-// reuse); on Decode it wraps decode::Worker (expect requests, read layers, gather
-// completion across the TP group, report the blocks of failed requests).
-//
-// The host calls, per step: bind_connector_metadata, start_load_kv, then per layer
-// wait_for_layer_load / save_kv_layer (and wait_for_layer_send before reusing a slot),
-// then wait_for_save, clear_connector_metadata, get_finished. One thread calls them.
+// The worker half of the connector (vLLM's KV Connector V1 worker role), one per TP rank. One
+// thread calls it, per step: bind_connector_metadata, start_load_kv, per layer wait_for_layer_load
+// and save_kv_layer, then wait_for_save, clear_connector_metadata and get_finished.
 #pragma once
 
 #include <chrono>

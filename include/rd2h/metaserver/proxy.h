@@ -1,37 +1,6 @@
-// rd2h proxy (spec "Request Lifecycle"; docs/wire-format.md "The rendezvous over HTTP"): an
-// OpenAI-style HTTP front over Prefill and Decode instances, with the metaserver that pairs them.
-//
-// A client request goes to the least-loaded Decode first, with kv_transfer_params
-// {do_remote_decode: false, do_remote_prefill: true, metaserver: <url>}; Decode's output
-// streams back to the client. Decode posts each child's rendezvous to the metaserver; once
-// every child of a request reported, the proxy dispatches the original request to the
-// least-loaded Prefill once (max_tokens, min_tokens and max_completion_tokens 1, no
-// stream_options, first child's params plus batch_kv_transfer_params for a prompt list),
-// tried again with backoff if it gets no answer or a 5xx. A metaserver post is answered at once and
-// never held; it is served by a listener of its own, so client requests cannot starve it.
-// If the Prefill dispatch fails, the client's request fails cleanly (its Decode request
-// is closed) with a 502, or with Prefill's own 4xx when it refused the client's body. A
-// client that hangs up, streamed or not, has both its Decode and Prefill requests closed,
-// so the engines give the request up and free its blocks at once. Errors are OpenAI
-// error objects; the client's X-Request-Id is echoed (the transfer is named by the proxy's
-// own random id).
-//
-// Instances fail over: one that fails (no answer or a refused connection, a 5xx, no answer
-// within its deadline, a failed health probe) leaves the rotation at once and is probed
-// (GET /health) in the background until it answers again; requests go to the least loaded
-// instance in rotation. A client request whose Decode fails before anything reached the
-// client goes to another Decode (decode_attempts); a Prefill dispatch that fails goes to
-// another Prefill (prefill_attempts). /health is 200 while at least one Prefill and one
-// Decode are in rotation, and names each instance's state. A client request whose Decode
-// failed and is not tried again has its Prefill dispatch stopped.
-//
-// The pools change while the proxy runs: GET /admin/instances lists each instance with its
-// state ("serving", "out of rotation", "leaving") and requests in flight; POST
-// /admin/instances {"prefill": [origins], "decode": [origins]} (either list, whole) makes
-// them the pool: an instance left out gets no new request and leaves once those it holds
-// finish; one added joins at once if its health probe answers, else out of rotation until
-// one does. These routes take the engines' token; a proxy without one serves them on a
-// loopback address only.
+// rd2h proxy (spec "Request Lifecycle"): an OpenAI-style HTTP front over Prefill and Decode
+// instances, with the metaserver that pairs them: a client request goes to a Decode first, then,
+// once its rendezvous arrived, to a Prefill. Behaviour: docs/design.md "The proxy".
 #pragma once
 
 #include <atomic>

@@ -1,7 +1,6 @@
-// Completion of a layer's KV write on Prefill (spec "Layer transfer": Prefill records an
-// event after the layer's KV scatter and the sender waits for it before publishing the
-// layer). On an accelerator this wraps a device event; HostWriteEvent serves host engines
-// whose compute thread signals when its write is done.
+// Completion of a layer's KV write on Prefill (spec "Layer transfer"): the sender publishes a
+// layer only once its event completed. On an accelerator it wraps a device event;
+// HostWriteEvent serves hosts whose compute thread signals when its write is done.
 #pragma once
 
 #include <condition_variable>

@@ -1,7 +1,6 @@
 // TransferEngine: moves byte ranges from a peer's registered memory into local registered
-// memory with one-sided reads. It plays the role MemFabric's transfer engine plays in the
-// spec and knows nothing of layers, requests or KV. Implementations: UCX (create_ucx_engine)
-// and a fault-injecting decorator for tests; a MemFabric backend fits the same interface.
+// memory with one-sided reads, knowing nothing of layers, requests or KV. Implementations: UCX
+// (create_ucx_engine) and a fault-injecting decorator for tests.
 #pragma once
 
 #include <chrono>
