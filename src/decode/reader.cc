@@ -50,9 +50,14 @@ Expected<std::unique_ptr<Reader>> Reader::start(ReaderConfig config,
   auto links = std::make_shared<LinkInbox>();
   links->fd.reset(::eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK));
   if (!links->fd.valid()) return internal_error("cannot create the reader's wake-up fd");
+  auto connects = std::make_shared<ConnectQueue>();
+  connects->fd.reset(::eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK));
+  if (!connects->fd.valid()) return internal_error("cannot create the reader's wake-up fd");
   auto reader = std::unique_ptr<Reader>(
       new Reader(std::move(config), std::move(engine), std::move(layout), std::move(router)));
   reader->links_ = std::move(links);
+  reader->connects_ = std::move(connects);
+  reader->connect_thread_ = std::thread([r = reader.get()] { r->connect_loop(); });
   reader->thread_ = std::thread([r = reader.get()] { r->run(); });
   return reader;
 }
@@ -67,7 +72,105 @@ Reader::Reader(ReaderConfig config, std::shared_ptr<transfer::TransferEngine> en
 Reader::~Reader() {
   stopping_.store(true);
   if (thread_.joinable()) thread_.join();
+  {
+    std::lock_guard lock(connects_->mu);
+    connects_->stopping = true;
+  }
+  connects_->cv.notify_all();
+  if (connect_thread_.joinable()) connect_thread_.join();  // a connect ends in connect_timeout
+  for (const auto& d : connects_->done) {
+    if (d.link) engine_->close_link(*d.link);
+  }
   for (const auto& [token, identity] : link_peer_) engine_->close_link(token);
+}
+
+void Reader::connect_loop() {
+  ConnectQueue& q = *connects_;
+  for (;;) {
+    ConnectJob job;
+    {
+      std::unique_lock lock(q.mu);
+      while (!q.stopping && q.jobs.empty()) q.cv.wait_for(lock, std::chrono::seconds(1));
+      if (q.stopping) return;
+      job = std::move(q.jobs.front());
+      q.jobs.pop_front();
+    }
+    Connected d;
+    d.job = job.job;
+    d.identity = job.identity;
+    d.session = engine_->connect(job.backend_metadata);
+    // Before the ACK: the link is open on Prefill's side by the time its first readiness
+    // goes.
+    if (d.session && job.link) {
+      d.link_status = open_link(*d.session, *job.link);
+      if (d.link_status.is_ok()) d.link = job.link;
+    }
+    {
+      std::lock_guard lock(q.mu);
+      q.done.push_back(std::move(d));
+    }
+    uint64_t one = 1;
+    [[maybe_unused]] auto n = ::write(q.fd.get(), &one, sizeof(one));
+  }
+}
+
+void Reader::finish_connects() {
+  uint64_t signalled = 0;
+  [[maybe_unused]] auto n = ::read(connects_->fd.get(), &signalled, sizeof(signalled));
+  std::deque<Connected> done;
+  {
+    std::lock_guard lock(connects_->mu);
+    done.swap(connects_->done);
+  }
+  for (auto& d : done) {
+    auto it = connecting_.find(d.identity);
+    if (it == connecting_.end() || it->second.job != d.job) {
+      // The connection closed, or sent MF_META again, meanwhile: this answer is no one's.
+      if (d.link) engine_->close_link(*d.link);
+      continue;
+    }
+    Connecting c = std::move(it->second);
+    connecting_.erase(it);
+    const std::string& identity = d.identity;
+    if (!d.session) {
+      refuse_mf_meta(identity,
+                     d.session.status().with_context("connecting to " + c.p_session).message());
+    } else {
+      c.peer.session = std::move(*d.session);
+      if (d.link) {
+        link_of_[identity] = PeerLink{*d.link, false};
+        link_peer_[*d.link] = identity;
+        count(&Counters::links_opened);
+      } else if (!d.link_status.is_ok()) {
+        // The connection stays on ZeroMQ: slower, not wrong.
+        log::info("decode reader {}: no transfer link to {}: {}", config_.d_rank, c.peer.session,
+                  d.link_status.message());
+      }
+      const bool commits = c.peer.commits;
+      if (auto old = peers_.find(identity); old != peers_.end()) {
+        // MF_META again on a connection: what the old one left uncommitted never will be.
+        std::lock_guard lock(mu_);
+        for (const auto& [ext_id, signal] : old->second.uncommitted) tracker_.on_failed(ext_id);
+      }
+      peers_[identity] = std::move(c.peer);
+      set_connections();
+      const std::string_view ack = commits ? protocol::kAckCommitPayload : protocol::kAckPayload;
+      reply(identity,
+            std::vector<std::byte>(reinterpret_cast<const std::byte*>(ack.data()),
+                                   reinterpret_cast<const std::byte*>(ack.data()) + ack.size()));
+    }
+    // What the connection sent meanwhile, in order; behind an MF_META among it that starts
+    // another connect, the rest waits again.
+    while (!c.waiting.empty()) {
+      control::Inbound in = std::move(c.waiting.front());
+      c.waiting.pop_front();
+      if (auto again = connecting_.find(identity); again != connecting_.end()) {
+        again->second.waiting.push_back(std::move(in));
+      } else {
+        handle(in);
+      }
+    }
+  }
 }
 
 Status Reader::add_request(const std::string& ext_id, const std::string& internal_id,
@@ -159,7 +262,7 @@ void Reader::run() {
   // a readiness on a link wakes it directly.
   const int link_fd = config_.control_link && engine_->supports_links() ? engine_->link_fd() : -1;
   if (link_fd >= 0) engine_->drive_links(true);
-  const int wake_fds[] = {links_->fd.get(), link_fd};
+  const int wake_fds[] = {links_->fd.get(), connects_->fd.get(), link_fd};
   // While a request read on a link is owed later layers, the links are polled, unarmed,
   // for up to busy_poll after each message: the Prefill sending the next layer finds no
   // sleeper to wake. Past that, or owed nothing, the thread sleeps again.
@@ -173,7 +276,8 @@ void Reader::run() {
       busy_until = owed_.empty() ? Clock::time_point{} : Clock::now() + config_.busy_poll;
     }
     auto in = router_->receive(armed ? config_.poll_interval : std::chrono::milliseconds(0),
-                               std::span(wake_fds, link_fd >= 0 ? 2 : 1));
+                               std::span(wake_fds, link_fd >= 0 ? 3 : 2));
+    finish_connects();
     // Polling, it gives way to whatever else wants this CPU.
     if (busy && in && !in->has_value()) std::this_thread::yield();
     if (!in) {
@@ -182,11 +286,22 @@ void Reader::run() {
       if (auto link = link_of_.find((*in)->identity); link != link_of_.end()) {
         link->second.answer_on_link = false;
       }
-      handle(**in);
+      if (auto wait = connecting_.find((*in)->identity); wait != connecting_.end()) {
+        // Its session is being opened: the message waits for it, in order, in bounds.
+        if (wait->second.waiting.size() < config_.max_held_per_peer) {
+          wait->second.waiting.push_back(std::move(**in));
+        } else {
+          warn_limited(unknown_log_, "dropped a message of a connection still connecting",
+                       "more than " + std::to_string(config_.max_held_per_peer) + " waiting");
+        }
+      } else {
+        handle(**in);
+      }
     }
     // A connection that closed takes its state along: MF_META, held readiness, and the
     // requests it had begun and not finished (a Prefill that died finishes none of them).
     for (const auto& gone : router_->take_disconnected()) {
+      connecting_.erase(gone);  // its connect's answer is dropped when it comes
       if (peers_.count(gone) || held_.count(gone)) {
         drop_peer(gone, "the connection closed");
       }
@@ -270,10 +385,9 @@ bool Reader::drain_links(bool polled) {
   return !messages.empty();
 }
 
-void Reader::open_link(const std::string& identity, const Peer& peer, uint64_t token) {
-  close_link(identity);  // MF_META again on one connection: a new link replaces the old
-  Status st = engine_->open_link(
-      peer.session, token,
+Status Reader::open_link(const std::string& session, uint64_t token) {
+  return engine_->open_link(
+      session, token,
       [inbox = links_, token](transfer::LinkEvent event, std::span<const std::byte> message) {
         std::lock_guard lock(inbox->mu);
         if (event == transfer::LinkEvent::kMessage) {
@@ -287,15 +401,6 @@ void Reader::open_link(const std::string& identity, const Peer& peer, uint64_t t
         uint64_t one = 1;
         [[maybe_unused]] auto n = ::write(inbox->fd.get(), &one, sizeof(one));
       });
-  if (!st) {
-    // The connection stays on ZeroMQ: slower, not wrong.
-    log::info("decode reader {}: no transfer link to {}: {}", config_.d_rank, peer.session,
-              st.message());
-    return;
-  }
-  link_of_[identity] = PeerLink{token, false};
-  link_peer_[token] = identity;
-  count(&Counters::links_opened);
 }
 
 void Reader::close_link(const std::string& identity) {
@@ -475,26 +580,23 @@ void Reader::handle_mf_meta(const std::string& identity, const protocol::MfMeta&
     layer.layout = layout::validate_layer(index ? *index : -1, layer.tensors, mine)
                        .with_context("Decode rank " + std::to_string(config_.d_rank));
   }
-  auto session = engine_->connect(meta.backend_metadata);
-  if (!session) return refuse(session.status().with_context("connecting to " + meta.p_session));
-  peer.session = std::move(*session);
-  // Before the ACK: the link is open on Prefill's side by the time its first readiness goes.
+  // The session (and link) is opened on the connect thread; the ACK, and whatever the
+  // connection sends meanwhile, wait for it (finish_connects). MF_META again on one
+  // connection: a new link replaces the old.
+  close_link(identity);
+  ConnectJob job{++next_job_, identity, meta.backend_metadata, std::nullopt};
   if (meta.control_link && config_.control_link && engine_->supports_links()) {
-    open_link(identity, peer, *meta.control_link);
-  } else {
-    close_link(identity);
+    job.link = *meta.control_link;
   }
-  const bool commits = peer.commits;
-  if (auto old = peers_.find(identity); old != peers_.end()) {
-    // MF_META again on a connection: what the old one left uncommitted never will be.
-    std::lock_guard lock(mu_);
-    for (const auto& [ext_id, signal] : old->second.uncommitted) tracker_.on_failed(ext_id);
+  Connecting& waiting = connecting_[identity];
+  waiting.job = job.job;
+  waiting.peer = std::move(peer);
+  waiting.p_session = meta.p_session;
+  {
+    std::lock_guard lock(connects_->mu);
+    connects_->jobs.push_back(std::move(job));
   }
-  peers_[identity] = std::move(peer);
-  set_connections();
-  const std::string_view ack = commits ? protocol::kAckCommitPayload : protocol::kAckPayload;
-  reply(identity, std::vector<std::byte>(reinterpret_cast<const std::byte*>(ack.data()),
-                                         reinterpret_cast<const std::byte*>(ack.data()) + ack.size()));
+  connects_->cv.notify_one();
 }
 
 void Reader::fail_owed(const std::string& identity) {

@@ -19,6 +19,7 @@
 
 #include <atomic>
 #include <chrono>
+#include <condition_variable>
 #include <deque>
 #include <map>
 #include <memory>
@@ -142,6 +143,37 @@ class Reader {
     uint64_t token = 0;
     bool answer_on_link = false;  // the connection's last message came on the link
   };
+  // A Prefill whose MF_META was accepted and whose session (and link) the connect thread is
+  // opening: what the connection sends meanwhile waits, in order, for the answer.
+  struct Connecting {
+    uint64_t job = 0;  // the connect job it waits for (a later MF_META starts another)
+    Peer peer;
+    std::string p_session;
+    std::deque<control::Inbound> waiting;  // at most max_held_per_peer
+  };
+  // What the connect thread does and says: connect to a Prefill, open its link.
+  struct ConnectJob {
+    uint64_t job = 0;
+    std::string identity;
+    std::vector<std::byte> backend_metadata;
+    std::optional<uint64_t> link;  // the link token to open, if any
+  };
+  struct Connected {
+    uint64_t job = 0;
+    std::string identity;
+    Expected<std::string> session = internal_error("not connected");
+    std::optional<uint64_t> link;  // the link opened, if any
+    Status link_status;            // why it was not, if one was asked for
+  };
+  struct ConnectQueue {
+    std::mutex mu;
+    std::condition_variable cv;
+    // Bounded: a job per connection that sent MF_META, each answered in connect_timeout.
+    std::deque<ConnectJob> jobs;
+    std::deque<Connected> done;  // taken by the reader thread, woken through `fd`
+    bool stopping = false;
+    UniqueFd fd;
+  };
 
   Reader(ReaderConfig config, std::shared_ptr<transfer::TransferEngine> engine, DecodeLayout layout,
          std::unique_ptr<control::RouterChannel> router);
@@ -159,7 +191,14 @@ class Reader {
   // Handles what came on the links (`polled`: while the reader polled them, unarmed); true
   // when there was a message.
   bool drain_links(bool polled);
-  void open_link(const std::string& identity, const Peer& peer, uint64_t token);
+  // The connect thread: sessions and links opened off the reader thread, so one slow new
+  // Prefill does not stall the others.
+  void connect_loop();
+  // Opens link `token` on `session` (on the connect thread).
+  Status open_link(const std::string& session, uint64_t token);
+  // Ends the wait of the connections whose session is open (or failed): ACK or refusal,
+  // then what they sent meanwhile.
+  void finish_connects();
   void close_link(const std::string& identity);
   // Answers held readiness whose destinations arrived or whose hold expired, in order.
   void drain_held();
@@ -245,6 +284,11 @@ class Reader {
   void set_held_now() { counters_.held_now.store(held_count_, std::memory_order_relaxed); }
   void set_connections() { counters_.connections.store(peers_.size(), std::memory_order_relaxed); }
   metrics::Histogram read_seconds_{metrics::transfer_buckets()};
+
+  std::map<std::string, Connecting> connecting_;  // by ZMQ identity; reader thread only
+  uint64_t next_job_ = 0;                         // reader thread only
+  std::shared_ptr<ConnectQueue> connects_;
+  std::thread connect_thread_;
 
   std::atomic<bool> stopping_{false};
   std::thread thread_;

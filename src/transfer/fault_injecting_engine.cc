@@ -38,6 +38,34 @@ int FaultInjectingEngine::held_reads() const {
   return held_;
 }
 
+void FaultInjectingEngine::hold_connects() {
+  std::lock_guard lock(mu_);
+  holding_connects_ = true;
+}
+
+void FaultInjectingEngine::release_connects() {
+  std::lock_guard lock(mu_);
+  holding_connects_ = false;
+  released_.notify_all();
+}
+
+int FaultInjectingEngine::held_connects() const {
+  std::lock_guard lock(mu_);
+  return held_connects_;
+}
+
+Expected<std::string> FaultInjectingEngine::connect(std::span<const std::byte> peer_metadata) {
+  {
+    std::unique_lock lock(mu_);
+    if (holding_connects_) {
+      ++held_connects_;
+      released_.wait_for(lock, std::chrono::minutes(1), [this] { return !holding_connects_; });
+      --held_connects_;
+    }
+  }
+  return inner_->connect(peer_metadata);
+}
+
 Status FaultInjectingEngine::batch_read_sync(std::string_view session,
                                              std::span<const uintptr_t> local,
                                              std::span<const uintptr_t> remote,

@@ -31,6 +31,11 @@ class FaultInjectingEngine final : public TransferEngine {
   void hold_reads(int after = 0);
   void release_reads();
   int held_reads() const;
+  // Connects wait until release_connects() (for at most a minute), as they would for a
+  // peer host that answers slowly. held_connects() counts the connects waiting now.
+  void hold_connects();
+  void release_connects();
+  int held_connects() const;
 
   std::string_view backend_name() const override { return inner_->backend_name(); }
   const EngineConfig& config() const override { return inner_->config(); }
@@ -45,9 +50,7 @@ class FaultInjectingEngine final : public TransferEngine {
   Expected<std::vector<std::byte>> export_metadata() const override {
     return inner_->export_metadata();
   }
-  Expected<std::string> connect(std::span<const std::byte> peer_metadata) override {
-    return inner_->connect(peer_metadata);
-  }
+  Expected<std::string> connect(std::span<const std::byte> peer_metadata) override;
   Status disconnect(std::string_view session) override { return inner_->disconnect(session); }
   Expected<SessionInfo> session_info(std::string_view session) const override {
     return inner_->session_info(session);
@@ -82,6 +85,8 @@ class FaultInjectingEngine final : public TransferEngine {
   int hold_after_ = 0;  // reads still let through before holding
   int held_ = 0;
   std::condition_variable released_;
+  bool holding_connects_ = false;
+  int held_connects_ = 0;
 };
 
 }  // namespace rd2h::transfer

@@ -140,6 +140,36 @@ TEST_F(ReaderTest, ARequestGivenUpDuringAReadIntoItIsReportedOnlyOnceTheReadRetu
   EXPECT_EQ(reader_->get_finished(kAlone)->finished, std::vector<std::string>{"int-r"});
 }
 
+// A new Prefill's session is opened off the reader thread: a connect that takes its time
+// stalls no Prefill already connected, and the new one gets its ACK once it is done.
+TEST_F(ReaderTest, ASlowNewPrefillDoesNotStallAConnectedOne) {
+  auto engine = std::make_shared<transfer::FaultInjectingEngine>(decode_engine_);
+  decode_engine_ = engine;
+  start_reader(ReaderConfig{});
+  send_mf_meta(mf_meta(prefill_));
+  ASSERT_TRUE(reader_->add_request("r", "int-r", {2}, {2}).is_ok());
+  engine->hold_connects();
+  auto slow = control::DealerChannel::connect(context_, reader_->url());
+  ASSERT_TRUE(slow);
+  ASSERT_TRUE((*slow)->send(protocol::encode(mf_meta(prefill_))).is_ok());
+  ASSERT_TRUE(eventually([&] { return engine->held_connects() == 1; }));
+  EXPECT_TRUE(std::holds_alternative<protocol::ReadDone>(
+      exchange_message(protocol::encode(ready(0, {{"r", {6}, {6}, 0, 0}})))))
+      << "the connected Prefill waited for the other's connect";
+  EXPECT_EQ(engine->held_connects(), 1);
+  // What the new connection sends before its ACK is answered after it, in order.
+  ASSERT_TRUE((*slow)->send(protocol::encode(ready(1, {}))).is_ok());
+  engine->release_connects();
+  auto ack = (*slow)->receive(10s);
+  ASSERT_TRUE(ack && ack->has_value());
+  EXPECT_TRUE(protocol::is_commit_ack(**ack));
+  auto answer = (*slow)->receive(10s);
+  ASSERT_TRUE(answer && answer->has_value());
+  auto m = protocol::decode_message(**answer);
+  ASSERT_TRUE(m) << m.status().to_string();
+  EXPECT_TRUE(std::holds_alternative<protocol::ReadDone>(*m));
+}
+
 TEST_F(ReaderTest, ARequestWhoseKvDoesNotArriveInTimeFailsWithItsBlocks) {
   const auto now = std::chrono::steady_clock::now();
   ASSERT_TRUE(reader_->add_request("late", "int-late", {2, 3}, {4}, now).is_ok());

@@ -103,7 +103,7 @@ class SenderTest : public ::testing::Test {
   std::string reader_url_or_() const {
     return url_override_.empty() ? reader_->url() : url_override_;
   }
-  void sync_with_reader() { (void)reader_->stats(); }
+  void sync_with_reader() { (void)reader_->tracked_requests(); }
 
   Pool prefill_{transfer::Role::kPrefill, true};
   Pool decode_{transfer::Role::kDecode, false};
