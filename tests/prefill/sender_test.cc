@@ -436,6 +436,7 @@ TEST_F(SenderTest, AReadinessForADecodeThatIsDownFailsAtOnceAndNeverReachesItsSu
   const decode::ReaderStats stats = reader_->stats();
   EXPECT_EQ(stats.readiness_held, 0u) << "the dead Decode's readiness reached its successor";
   EXPECT_EQ(stats.layers_done, 1u);
+  sync_with_reader();
   EXPECT_TRUE(decode_.holds(2, 0, 4, 2));
 }
 
@@ -458,6 +459,7 @@ TEST_F(SenderTest, ReadinessAndAnswersMoveToTheLinkDecodeOpensAndTheBytesArrive)
   EXPECT_EQ(s->stats().readiness_on_link - on_link, static_cast<uint64_t>(kLayers));
   EXPECT_EQ(reader_->stats().readiness_on_link - read_on_link, static_cast<uint64_t>(kLayers));
   EXPECT_EQ(reader_->stats().readiness_polled, 0u) << "Decode polled with busy_poll 0";
+  sync_with_reader();
   for (int l = 0; l < kLayers; ++l) {
     EXPECT_TRUE(decode_.holds(l, 0, 9, 7)) << "layer " << l;
     EXPECT_TRUE(decode_.holds(l, 2, 13, 0)) << "layer " << l;
@@ -487,6 +489,7 @@ TEST_F(SenderTest, WhileARequestOwesLayersDecodePollsItsLinkAndSleepsOnceItIsDon
     // it polling. After the last, it sleeps again: the next request's first is not polled.
     EXPECT_EQ(reader_->stats().readiness_polled - polled, static_cast<uint64_t>(kLayers - 1))
         << "request " << id;
+    sync_with_reader();
     EXPECT_TRUE(decode_.holds(kLayers - 1, 0, 9, 7)) << "request " << id;
     EXPECT_TRUE(decode_.holds(kLayers - 1, 2, 12, 6)) << "request " << id;
   }
