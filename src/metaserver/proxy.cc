@@ -9,9 +9,6 @@ namespace rd2h::metaserver {
 
 namespace {
 
-bool is_wildcard(const std::string& host) {
-  return control::is_wildcard_host(host);
-}
 bool is_loopback(const std::string& host) {
   return host == "localhost" || host.rfind("127.", 0) == 0 || host == "::1" || host == "[::1]";
 }
@@ -19,14 +16,14 @@ bool is_loopback(const std::string& host) {
 // Where Decode engines are told to post, and who may reach the proxy: an advertised
 // address they can post to, and no open proxy on a network address unless asked for.
 Status check_addresses(const ProxyConfig& config) {
-  if (config.advertise_host.empty() && is_wildcard(config.host)) {
+  if (config.advertise_host.empty() && control::is_wildcard_host(config.host)) {
     return invalid_argument("--host '" + config.host +
                             "' is a wildcard address, which Decode engines cannot post their "
                             "rendezvous to: give --advertise-host, the address they reach this "
                             "proxy at");
   }
   if (!config.advertise_host.empty()) {
-    if (is_wildcard(config.advertise_host)) {
+    if (control::is_wildcard_host(config.advertise_host)) {
       return invalid_argument("--advertise-host '" + config.advertise_host +
                               "' is a wildcard address: give the address Decode engines reach "
                               "this proxy at");
