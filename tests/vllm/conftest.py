@@ -131,9 +131,10 @@ class Engine(Process):
     """`vllm serve` of the tiny model, with a kv_transfer_config or without."""
 
     def __init__(self, name: str, model: Path, logs: Path, ktc: Optional[dict] = None,
-                 cpus: Optional[str] = None, env: Optional[dict] = None):
+                 cpus: Optional[str] = None, env: Optional[dict] = None,
+                 args: Optional[list] = None):
         """`cpus`: the CPUs the engine's processes may run on (taskset's list), else all;
-        `env`: more environment for it."""
+        `env`: more environment for it; `args`: more arguments of `vllm serve`."""
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server",
@@ -141,7 +142,7 @@ class Engine(Process):
                "--host", "127.0.0.1", "--port", str(self.port),
                "--dtype", "float32", "--max-model-len", "2048", "--enforce-eager",
                "--block-size", str(BLOCK_SIZE), "--max-num-batched-tokens", str(TOKEN_BUDGET),
-               "--max-num-seqs", "64", "--seed", "0"]
+               "--max-num-seqs", "64", "--seed", "0", *(args or [])]
         if ktc is not None:
             cmd += ["--kv-transfer-config", json.dumps(ktc)]
         if cpus is not None:
