@@ -1,51 +1,23 @@
-// Prefill's sender: its thread, the queue of readiness waiting for their layer's write, and
-// the waits of whoever serves the connections (the connections themselves: sender_connection.cc).
+// Prefill's sender: its thread, which alone touches the connections, the queue of readiness
+// waiting for their layer's write, and the waiter for write events that cannot notify (the
+// connections themselves: sender_connection.cc).
 #include "prefill/sender.h"
 
 #include <poll.h>
 #include <sys/eventfd.h>
 #include <unistd.h>
 
+#include <condition_variable>
+
 namespace rd2h::prefill {
 
 namespace {
 using Clock = std::chrono::steady_clock;
+// Longest sleep of the sender thread: a bound on a missed wake-up, not a poll.
 constexpr std::chrono::milliseconds kPollSlice{50};
-}  // namespace
+// How often the waiter looks up from an event it waits on to see whether the sender stops.
+constexpr std::chrono::milliseconds kWaitSlice{50};
 
-Expected<std::unique_ptr<Sender>> Sender::start(SenderConfig config,
-                                                std::shared_ptr<control::Context> context,
-                                                protocol::MfMeta meta,
-                                                std::shared_ptr<transfer::TransferEngine> engine) {
-  UniqueFd fd(::eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK));
-  UniqueFd driver_fd(::eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK));
-  if (!fd.valid() || !driver_fd.valid()) {
-    return internal_error("cannot create the sender's wakeup fd");
-  }
-  auto sender =
-      std::unique_ptr<Sender>(new Sender(config, std::move(context), std::move(meta),
-                                         std::move(engine), std::move(fd), std::move(driver_fd)));
-  sender->thread_ = std::thread([s = sender.get()] { s->run(); });
-  return sender;
-}
-
-Sender::Sender(SenderConfig config, std::shared_ptr<control::Context> context,
-               protocol::MfMeta meta, std::shared_ptr<transfer::TransferEngine> engine,
-               UniqueFd wake_fd, UniqueFd driver_fd)
-    : config_(config),
-      context_(std::move(context)),
-      meta_(std::move(meta)),
-      mf_meta_(protocol::encode(meta_)),
-      engine_(std::move(engine)),
-      wake_fd_(std::move(wake_fd)),
-      driver_fd_(std::move(driver_fd)),
-      waker_(std::make_shared<Waker>()) {
-  waker_->fd = wake_fd_.get();
-  waker_->driver_fd = driver_fd_.get();
-  waker_->sender = this;
-}
-
-namespace {
 void signal_fd(int fd) {
   uint64_t one = 1;
   [[maybe_unused]] auto n = ::write(fd, &one, sizeof(one));
@@ -61,58 +33,111 @@ int poll_ms(Clock::time_point until) {
 }
 }  // namespace
 
+// Waits, in order, on the write events that cannot notify, so that the sender thread never
+// blocks on one; marks each done and wakes the sender thread.
+class Sender::EventWaiter {
+ public:
+  explicit EventWaiter(std::shared_ptr<Waker> waker)
+      : waker_(std::move(waker)), thread_([this] { run(); }) {}
+  ~EventWaiter() {
+    {
+      std::lock_guard lock(mu_);
+      stopping_ = true;
+    }
+    changed_.notify_all();
+    thread_.join();  // within kWaitSlice of an event's wait
+  }
+  EventWaiter(const EventWaiter&) = delete;
+  EventWaiter& operator=(const EventWaiter&) = delete;
+
+  // Bounded by the slots, as the tasks are.
+  void wait_for(std::shared_ptr<WriteEvent> event, std::shared_ptr<Written> written,
+                Clock::time_point deadline) {
+    {
+      std::lock_guard lock(mu_);
+      events_.push_back({std::move(event), std::move(written), deadline});
+    }
+    changed_.notify_all();
+  }
+
+ private:
+  struct Entry {
+    std::shared_ptr<WriteEvent> event;
+    std::shared_ptr<Written> written;
+    Clock::time_point deadline;
+  };
+  void run() {
+    std::unique_lock lock(mu_);
+    for (;;) {
+      changed_.wait(lock, [this] { return stopping_ || !events_.empty(); });
+      if (stopping_) return;
+      Entry e = std::move(events_.front());
+      events_.pop_front();
+      lock.unlock();
+      Status st = timeout_error("the layer's KV write did not complete in time");
+      for (;;) {
+        const auto until = std::min(e.deadline, Clock::now() + kWaitSlice);
+        st = e.event->wait(Deadline::at(until));
+        if (st.code() != StatusCode::kTimeout || Clock::now() >= e.deadline) break;
+        std::lock_guard stop(mu_);
+        if (stopping_) return;  // the sender fails the task itself
+      }
+      e.written->status = std::move(st);
+      e.written->done.store(true);
+      waker_->wake();
+      lock.lock();
+    }
+  }
+
+  std::shared_ptr<Waker> waker_;
+  std::mutex mu_;
+  std::condition_variable changed_;
+  std::deque<Entry> events_;
+  bool stopping_ = false;
+  std::thread thread_;
+};
+
+Expected<std::unique_ptr<Sender>> Sender::start(SenderConfig config,
+                                                std::shared_ptr<control::Context> context,
+                                                protocol::MfMeta meta,
+                                                std::shared_ptr<transfer::TransferEngine> engine) {
+  UniqueFd fd(::eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK));
+  if (!fd.valid()) return internal_error("cannot create the sender's wakeup fd");
+  auto sender = std::unique_ptr<Sender>(
+      new Sender(config, std::move(context), std::move(meta), std::move(engine), std::move(fd)));
+  sender->thread_ = std::thread([s = sender.get()] { s->run(); });
+  return sender;
+}
+
+Sender::Sender(SenderConfig config, std::shared_ptr<control::Context> context,
+               protocol::MfMeta meta, std::shared_ptr<transfer::TransferEngine> engine,
+               UniqueFd wake_fd)
+    : config_(config),
+      context_(std::move(context)),
+      meta_(std::move(meta)),
+      mf_meta_(protocol::encode(meta_)),
+      engine_(std::move(engine)),
+      wake_fd_(std::move(wake_fd)),
+      waker_(std::make_shared<Waker>()) {
+  waker_->fd = wake_fd_.get();
+}
+
 void Sender::Waker::wake() {
   std::lock_guard lock(mu);
-  if (fd < 0) return;  // the sender is gone: nobody to wake
-  signal_fd(fd);
-  signal_fd(driver_fd);
-}
-
-void Sender::Waker::write_done() {
-  // A notification that comes while this thread pumps (an event it asked that was done
-  // already) is seen by that pump.
-  thread_local bool pumping = false;
-  if (pumping) return;
-  {
-    std::lock_guard lock(sender_mu);
-    pumping = true;
-    const bool sent = sender != nullptr && sender->try_pump();
-    pumping = false;
-    if (sent) return;
-  }
-  wake();
-}
-
-bool Sender::try_pump() {
-  if (notifying_.load() == std::this_thread::get_id()) return false;
-  std::unique_lock lock(mu_, std::try_to_lock);
-  if (!lock.owns_lock() || stopping_.load()) return false;
-  on_completion_ = true;
-  pump();
-  on_completion_ = false;
-  return true;
-}
-
-void Sender::Waker::wake_driver() {
-  std::lock_guard lock(mu);
-  if (fd < 0) return;
-  signal_fd(drivers.load() > 0 ? driver_fd : fd);
+  if (fd >= 0) signal_fd(fd);  // else the sender is gone: nobody to wake
 }
 
 Sender::~Sender() {
   {
-    std::lock_guard lock(waker_->sender_mu);  // a write completing now finishes first
-    waker_->sender = nullptr;
+    std::lock_guard lock(submit_mu_);
+    stopping_ = true;
   }
-  stopping_.store(true);
   waker_->wake();
   if (thread_.joinable()) thread_.join();
-  {
-    // An event completing later (its host may keep it) finds no fd to write: the fds
-    // themselves close with this.
-    std::lock_guard lock(waker_->mu);
-    waker_->fd = waker_->driver_fd = -1;
-  }
+  // An event completing later (its host may keep it) finds no fd to write: the fd itself
+  // closes with this.
+  std::lock_guard lock(waker_->mu);
+  waker_->fd = -1;
 }
 
 void Sender::send(const std::string& url, int64_t layer_idx, std::vector<std::byte> payload,
@@ -127,12 +152,15 @@ void Sender::send(const std::string& url, int64_t layer_idx, std::vector<std::by
   t.server_key = std::move(server_key);
   t.final_ids = std::move(final_ids);
   t.event_deadline = Clock::now() + config_.event_timeout;
-  std::lock_guard lock(mu_);
-  if (stopping_.load()) {
-    return answer_tickets(t.tickets, failed_precondition("the Prefill sender stopped"));
+  {
+    std::unique_lock lock(submit_mu_);
+    if (stopping_) {
+      lock.unlock();
+      return answer_tickets(t.tickets, failed_precondition("the Prefill sender stopped"));
+    }
+    submitted_.push_back(std::move(t));
   }
-  queued_.push_back(std::move(t));
-  pump();
+  waker_->wake();
 }
 
 SenderStats Sender::stats() const {
@@ -145,6 +173,11 @@ void Sender::count(uint64_t SenderStats::*field) {
   ++(stats_.*field);
 }
 
+void Sender::set_waiting_for_write() {
+  std::lock_guard lock(stats_mu_);
+  stats_.waiting_for_write = queued_.size();
+}
+
 void Sender::answer_tickets(const std::vector<GateTicket>& tickets, const Status& outcome,
                             bool from_decode) {
   // Counted before the gates open, so whoever a gate wakes sees the count.
@@ -152,39 +185,17 @@ void Sender::answer_tickets(const std::vector<GateTicket>& tickets, const Status
   for (const auto& t : tickets) t.gate->answer(t.generation, outcome);
 }
 
-bool Sender::serve_until(const std::function<bool()>& done, const Deadline& deadline) {
-  std::vector<pollfd> fds;
-  std::unique_lock lock(mu_);
-  ++waker_->drivers;
-  bool reached = false;
-  for (;;) {
-    serve();
-    if ((reached = done()) || deadline.expired() || stopping_.load()) break;
-    fds.clear();
-    fds.push_back({driver_fd_.get(), POLLIN, 0});
-    bool links = false;
-    for (const auto& [url, ep] : endpoints_) {
-      if (ep.dealer) fds.push_back({ep.dealer->notify_fd(), POLLIN, 0});
-      links = links || ep.on_link;
-    }
-    // Answers on a link: this thread takes them off the engine itself, as it does off the
-    // sockets, rather than wait for the engine's thread to hand them over.
-    const int link_fd = links ? engine_->link_fd() : -1;
-    if (link_fd >= 0) fds.push_back({link_fd, POLLIN, 0});
-    int timeout =
-        poll_ms(next_deadline(std::min(deadline.time_point(), Clock::now() + kPollSlice)));
-    lock.unlock();
-    if (link_fd >= 0 && !engine_->progress_links()) timeout = 0;
-    ::poll(fds.data(), fds.size(), timeout);
-    lock.lock();
-    drain_fd(driver_fd_.get());
-  }
-  --waker_->drivers;
-  return reached;
+bool Sender::take_submitted() {
+  std::lock_guard lock(submit_mu_);
+  if (stopping_) return false;
+  for (auto& t : submitted_) queued_.push_back(std::move(t));
+  submitted_.clear();
+  return true;
 }
 
 void Sender::serve() {
   pump();
+  set_waiting_for_write();
   for (auto& [url, ep] : endpoints_) {
     if (ep.dealer) receive(url, ep);
   }
@@ -205,66 +216,61 @@ Clock::time_point Sender::next_deadline(Clock::time_point cap) const {
 
 void Sender::run() {
   std::vector<pollfd> fds;
-  std::unique_lock lock(mu_);
-  while (!stopping_.load()) {
+  while (take_submitted()) {
     serve();
-    // Someone waiting in serve_until polls without the lock: tell it something changed.
-    if (waker_->drivers.load() > 0) signal_fd(driver_fd_.get());
-    // A write event that cannot notify is waited on here, without the lock.
-    if (!queued_.empty() && queued_.front().written && !queued_.front().notifies &&
-        !queued_.front().written->done.load()) {
-      auto event = queued_.front().event;
-      auto written = queued_.front().written;
-      const auto until = queued_.front().event_deadline;
-      lock.unlock();
-      written->status = event->wait(Deadline::at(until));
-      written->done.store(true);
-      waker_->wake();
-      lock.lock();
-      continue;
-    }
-    // The sender thread watches what nobody waits on: the wake-up fd (a write completed,
-    // a new connection, stop) and connections waiting for their ACK. Answers are read by
-    // whoever waits for them, or at the latest here, every slice.
+    // Asleep until something changes: a submission, a write completing or stop (the
+    // wake-up fd), something on a connection, or on a link.
     fds.clear();
     fds.push_back({wake_fd_.get(), POLLIN, 0});
+    bool links = false;
     for (const auto& [url, ep] : endpoints_) {
-      if (ep.dealer && !ep.acked) fds.push_back({ep.dealer->notify_fd(), POLLIN, 0});
+      if (ep.dealer) fds.push_back({ep.dealer->notify_fd(), POLLIN, 0});
+      links = links || ep.on_link;
     }
-    const int timeout = poll_ms(next_deadline(Clock::now() + kPollSlice));
-    lock.unlock();
+    // Answers on a link: this thread takes them off the engine itself, as it does off the
+    // sockets, rather than wait for the engine's thread to hand them over.
+    const int link_fd = links ? engine_->link_fd() : -1;
+    if (link_fd >= 0) fds.push_back({link_fd, POLLIN, 0});
+    int timeout = poll_ms(next_deadline(Clock::now() + kPollSlice));
+    if (link_fd >= 0 && !engine_->progress_links()) timeout = 0;
     ::poll(fds.data(), fds.size(), timeout);
-    lock.lock();
     drain_fd(wake_fd_.get());
   }
+  waiter_.reset();
   const Status stopped = failed_precondition("the Prefill sender stopped");
   for (auto& [url, ep] : endpoints_) fail_endpoint(url, ep, stopped);
   std::deque<Task> unsent;
   unsent.swap(queued_);
+  {
+    std::lock_guard lock(submit_mu_);
+    for (auto& t : submitted_) unsent.push_back(std::move(t));
+    submitted_.clear();
+  }
   for (auto& t : unsent) answer_tickets(t.tickets, stopped);  // queued last: failed all the same
+  set_waiting_for_write();
 }
 
 std::optional<Status> Sender::write_outcome(Task& t) {
   if (t.written && t.written->done.load()) {
-    // Complete: its outcome (the sender thread's wait holds it for an event that cannot
-    // notify).
+    // Complete: its outcome (the waiter's wait holds it for an event that cannot notify).
     return t.notifies ? t.event->wait(Deadline(std::chrono::milliseconds(0))) : t.written->status;
   }
-  Status st = t.event->wait(Deadline(std::chrono::milliseconds(0)));
-  if (st.code() != StatusCode::kTimeout) return st;  // complete, or failed
+  if (!t.written) {
+    Status st = t.event->wait(Deadline(std::chrono::milliseconds(0)));
+    if (st.code() != StatusCode::kTimeout) return st;  // complete, or failed
+  }
   if (Clock::now() >= t.event_deadline) {
     return timeout_error("the layer's KV write did not complete in time");
   }
   if (t.written) return std::nullopt;  // still being written; told already
   t.written = std::make_shared<Written>();
-  notifying_.store(std::this_thread::get_id());
   t.notifies = t.event->notify([written = t.written, waker = waker_] {
     written->done.store(true);
-    waker->write_done();
+    waker->wake();
   });
-  notifying_.store(std::thread::id{});
   if (!t.notifies) {
-    waker_->wake();  // the sender thread waits on it
+    if (!waiter_) waiter_ = std::make_unique<EventWaiter>(waker_);
+    waiter_->wait_for(t.event, t.written, t.event_deadline);
     return std::nullopt;
   }
   if (t.written->done.load()) return write_outcome(t);  // it completed meanwhile

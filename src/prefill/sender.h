@@ -1,6 +1,6 @@
 // Prefill's control plane to Decode (spec "Control Protocol"): one connection per Decode
-// endpoint, MF_META once per connection, then each readiness, whose answer settles its slot
-// gate generation. Every wait is bounded. The gates passed to send() must outlive the sender.
+// endpoint, owned by the sender thread; MF_META once per connection, then each readiness,
+// whose answer settles its slot gate generation. The gates given must outlive the sender.
 #pragma once
 
 #include <atomic>
@@ -42,12 +42,12 @@ struct SenderStats {
   uint64_t mf_meta_sent = 0;
   uint64_t readiness_sent = 0;
   uint64_t readiness_on_link = 0;  // of readiness_sent, those sent on a transfer link
-  // Of readiness_sent, those sent by the thread that completed the layer's write.
-  uint64_t sent_on_completion = 0;
   uint64_t answers = 0;
   uint64_t failures = 0;          // gate generations failed by the sender (timeouts, refusals)
   uint64_t connections_lost = 0;  // Decode connections that closed under us
   uint64_t commits = 0;           // KV_COMMIT sent: requests Decode read whole, released
+  // Now: readiness the sender thread holds until their layer's write completes.
+  uint64_t waiting_for_write = 0;
 };
 
 class Sender {
@@ -58,15 +58,15 @@ class Sender {
   static Expected<std::unique_ptr<Sender>> start(
       SenderConfig config, std::shared_ptr<control::Context> context, protocol::MfMeta meta,
       std::shared_ptr<transfer::TransferEngine> engine = nullptr);
-  ~Sender();  // fails what is still pending, stops and joins the thread
+  ~Sender();  // fails what is still pending, stops and joins its threads
   Sender(const Sender&) = delete;
   Sender& operator=(const Sender&) = delete;
 
-  // Sends a layer's readiness (`payload`, for layer `layer_idx`) to the Decode endpoint at
-  // `url`: at once when `event` (if any) completed
-  // and the connection is acknowledged, else as soon as both are. Its answer goes to every
-  // ticket's gate generation (SlotGate::open counted this endpoint there). Readiness go
-  // out in the order they were given.
+  // Queues a layer's readiness (`payload`, for layer `layer_idx`) for the Decode endpoint at
+  // `url` and returns: the sender thread sends it once `event` (if any) completed and the
+  // connection is acknowledged. Its answer goes to every ticket's gate generation
+  // (SlotGate::open counted this endpoint there); wait for it on the gates. Readiness go
+  // out in the order they were given. Thread-safe; never touches the network.
   // With CURVE keys, `server_key` is the Decode's public key (Z85). `final_ids`: the
   // requests the readiness completes (its done_ext_ids), committed (KV_COMMIT) once Decode
   // answers READ_DONE, where Decode takes commits.
@@ -76,18 +76,13 @@ class Sender {
             std::vector<GateTicket> tickets, std::shared_ptr<WriteEvent> event = nullptr,
             std::string server_key = {}, std::vector<std::string> final_ids = {});
 
-  // Serves the connections on the calling thread (reads Decode's answers, sends what became
-  // ready, enforces deadlines) until `done()` holds or `deadline` passes; returns done().
-  // `done` is evaluated with the sender's lock held: it may look at gates, nothing more.
-  bool serve_until(const std::function<bool()>& done, const Deadline& deadline);
-
   SenderStats stats() const;
 
  private:
-  // What is known of a task's write event, shared with its notification.
+  // What is known of a task's write event, shared with its notification or its waiter.
   struct Written {
-    std::atomic<bool> done{false};  // notified, or waited on by the sender thread
-    Status status;                  // of the sender thread's wait, set before done
+    std::atomic<bool> done{false};
+    Status status;  // of the waiter's wait (an event that cannot notify), set before done
   };
   struct Task {
     std::string url;
@@ -99,23 +94,14 @@ class Sender {
     std::vector<std::string> final_ids;
     std::chrono::steady_clock::time_point event_deadline{};
     std::shared_ptr<Written> written;  // once notify() was asked
-    bool notifies = false;             // the event calls back; else the sender thread waits
+    bool notifies = false;             // the event calls back; else the waiter waits on it
   };
-  // What an event's notification reaches while the sender lives: the sender thread's
-  // wake-up fd and the one of whoever waits in serve_until (each drains only its own).
+  // The sender thread's wake-up eventfd, for whatever outlives the sender (an event's
+  // notification, a link's handler): -1 once the sender is gone.
   struct Waker {
     std::mutex mu;
-    int fd = -1, driver_fd = -1;  // -1 once the sender is gone
-    std::atomic<int> drivers{0};  // threads in serve_until
-    std::mutex sender_mu;         // the sender, while it lives (taken before its mu_)
-    Sender* sender = nullptr;
+    int fd = -1;
     void wake();
-    // A write completed: what became ready goes out on the calling thread if the sender is
-    // free, else whoever holds it or the sender thread is woken.
-    void write_done();
-    // Something that whoever waits in serve_until reads (an answer on a link): wakes it,
-    // or the sender thread when nobody waits.
-    void wake_driver();
   };
   // What a connection's link delivered, shared with the engine's handler.
   struct LinkInbox {
@@ -143,22 +129,23 @@ class Sender {
     uint64_t link_token = 0;
     bool on_link = false;  // readiness go on the link (from a point with nothing pending)
   };
+  class EventWaiter;
 
   Sender(SenderConfig config, std::shared_ptr<control::Context> context, protocol::MfMeta meta,
-         std::shared_ptr<transfer::TransferEngine> engine, UniqueFd wake_fd, UniqueFd driver_fd);
+         std::shared_ptr<transfer::TransferEngine> engine, UniqueFd wake_fd);
+  // The sender thread: the only one that touches the connections, the links and what
+  // follows below the submissions.
   void run();
-  // The rest, with mu_ held. serve(): sends what became ready, reads every answer that is
-  // in (after the sends, which can consume a socket's notification), drops closed
-  // connections and enforces deadlines.
+  // Takes what send() queued; false once the sender stops.
+  bool take_submitted();
+  // Sends what became ready, reads every answer that is in (after the sends, which can
+  // consume a socket's notification), drops closed connections and enforces deadlines.
   void serve();
   // Sends the queued tasks whose layer's write completed, in order; stops at the first
-  // whose write is still running (its notification, or the sender thread's wait on it,
-  // wakes whoever serves). Never blocks.
+  // whose write is still running (its notification, or the waiter, wakes the thread).
   void pump();
-  // pump() if the sender's lock is free (never on the thread that holds it); whether it did.
-  bool try_pump();
   // The outcome of the task's write, or nullopt while it is still being written (asking
-  // its event to notify, or the sender thread to wait on it, the first time).
+  // its event to notify, or the waiter to wait on it, the first time).
   std::optional<Status> write_outcome(Task& t);
   void dispatch(Task task);
   void transmit(Endpoint& ep, Task task);
@@ -183,30 +170,29 @@ class Sender {
   void answer_tickets(const std::vector<GateTicket>& tickets, const Status& outcome,
                       bool from_decode = false);
   void count(uint64_t SenderStats::*field);
+  void set_waiting_for_write();
 
   SenderConfig config_;
   std::shared_ptr<control::Context> context_;
   protocol::MfMeta meta_;
   std::vector<std::byte> mf_meta_;  // without a link
   std::shared_ptr<transfer::TransferEngine> engine_;
-  // eventfds, both signalled by the waker (a write completed, a new connection, stop);
-  // they go after the waker let them go (see ~Sender):
-  UniqueFd wake_fd_;    // drained by the sender thread only
-  UniqueFd driver_fd_;  // drained in serve_until only; also: the sender thread served
+  UniqueFd wake_fd_;  // drained by the sender thread; closed after the waker let it go
   std::shared_ptr<Waker> waker_;
 
-  std::mutex mu_;  // the sockets and everything below
+  // send() to the sender thread. Bounded by the slots, as the tasks are.
+  std::mutex submit_mu_;
+  std::deque<Task> submitted_;
+  bool stopping_ = false;  // under submit_mu_
+
+  // The sender thread's alone:
   std::map<std::string, Endpoint> endpoints_;
   std::deque<Task> queued_;  // waiting for their layer's write; bounded by the slots too
-  // The thread asking an event to notify (with mu_ held): a notification it gets at once
-  // must not take mu_ again.
-  std::atomic<std::thread::id> notifying_{};
-  bool on_completion_ = false;  // pumping on the thread that completed a write
+  std::unique_ptr<EventWaiter> waiter_;  // started for the first event that cannot notify
 
   mutable std::mutex stats_mu_;
   SenderStats stats_;
 
-  std::atomic<bool> stopping_{false};
   std::thread thread_;
 };
 

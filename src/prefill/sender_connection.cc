@@ -33,7 +33,6 @@ void Sender::dispatch(Task task) {
       return fail_endpoint(url, ep, st);
     }
     count(&SenderStats::mf_meta_sent);
-    waker_->wake();  // the sender thread watches for the ACK
   }
   if (!ep.acked) {
     ep.waiting.push_back(std::move(task));
@@ -56,7 +55,7 @@ std::vector<std::byte> Sender::offer_link(Endpoint& ep) {
           if (event == transfer::LinkEvent::kMessage)
             inbox->messages.emplace_back(m.begin(), m.end());
         }
-        waker->wake_driver();
+        waker->wake();
       });
   if (!st) return mf_meta_;  // a token in use already, say: this connection stays on ZeroMQ
   ep.link = std::move(inbox);
@@ -81,7 +80,6 @@ void Sender::transmit(Endpoint& ep, Task task) {
   trace::instant("readiness", "sender", task.layer_idx);
   count(&SenderStats::readiness_sent);
   if (ep.on_link) count(&SenderStats::readiness_on_link);
-  if (on_completion_) count(&SenderStats::sent_on_completion);
 }
 
 void Sender::receive(const std::string& url, Endpoint& ep) {

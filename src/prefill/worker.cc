@@ -298,8 +298,6 @@ Status Worker::wait_for_save() {
 }
 
 Status Worker::wait_reusable(SlotGate& gate, const Deadline& deadline) {
-  // The answers are read off the sockets on this thread: no hand-off on the way back.
-  if (!gate.answered()) sender_->serve_until([&gate] { return gate.answered(); }, deadline);
   Status st = gate.settle(deadline);
   // Not answered in time: this rank's own wait ran out (the sender fails a Decode that
   // does not answer within reply_timeout, before).

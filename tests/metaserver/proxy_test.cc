@@ -562,7 +562,18 @@ TEST_F(ProxyTest, ADeeplyNestedBodyIsRefusedWith400) {
 
 TEST_F(ProxyTest, IdleInstancesAreUsedInTurn) {
   start(200, /*prefills=*/2);
+  // Idle: the proxy counts a Prefill's request done when Prefill answered, which may come
+  // after the client has Decode's answer.
+  const auto idle = [&] {
+    for (const auto& p : prefill_) {
+      const std::string series =
+          "rd2h_proxy_upstream_in_flight{role=\"prefill\",engine=\"" + p->origin() + "\"}";
+      if (rd2h::testing::metric(proxy_->url(), series).value_or(0.0) != 0.0) return false;
+    }
+    return true;
+  };
   for (int i = 0; i < 4; ++i) {
+    ASSERT_TRUE(eventually(idle)) << "a Prefill request never ended";
     auto r = client_post("/v1/completions", {{"model", "m"}, {"prompt", "p"}});
     ASSERT_TRUE(r && r->status == 200);
   }
