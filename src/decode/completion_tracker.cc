@@ -29,10 +29,13 @@ Status CompletionTracker::add_request(const std::string& ext_id, const std::stri
 std::optional<std::string> CompletionTracker::remove_request(const std::string& ext_id) {
   std::optional<std::string> internal_id;
   if (auto it = requests_.find(ext_id); it != requests_.end()) {
-    internal_id = std::move(it->second.internal_id);
+    internal_id = it->second.internal_id;
+    to_report_.push_back(
+        {ext_id, std::move(it->second.internal_id), read_in_flight_ ? reads_begun_ : 0});
     requests_.erase(it);
   }
   early_.erase(ext_id);
+  source_.erase(ext_id);
   if (removed_.insert(ext_id).second) {
     removed_order_.push_back(ext_id);
     if (removed_order_.size() > max_early_) {
@@ -70,8 +73,44 @@ Status CompletionTracker::record(const std::string& ext_id, Signals& s, int grou
   return Status::ok();
 }
 
+void CompletionTracker::read_started() {
+  read_in_flight_ = true;
+  ++reads_begun_;
+}
+
+void CompletionTracker::read_ended() {
+  read_in_flight_ = false;
+}
+
+bool CompletionTracker::read_on(const std::string& ext_id, const std::string& connection,
+                                int group_member_idx, bool owes) {
+  if (!known(ext_id)) return true;
+  if (owes) owed_[connection].insert(ext_id);
+  auto [it, fresh] = source_[ext_id].emplace(group_member_idx, connection);
+  if (fresh || it->second == connection) return true;
+  on_failed(ext_id);
+  return false;
+}
+
+size_t CompletionTracker::connection_lost(const std::string& connection) {
+  auto owed = owed_.find(connection);
+  if (owed == owed_.end()) return 0;
+  size_t failed = 0;
+  for (const auto& ext_id : owed->second) {
+    if (!known(ext_id) || complete(ext_id)) continue;
+    on_failed(ext_id);
+    ++failed;
+  }
+  owed_.erase(owed);
+  return failed;
+}
+
 Status CompletionTracker::on_final_layer(const std::string& ext_id, int group_member_idx,
-                                         int tp_ratio) {
+                                         int tp_ratio, const std::string& connection) {
+  if (auto owed = owed_.find(connection); owed != owed_.end()) {
+    owed->second.erase(ext_id);
+    if (owed->second.empty()) owed_.erase(owed);
+  }
   if (tp_ratio < 1 || group_member_idx < 0 || group_member_idx >= tp_ratio) {
     return invalid_argument("request " + ext_id + ": contributor " +
                             std::to_string(group_member_idx) + " is outside 0.." +
@@ -125,7 +164,8 @@ Combined combine(const std::vector<RankTerminal>& ranks) {
   return out;
 }
 
-RankTerminal CompletionTracker::terminal() const {
+RankTerminal CompletionTracker::terminal(std::chrono::steady_clock::time_point now) {
+  expire(now);
   RankTerminal mine;
   for (const auto& [ext_id, r] : requests_) {
     if (r.terminal) mine.emplace(ext_id, r.signals.failed);
@@ -133,19 +173,40 @@ RankTerminal CompletionTracker::terminal() const {
   return mine;
 }
 
-std::vector<Ended> CompletionTracker::take(const std::vector<RankTerminal>& ranks) {
+Finished CompletionTracker::finish(const std::vector<RankTerminal>& ranks) {
   const Combined done = combine(ranks);
-  std::vector<Ended> ended;
+  Finished out;
+  const auto append = [](std::vector<int64_t>& to, const std::vector<int64_t>& blocks) {
+    to.insert(to.end(), blocks.begin(), blocks.end());
+  };
   for (const auto* list : {&done.finished, &done.failed}) {
+    const bool failed = list == &done.failed;
     for (const auto& ext_id : *list) {
       auto it = requests_.find(ext_id);
       if (it == requests_.end()) continue;  // removed while the ranks gathered
-      ended.push_back({ext_id, std::move(it->second.internal_id), list == &done.failed,
-                       std::move(it->second.destinations)});
+      const Destinations& d = it->second.destinations;
+      (failed ? out.failed : out.finished).push_back(std::move(it->second.internal_id));
+      append(failed ? out.invalid_main_blocks : out.loaded_main_blocks, d.main);
+      append(failed ? out.invalid_indexer_blocks : out.loaded_indexer_blocks, d.indexer);
+      out.ended_ext_ids.push_back(ext_id);
       requests_.erase(it);
+      for (auto owed = owed_.begin(); owed != owed_.end();) {
+        owed->second.erase(ext_id);
+        owed = owed->second.empty() ? owed_.erase(owed) : std::next(owed);
+      }
+      source_.erase(ext_id);
     }
   }
-  return ended;
+  for (auto it = to_report_.begin(); it != to_report_.end();) {
+    if (it->read != 0 && read_in_flight_ && reads_begun_ == it->read) {
+      ++it;  // its blocks may be being written: next time
+      continue;
+    }
+    out.ended_ext_ids.push_back(it->ext_id);
+    out.finished.push_back(std::move(it->internal_id));
+    it = to_report_.erase(it);
+  }
+  return out;
 }
 
 }  // namespace rd2h::decode

@@ -1,8 +1,6 @@
-// Request completion on Decode (spec "Request completion"): a request may be scheduled only
-// after every Prefill contributor mapped to this Decode rank reported its final layer, and
-// every Decode TP rank reached a terminal state. Keyed by external request id; the ids
-// Decode's scheduler knows are mapped back at the end. Not thread-safe: the worker that
-// owns it serialises access.
+// Every request's state on one Decode rank (spec "Request completion"): its destinations and
+// deadline, the connections its KV came on, and its completion, reached once every Prefill
+// contributor reported its final layer and every Decode TP rank is terminal. Not thread-safe.
 #pragma once
 
 #include <chrono>
@@ -43,14 +41,6 @@ struct Destinations {
       std::chrono::steady_clock::time_point::max();
 };
 
-// A request whose state ended in a gather.
-struct Ended {
-  std::string ext_id;
-  std::string internal_id;
-  bool failed = false;
-  Destinations destinations;
-};
-
 class CompletionTracker {
  public:
   // Signals for requests not yet known are kept, up to `max_early` requests, until the
@@ -63,27 +53,45 @@ class CompletionTracker {
   // its destinations with their arrival deadline.
   Status add_request(const std::string& ext_id, const std::string& internal_id,
                      Destinations destinations = {});
-  // Decode gave up on the request: its state is dropped and later signals are ignored.
-  // Returns its internal id if it was tracked.
+  // Decode gave up on the request: its state is dropped and later signals are ignored. It is
+  // reported finished by the first finish() after the read in flight now (if any) ended
+  // (its blocks may be being written). Returns its internal id if it was tracked.
   std::optional<std::string> remove_request(const std::string& ext_id);
   // The destinations of a tracked request, or null.
   const Destinations* destinations(const std::string& ext_id) const;
-  // Every tracked request whose arrival deadline passed by `now` fails.
-  void expire(std::chrono::steady_clock::time_point now);
+
+  // A batched read into Decode's blocks starts, or ends (one at a time).
+  void read_started();
+  void read_ended();
+  // A layer of `ext_id` from contributor `group_member_idx` was read (or its final layer
+  // signalled) on `connection`; with `owes`, the connection now owes the request's final
+  // layer or commit. A contributor seen on a second connection fails the request (its
+  // Prefill gave the first up, and may have reused what was read there): false then.
+  bool read_on(const std::string& ext_id, const std::string& connection, int group_member_idx,
+               bool owes);
+  // The connection is gone: the requests it owed and that are not complete fail. Returns
+  // how many did.
+  size_t connection_lost(const std::string& connection);
+  // Whether some connection owes a final layer or a commit.
+  bool owes_any() const { return !owed_.empty(); }
 
   // Contributor `group_member_idx` of `tp_ratio` listed `ext_id` in a READ_READY_BATCH's
-  // done_ext_ids. A second signal from the same contributor does not advance the request;
-  // a signal whose tp_ratio differs from an earlier one's fails it (one Prefill instance
-  // sends a request, and its contributors agree on their number).
-  Status on_final_layer(const std::string& ext_id, int group_member_idx, int tp_ratio);
+  // done_ext_ids (or committed it) on `connection`, which owes it no more. A second signal
+  // from the same contributor does not advance the request; a signal whose tp_ratio differs
+  // from an earlier one's fails it (one Prefill instance sends a request, and its
+  // contributors agree on their number).
+  Status on_final_layer(const std::string& ext_id, int group_member_idx, int tp_ratio,
+                        const std::string& connection = {});
   // A read for the request failed on this rank: the request is terminal and failed.
   void on_failed(const std::string& ext_id);
 
   // Completion across the TP ranks, in two steps so that the caller gathers without
-  // holding its lock: this rank's terminal requests, then, given every rank's, the requests
-  // they all ended (failed if any rank failed), their state freed.
-  RankTerminal terminal() const;
-  std::vector<Ended> take(const std::vector<RankTerminal>& ranks);
+  // holding its lock: this rank's terminal requests (those past their arrival deadline by
+  // `now` fail first), then, given every rank's, what they all ended (failed if any rank
+  // failed) with their blocks, and the removed requests no read writes any more; their
+  // state is freed.
+  RankTerminal terminal(std::chrono::steady_clock::time_point now);
+  Finished finish(const std::vector<RankTerminal>& ranks);
 
   size_t tracked() const { return requests_.size() + early_.size(); }
   bool known(const std::string& ext_id) const { return requests_.count(ext_id) != 0; }
@@ -109,11 +117,25 @@ class CompletionTracker {
     bool terminal = false;
   };
   void update_terminal(Request& r);
+  // Every tracked request whose arrival deadline passed by `now` fails.
+  void expire(std::chrono::steady_clock::time_point now);
   // Records one signal; an error (and a failed request) if its tp_ratio disagrees.
   static Status record(const std::string& ext_id, Signals& s, int group_member_idx, int tp_ratio);
 
   size_t max_early_;
   std::map<std::string, Request> requests_;
+  // By connection: the requests read there whose final layer (or commit) it has not sent.
+  std::map<std::string, std::set<std::string>> owed_;
+  // By external id, for each contributor: the connection its KV came on.
+  std::map<std::string, std::map<int, std::string>> source_;
+  // The reads begun, and whether the last is still in flight.
+  uint64_t reads_begun_ = 0;
+  bool read_in_flight_ = false;
+  struct Removed {
+    std::string ext_id, internal_id;
+    uint64_t read = 0;  // the read in flight when it was removed (0: none)
+  };
+  std::vector<Removed> to_report_;  // removed requests, reported by finish()
   std::map<std::string, Signals> early_;
   // Aborted ids whose late signals are ignored: the most recent max_early_ of them, so the
   // set does not grow with the life of the process.

@@ -183,56 +183,20 @@ Status Reader::add_request(const std::string& ext_id, const std::string& interna
 
 void Reader::remove_request(const std::string& ext_id) {
   std::lock_guard lock(mu_);
-  source_.erase(ext_id);
-  if (auto internal_id = tracker_.remove_request(ext_id)) {
-    aborted_.push_back({ext_id, std::move(*internal_id), read_in_flight_ ? reads_begun_ : 0});
-  }
+  tracker_.remove_request(ext_id);
 }
 
 Expected<Finished> Reader::get_finished(const AllGather& all_gather) {
   RankTerminal mine;
   {
     std::lock_guard lock(mu_);
-    // A request whose KV did not arrive in time is given up on this rank: terminal, failed.
-    tracker_.expire(std::chrono::steady_clock::now());
-    mine = tracker_.terminal();
+    mine = tracker_.terminal(std::chrono::steady_clock::now());
   }
   // Gathered without the lock: the other ranks may take a while, and reads go on meanwhile.
   auto ranks = all_gather(mine);
   if (!ranks) return ranks.status().with_context("gathering completions across Decode TP ranks");
   std::lock_guard lock(mu_);
-  Finished out;
-  for (auto& e : tracker_.take(*ranks)) {
-    out.ended_ext_ids.push_back(e.ext_id);
-    if (e.failed) {
-      out.failed.push_back(std::move(e.internal_id));
-      const Destinations& d = e.destinations;
-      out.invalid_main_blocks.insert(out.invalid_main_blocks.end(), d.main.begin(), d.main.end());
-      out.invalid_indexer_blocks.insert(out.invalid_indexer_blocks.end(), d.indexer.begin(),
-                                        d.indexer.end());
-    } else {
-      out.finished.push_back(std::move(e.internal_id));
-      const Destinations& d = e.destinations;
-      out.loaded_main_blocks.insert(out.loaded_main_blocks.end(), d.main.begin(), d.main.end());
-      out.loaded_indexer_blocks.insert(out.loaded_indexer_blocks.end(), d.indexer.begin(),
-                                       d.indexer.end());
-    }
-    for (auto owed = owed_.begin(); owed != owed_.end();) {
-      owed->second.erase(e.ext_id);
-      owed = owed->second.empty() ? owed_.erase(owed) : std::next(owed);
-    }
-    source_.erase(e.ext_id);
-  }
-  for (auto it = aborted_.begin(); it != aborted_.end();) {
-    if (it->read != 0 && read_in_flight_ && reads_begun_ == it->read) {
-      ++it;  // its blocks may be being written: next time
-      continue;
-    }
-    out.ended_ext_ids.push_back(it->ext_id);
-    out.finished.push_back(std::move(it->internal_id));
-    it = aborted_.erase(it);
-  }
-  return out;
+  return tracker_.finish(*ranks);
 }
 
 ReaderStats Reader::stats() const {
@@ -273,7 +237,7 @@ void Reader::run() {
     const bool armed = link_fd < 0 || engine_->progress_links(!busy);
     if (drain_links(busy) && link_fd >= 0 && config_.busy_poll.count() > 0) {
       std::lock_guard lock(mu_);
-      busy_until = owed_.empty() ? Clock::time_point{} : Clock::now() + config_.busy_poll;
+      busy_until = tracker_.owes_any() ? Clock::now() + config_.busy_poll : Clock::time_point{};
     }
     auto in = router_->receive(armed ? config_.poll_interval : std::chrono::milliseconds(0),
                                std::span(wake_fds, link_fd >= 0 ? 3 : 2));
@@ -422,7 +386,7 @@ void Reader::handle(const control::Inbound& in, bool* polled) {
       std::lock_guard lock(mu_);
       // Polling stops once nothing is owed: a readiness taken in the same batch after the
       // message that settled the last request did not find the reader polling for it.
-      *polled = *polled && !owed_.empty();
+      *polled = *polled && tracker_.owes_any();
       count(&Counters::readiness_on_link);
       if (*polled) count(&Counters::readiness_polled);
     }
@@ -600,15 +564,7 @@ void Reader::handle_mf_meta(const std::string& identity, const protocol::MfMeta&
 }
 
 void Reader::fail_owed(const std::string& identity) {
-  auto owed = owed_.find(identity);
-  if (owed == owed_.end()) return;
-  size_t failed = 0;
-  for (const auto& ext_id : owed->second) {
-    if (!tracker_.known(ext_id) || tracker_.complete(ext_id)) continue;
-    tracker_.on_failed(ext_id);
-    ++failed;
-  }
-  owed_.erase(owed);
+  const size_t failed = tracker_.connection_lost(identity);
   if (failed > 0) {
     log::warn(
         "decode reader {}: a Prefill connection ended before it completed {} request(s) "

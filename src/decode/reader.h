@@ -251,24 +251,7 @@ class Reader {
   log::RateLimit refused_log_;  // MF_META refused (a Prefill of another model, say)
 
   mutable std::mutex mu_;  // guards what the worker's thread shares with the reader
-  // The batched read in flight, if any (reads_begun_ is its number): a request given up
-  // while it runs may have blocks it writes, and is reported once it has returned.
-  uint64_t reads_begun_ = 0;
-  bool read_in_flight_ = false;
-  // By ZMQ identity: the requests read on that connection whose final layer it has not
-  // signalled yet, or (from an rd2h Prefill) not committed yet. If the connection closes
-  // or is dropped first (its Prefill died or gave up on this Decode), they fail at once.
-  std::map<std::string, std::set<std::string>> owed_;
-  // By external id, for each contributor (group_member_idx): the connection its readiness
-  // came on. A contributor's Prefill that reconnects mid-request gave the old connection up
-  // (and may have reused what it read from there): the request fails.
-  std::map<std::string, std::map<int64_t, std::string>> source_;
-  struct Aborted {
-    std::string ext_id, internal_id;
-    uint64_t read = 0;  // the read in flight when it was given up (0: none)
-  };
-  std::vector<Aborted> aborted_;  // to report
-  CompletionTracker tracker_;     // every request's state: completion, destinations, deadline
+  CompletionTracker tracker_;  // every request's state on this rank
   // The reader's counters: written by the reader thread, read by stats() from any thread,
   // each on its own (no lock).
   struct Counters {

@@ -15,43 +15,32 @@ void Reader::handle_ready(const std::string& identity, const protocol::ReadReady
   const bool commits = peer != peers_.end() && peer->second.commits;
   std::lock_guard lock(mu_);
   if (st.is_ok()) {
-    auto& owed = owed_[identity];
-    auto one_source = [&](const std::string& ext_id) {
-      auto [it, fresh] = source_[ext_id].emplace(ready.group_member_idx, identity);
-      if (fresh || it->second == identity) return;
-      log::warn("decode reader {}: request {} came from Prefill contributor {} on two "
-                "connections (Prefill gave the first up); it fails",
-                config_.d_rank, ext_id, ready.group_member_idx);
-      tracker_.on_failed(ext_id);
+    const int member = static_cast<int>(ready.group_member_idx);
+    const auto one_source = [&](const std::string& ext_id, bool owes) {
+      if (tracker_.read_on(ext_id, identity, member, owes)) return;
+      log::warn(
+          "decode reader {}: request {} came from Prefill contributor {} on two "
+          "connections (Prefill gave the first up); it fails",
+          config_.d_rank, ext_id, member);
     };
-    for (const auto& req : ready.read_reqs) {
-      if (!tracker_.known(req.ext_id)) continue;
-      owed.insert(req.ext_id);
-      one_source(req.ext_id);
-    }
-    for (const auto& ext_id : ready.done_ext_ids) {
-      if (tracker_.known(ext_id)) one_source(ext_id);
-    }
+    for (const auto& req : ready.read_reqs) one_source(req.ext_id, /*owes=*/true);
+    // From a Prefill that commits, the final layers are owed until it commits them.
+    for (const auto& ext_id : ready.done_ext_ids) one_source(ext_id, /*owes=*/commits);
     count(&Counters::layers_done);
     if (commits) {
-      // Complete once Prefill commits them (handle_commit); owed until then.
+      // Complete once Prefill commits them (handle_commit).
       for (const auto& ext_id : ready.done_ext_ids) {
-        if (tracker_.known(ext_id)) owed.insert(ext_id);
-        peer->second.uncommitted[ext_id] = {static_cast<int>(ready.group_member_idx),
-                                            static_cast<int>(ready.tp_ratio)};
+        peer->second.uncommitted[ext_id] = {member, static_cast<int>(ready.tp_ratio)};
       }
-      if (owed.empty()) owed_.erase(identity);
       reply(identity, protocol::encode(protocol::ReadDone{ready.layer_idx}));
       trace::instant("answer out", "reader", ready.layer_idx);
       return;
     }
-    for (const auto& ext_id : ready.done_ext_ids) owed.erase(ext_id);
-    if (owed.empty()) owed_.erase(identity);
     for (const auto& ext_id : ready.done_ext_ids) {
       // Each readiness carries its Prefill's contributor count: one Decode serves Prefill
       // instances of different TP sizes.
-      Status st = tracker_.on_final_layer(ext_id, static_cast<int>(ready.group_member_idx),
-                                          static_cast<int>(ready.tp_ratio));
+      Status st =
+          tracker_.on_final_layer(ext_id, member, static_cast<int>(ready.tp_ratio), identity);
       if (!st) log::warn("decode reader {}: {}", config_.d_rank, st.message());
       if (trace::enabled() && tracker_.complete(ext_id)) {
         trace::instant("kv complete", "reader", ready.layer_idx, ext_id);
@@ -75,20 +64,17 @@ void Reader::handle_commit(const std::string& identity, const protocol::KvCommit
     return;
   }
   std::lock_guard lock(mu_);
-  auto owed = owed_.find(identity);
   for (const auto& ext_id : commit.ext_ids) {
     auto signal = peer->second.uncommitted.find(ext_id);
     if (signal == peer->second.uncommitted.end()) continue;  // failed or given up meanwhile
     const auto [member, ratio] = signal->second;
     peer->second.uncommitted.erase(signal);
-    if (owed != owed_.end()) owed->second.erase(ext_id);
-    Status st = tracker_.on_final_layer(ext_id, member, ratio);
+    Status st = tracker_.on_final_layer(ext_id, member, ratio, identity);
     if (!st) log::warn("decode reader {}: {}", config_.d_rank, st.message());
     if (trace::enabled() && tracker_.complete(ext_id)) {
       trace::instant("kv complete", "reader", commit.layer_idx, ext_id);
     }
   }
-  if (owed != owed_.end() && owed->second.empty()) owed_.erase(owed);
 }
 
 Status Reader::read_layer(const std::string& identity, const protocol::ReadReadyBatch& ready) {
@@ -134,10 +120,7 @@ Status Reader::plan_read(const PeerLayer& layer, const protocol::ReadReadyBatch&
         layer.tensors, *layer.decode, {source_blocks(req), dest->main, dest->indexer}, role,
         descriptors));
   }
-  if (!descriptors.empty()) {
-    read_in_flight_ = true;
-    ++reads_begun_;
-  }
+  if (!descriptors.empty()) tracker_.read_started();
   return Status::ok();
 }
 
@@ -168,7 +151,7 @@ Status Reader::read_planned(const std::string& session, const protocol::ReadRead
                 ready.layer_idx, bytes, std::move(ids));
   }
   std::lock_guard lock(mu_);
-  read_in_flight_ = false;
+  tracker_.read_ended();
   count(&Counters::reads);
   count(&Counters::read_ns, static_cast<uint64_t>(ns));
   read_seconds_.observe(static_cast<double>(ns) / 1e9);

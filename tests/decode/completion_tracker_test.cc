@@ -16,14 +16,11 @@ AllGather group_with(std::vector<RankTerminal> others) {
 
 const AllGather kAlone = group_with({});
 
-// What the reader's get_finished makes of the tracker: every rank's terminal states
-// gathered, the ended requests taken.
+// What the reader's get_finished does: every rank's terminal states gathered, then finished.
 Expected<Finished> finished_of(CompletionTracker& t, const AllGather& all_gather) {
-  auto ranks = all_gather(t.terminal());
+  auto ranks = all_gather(t.terminal(std::chrono::steady_clock::now()));
   if (!ranks) return ranks.status();
-  Finished out;
-  for (auto& e : t.take(*ranks)) (e.failed ? out.failed : out.finished).push_back(e.internal_id);
-  return out;
+  return t.finish(*ranks);
 }
 
 TEST(CompletionTracker, CompletesAfterEveryContributorReportsTheFinalLayer) {
@@ -49,16 +46,74 @@ TEST(CompletionTracker, OwnsARequestsDestinationsAndGivesItUpAtItsArrivalDeadlin
   ASSERT_NE(t.destinations("late"), nullptr);
   EXPECT_EQ(t.destinations("late")->main, (std::vector<int64_t>{1, 2}));
   EXPECT_EQ(t.destinations("unknown"), nullptr);
-  t.expire(now);
-  const auto ended = t.take({t.terminal()});
-  ASSERT_EQ(ended.size(), 1u) << "the request with time left ended too";
-  EXPECT_EQ(ended[0].internal_id, "i-late");
-  EXPECT_TRUE(ended[0].failed);
-  EXPECT_EQ(ended[0].destinations.indexer, std::vector<int64_t>{3});
+  const Finished ended = t.finish({t.terminal(now)});
+  EXPECT_EQ(ended.failed, std::vector<std::string>{"i-late"});
+  EXPECT_TRUE(ended.finished.empty()) << "the request with time left ended too";
+  EXPECT_EQ(ended.invalid_main_blocks, (std::vector<int64_t>{1, 2}));
+  EXPECT_EQ(ended.invalid_indexer_blocks, std::vector<int64_t>{3});
+  EXPECT_EQ(ended.ended_ext_ids, std::vector<std::string>{"late"});
   EXPECT_EQ(t.destinations("late"), nullptr) << "an ended request's state stays";
   EXPECT_EQ(t.remove_request("timely"), std::optional<std::string>("i-timely"));
   EXPECT_EQ(t.remove_request("timely"), std::nullopt);
   EXPECT_EQ(t.tracked(), 0u);
+}
+
+TEST(CompletionTracker, AFinishedRequestHandsOverTheBlocksItsKvWasReadInto) {
+  CompletionTracker t;
+  ASSERT_TRUE(t.add_request("r", "i", {{7, 8}, {9}}).is_ok());
+  ASSERT_TRUE(t.on_final_layer("r", 0, 1).is_ok());
+  auto done = finished_of(t, kAlone);
+  ASSERT_TRUE(done);
+  EXPECT_EQ(done->finished, std::vector<std::string>{"i"});
+  EXPECT_EQ(done->loaded_main_blocks, (std::vector<int64_t>{7, 8}));
+  EXPECT_EQ(done->loaded_indexer_blocks, std::vector<int64_t>{9});
+  EXPECT_TRUE(done->invalid_main_blocks.empty());
+}
+
+TEST(CompletionTracker, AContributorOnASecondConnectionFailsItsRequest) {
+  CompletionTracker t;
+  ASSERT_TRUE(t.add_request("r", "i").is_ok());
+  EXPECT_TRUE(t.read_on("r", "conn-1", 0, true));
+  EXPECT_TRUE(t.read_on("r", "conn-1", 0, true)) << "the same connection again";
+  EXPECT_TRUE(t.read_on("r", "conn-2", 1, true)) << "another contributor's own connection";
+  EXPECT_FALSE(t.read_on("r", "conn-2", 0, true)) << "contributor 0 moved connections";
+  EXPECT_EQ(finished_of(t, kAlone)->failed, std::vector<std::string>{"i"});
+}
+
+TEST(CompletionTracker, ALostConnectionFailsWhatItOwedAndNothingElse) {
+  CompletionTracker t;
+  ASSERT_TRUE(t.add_request("a", "ia").is_ok());
+  ASSERT_TRUE(t.add_request("b", "ib").is_ok());
+  ASSERT_TRUE(t.add_request("c", "ic").is_ok());
+  t.read_on("a", "conn-1", 0, true);
+  t.read_on("b", "conn-2", 0, true);
+  t.read_on("c", "conn-1", 0, true);
+  ASSERT_TRUE(t.on_final_layer("c", 0, 1, "conn-1").is_ok());  // owed no more
+  EXPECT_TRUE(t.owes_any());
+  EXPECT_EQ(t.connection_lost("conn-1"), 1u);
+  EXPECT_EQ(t.connection_lost("conn-1"), 0u) << "lost twice";
+  ASSERT_TRUE(t.on_final_layer("b", 0, 1, "conn-2").is_ok());
+  EXPECT_FALSE(t.owes_any());
+  auto done = finished_of(t, kAlone);
+  ASSERT_TRUE(done);
+  EXPECT_EQ(done->failed, std::vector<std::string>{"ia"});
+  EXPECT_EQ(done->finished, (std::vector<std::string>{"ib", "ic"}));
+}
+
+TEST(CompletionTracker, ARemovedRequestIsReportedOnlyOnceTheReadInFlightEnded) {
+  CompletionTracker t;
+  ASSERT_TRUE(t.add_request("r", "i", {{1}, {2}}).is_ok());
+  ASSERT_TRUE(t.add_request("q", "iq").is_ok());
+  t.read_started();
+  t.remove_request("r");  // the read may be writing its blocks
+  EXPECT_TRUE(finished_of(t, kAlone)->finished.empty());
+  t.read_ended();
+  t.remove_request("q");  // no read in flight: reported at once
+  auto done = finished_of(t, kAlone);
+  ASSERT_TRUE(done);
+  EXPECT_EQ(done->finished, (std::vector<std::string>{"i", "iq"}));
+  EXPECT_TRUE(done->loaded_main_blocks.empty()) << "a removed request's blocks hold no KV";
+  EXPECT_TRUE(finished_of(t, kAlone)->finished.empty()) << "reported twice";
 }
 
 TEST(CompletionTracker, DuplicateFinalSignalDoesNotAdvance) {
@@ -119,7 +174,9 @@ TEST(CompletionTracker, AbortedRequestsIgnoreLateSignalsAndAreForgotten) {
   ASSERT_TRUE(t.on_final_layer("r", 0, 1).is_ok());
   t.on_failed("r");
   EXPECT_EQ(t.tracked(), 0u);
-  EXPECT_TRUE(finished_of(t, kAlone)->finished.empty());
+  auto removed = finished_of(t, kAlone);
+  EXPECT_EQ(removed->finished, std::vector<std::string>{"i"}) << "removed: reported once";
+  EXPECT_TRUE(removed->failed.empty()) << "a late failure counted";
   // Re-adding the same id starts afresh.
   ASSERT_TRUE(t.add_request("r", "i2").is_ok());
   ASSERT_TRUE(t.on_final_layer("r", 0, 1).is_ok());
