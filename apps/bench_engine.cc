@@ -201,11 +201,10 @@ PdReadOptions source_options(const BenchEngineOptions& o, const std::string& tra
   return so;
 }
 
-// One batch_read_sync: the source blocks it reads, and where from and to.
+// One batch_read_sync: the source blocks it reads, and its reads.
 struct Batch {
   std::vector<uint32_t> src;
-  std::vector<uintptr_t> local, remote;
-  std::vector<size_t> len;
+  std::vector<transfer::ReadOp> ops;
 };
 
 // A few batches of `per_batch` random, distinct blocks of the source's `pool_blocks` (at
@@ -220,9 +219,8 @@ std::vector<Batch> random_batches(uint64_t per_batch, uint64_t pool_blocks, uint
     std::shuffle(order.begin(), order.end(), rng);
     for (uint64_t i = 0; i < per_batch; ++i) {
       b.src.push_back(order[i]);
-      b.local.push_back(reinterpret_cast<uintptr_t>(dest) + i * block);
-      b.remote.push_back(remote_base + static_cast<uint64_t>(order[i]) * block);
-      b.len.push_back(block);
+      b.ops.push_back({reinterpret_cast<uintptr_t>(dest) + i * block,
+                       remote_base + static_cast<uint64_t>(order[i]) * block, block});
     }
   }
   return batches;
@@ -263,7 +261,7 @@ Expected<std::pair<Sample, Sample>> measure_engine_and_memcpy(const BenchEngineO
   auto read = [&](uint32_t n) -> Expected<double> {
     const Batch& b = batches[n % batches.size()];
     const auto start = Clock::now();
-    RD2H_RETURN_IF_ERROR(engine.batch_read_sync(conn.session, b.local, b.remote, b.len));
+    RD2H_RETURN_IF_ERROR(engine.batch_read_sync(conn.session, b.ops));
     const double took = seconds_since(start);
     // A benchmark of wrong data measures nothing.
     RD2H_RETURN_IF_ERROR(check_blocks(dest.data(), b, block, conn.handshake.seed));

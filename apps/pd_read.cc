@@ -184,18 +184,17 @@ Status read_one_batch(const PdReadOptions& o, SourceConnection& conn, const Pool
   std::shuffle(all.begin(), all.end(), rng);
   std::vector<uint32_t> dst(all.begin(), all.begin() + o.batch_blocks);
 
-  std::vector<uintptr_t> local, remote;
-  std::vector<size_t> len;
+  std::vector<transfer::ReadOp> ops;
   for (uint32_t i = 0; i < o.batch_blocks; ++i) {
     for (uint32_t t = 0; t < tensors; ++t) {
-      local.push_back(reinterpret_cast<uintptr_t>(dest.base) + layout.offset(layer, t, dst[i]));
-      remote.push_back(conn.handshake.base + layout.offset(layer, t, src[i]));
-      len.push_back(layout.tensor_bytes[t]);
-      std::memset(reinterpret_cast<void*>(local.back()), 0, len.back());
+      ops.push_back({reinterpret_cast<uintptr_t>(dest.base) + layout.offset(layer, t, dst[i]),
+                     conn.handshake.base + layout.offset(layer, t, src[i]),
+                     layout.tensor_bytes[t]});
+      std::memset(reinterpret_cast<void*>(ops.back().local), 0, ops.back().length);
     }
   }
   auto t0 = std::chrono::steady_clock::now();
-  Status st = conn.engine->batch_read_sync(conn.session, local, remote, len);
+  Status st = conn.engine->batch_read_sync(conn.session, ops);
   auto t1 = std::chrono::steady_clock::now();
   if (!st) {
     return st.with_context("batch " + std::to_string(b) + " (layer " + std::to_string(layer) + ")");
@@ -203,10 +202,10 @@ Status read_one_batch(const PdReadOptions& o, SourceConnection& conn, const Pool
   const double s = std::chrono::duration<double>(t1 - t0).count();
   tally.seconds += s;
   tally.latency_us.push_back(s * 1e6);
-  for (size_t k = 0; k < local.size(); ++k) {
+  for (size_t k = 0; k < ops.size(); ++k) {
     const uint32_t t = static_cast<uint32_t>(k % tensors), i = static_cast<uint32_t>(k / tensors);
-    tally.bytes += len[k];
-    auto bad = find_pattern_mismatch(reinterpret_cast<const void*>(local[k]), len[k],
+    tally.bytes += ops[k].length;
+    auto bad = find_pattern_mismatch(reinterpret_cast<const void*>(ops[k].local), ops[k].length,
                                      block_pattern_key(conn.handshake.seed, layer, t, src[i]));
     if (bad && tally.mismatches++ < 10) {
       std::printf(

@@ -55,7 +55,7 @@ struct SourceConnection {
   DestChannel channel;
   SourceHandshake handshake;
   std::unique_ptr<transfer::TransferEngine> engine;
-  std::string session;
+  transfer::SessionHandle session;
 };
 // `config` is the destination engine's; its role is set to decode.
 Expected<SourceConnection> connect_to_source(const std::string& address,

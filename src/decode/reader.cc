@@ -143,7 +143,7 @@ void Reader::finish_connects() {
         count(&Counters::links_opened);
       } else if (!d.link_status.is_ok()) {
         // The connection stays on ZeroMQ: slower, not wrong.
-        log::info("decode reader {}: no transfer link to {}: {}", config_.d_rank, c.peer.session,
+        log::info("decode reader {}: no transfer link to {}: {}", config_.d_rank, c.peer.session.id,
                   d.link_status.message());
       }
       const bool commits = c.peer.commits;
@@ -349,7 +349,7 @@ bool Reader::drain_links(bool polled) {
   return !messages.empty();
 }
 
-Status Reader::open_link(const std::string& session, uint64_t token) {
+Status Reader::open_link(const transfer::SessionHandle& session, uint64_t token) {
   return engine_->open_link(
       session, token,
       [inbox = links_, token](transfer::LinkEvent event, std::span<const std::byte> message) {

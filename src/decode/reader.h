@@ -122,7 +122,7 @@ class Reader {
     Status layout;  // the layouts' verdict: a layer that does not match fails when read
   };
   struct Peer {
-    std::string session;
+    transfer::SessionHandle session;
     std::map<std::string, PeerLayer, std::less<>> layers;
     bool commits = false;  // an rd2h Prefill: its requests complete on KV_COMMIT
     // Requests whose final readiness was read and answered, waiting for the commit: the
@@ -161,7 +161,7 @@ class Reader {
   struct Connected {
     uint64_t job = 0;
     std::string identity;
-    Expected<std::string> session = internal_error("not connected");
+    Expected<transfer::SessionHandle> session = internal_error("not connected");
     std::optional<uint64_t> link;  // the link opened, if any
     Status link_status;            // why it was not, if one was asked for
   };
@@ -195,7 +195,7 @@ class Reader {
   // Prefill does not stall the others.
   void connect_loop();
   // Opens link `token` on `session` (on the connect thread).
-  Status open_link(const std::string& session, uint64_t token);
+  Status open_link(const transfer::SessionHandle& session, uint64_t token);
   // Ends the wait of the connections whose session is open (or failed): ACK or refusal,
   // then what they sent meanwhile.
   void finish_connects();
@@ -219,11 +219,12 @@ class Reader {
   void fail_owed(const std::string& identity);
   // Reads the layer; the error explains why it was not read.
   Status read_layer(const std::string& identity, const protocol::ReadReadyBatch& ready);
-  // The layer's reads on this rank, into scratch_.descriptors (none: nothing to read here);
-  // marks a read in flight when there are some.
+  // The layer's reads on this rank, into reads_ (none: nothing to read here); marks a read
+  // in flight when there are some.
   Status plan_read(const PeerLayer& layer, const protocol::ReadReadyBatch& ready);
   // Reads what plan_read() planned, in one batch, and counts it.
-  Status read_planned(const std::string& session, const protocol::ReadReadyBatch& ready);
+  Status read_planned(const transfer::SessionHandle& session,
+                      const protocol::ReadReadyBatch& ready);
   void reply(const std::string& identity, const std::vector<std::byte>& payload);
 
   ReaderConfig config_;
@@ -234,12 +235,7 @@ class Reader {
   std::shared_ptr<LinkInbox> links_;
   std::map<std::string, PeerLink> link_of_;    // by ZMQ identity; reader thread only
   std::map<uint64_t, std::string> link_peer_;  // identity by link token; reader thread only
-  struct Scratch {                             // read_layer's buffers, reused (reader thread only)
-    std::vector<layout::Descriptor> descriptors;
-    std::vector<uintptr_t> local, remote;
-    std::vector<size_t> length;
-  };
-  Scratch scratch_;
+  std::vector<transfer::ReadOp> reads_;        // read_layer's, reused (reader thread only)
   struct Held {
     protocol::ReadReadyBatch ready;
     std::chrono::steady_clock::time_point since;

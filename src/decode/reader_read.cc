@@ -95,16 +95,15 @@ Status Reader::read_layer(const std::string& identity, const protocol::ReadReady
   const PeerLayer& layer = p_layer->second;
   RD2H_RETURN_IF_ERROR(layer.layout);
   if (Status st = plan_read(layer, ready); !st) return st.with_context(where());
-  if (scratch_.descriptors.empty()) return Status::ok();  // nothing on this rank: still answered
+  if (reads_.empty()) return Status::ok();  // nothing on this rank: still answered
   if (Status st = read_planned(peer->second.session, ready); !st) return st.with_context(where());
   return Status::ok();
 }
 
 Status Reader::plan_read(const PeerLayer& layer, const protocol::ReadReadyBatch& ready) {
-  // Buffers kept from one readiness to the next (reader thread only): no allocation per
-  // block once they have grown.
-  auto& descriptors = scratch_.descriptors;
-  descriptors.clear();
+  // Kept from one readiness to the next (reader thread only): no allocation per block once
+  // it has grown.
+  reads_.clear();
   std::lock_guard lock(mu_);
   const layout::ReadRole role{config_.d_rank, config_.d_tp,
                               static_cast<int>(ready.group_member_idx),
@@ -116,31 +115,21 @@ Status Reader::plan_read(const PeerLayer& layer, const protocol::ReadReadyBatch&
       if (tracker_.aborted(req.ext_id)) continue;
       return not_found("request " + req.ext_id + " has no destination on Decode");
     }
-    RD2H_RETURN_IF_ERROR(layout::append_request_descriptors(
+    RD2H_RETURN_IF_ERROR(layout::append_request_reads(
         layer.tensors, *layer.decode, {source_blocks(req), dest->main, dest->indexer}, role,
-        descriptors));
+        reads_));
   }
-  if (!descriptors.empty()) tracker_.read_started();
+  if (!reads_.empty()) tracker_.read_started();
   return Status::ok();
 }
 
-Status Reader::read_planned(const std::string& session, const protocol::ReadReadyBatch& ready) {
-  auto& local = scratch_.local;
-  auto& remote = scratch_.remote;
-  auto& length = scratch_.length;
-  local.clear();
-  remote.clear();
-  length.clear();
+Status Reader::read_planned(const transfer::SessionHandle& session,
+                            const protocol::ReadReadyBatch& ready) {
   uint64_t bytes = 0;
-  for (const auto& d : scratch_.descriptors) {
-    local.push_back(d.local);
-    remote.push_back(d.remote);
-    length.push_back(d.length);
-    bytes += d.length;
-  }
+  for (const auto& op : reads_) bytes += op.length;
   const auto start = std::chrono::steady_clock::now();
   const int64_t start_us = trace::now_us();
-  Status st = engine_->batch_read_sync(session, local, remote, length);
+  Status st = engine_->batch_read_sync(session, reads_);
   const auto ns =
       std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now() - start)
           .count();

@@ -40,10 +40,10 @@ Expected<uint64_t> block_address(uint64_t base, int64_t block, uint64_t bytes) {
   return address;
 }
 
-// Descriptors for blocks [range) of one tensor, coalesced.
+// The reads of blocks [range) of one tensor, coalesced.
 Status append_tensor(const LayerTensors& prefill, const LayerTensors& decode, size_t tensor,
                      std::span<const int64_t> src_blocks, std::span<const int64_t> dst_blocks,
-                     int64_t dst_start, Range range, std::vector<Descriptor>& out) {
+                     int64_t dst_start, Range range, std::vector<ReadOp>& out) {
   const size_t from = out.size();
   const uint64_t bytes = prefill.bytes_per_block[tensor];
   for (size_t i = range.begin; i < range.end; ++i) {
@@ -115,9 +115,9 @@ Range share(size_t index, size_t size, int64_t start, size_t n) {
   return {begin, begin + q + (l < r ? 1 : 0)};
 }
 
-Status append_request_descriptors(const LayerTensors& prefill, const LayerTensors& decode,
-                                  const RequestRead& read, const ReadRole& role,
-                                  std::vector<Descriptor>& out) {
+Status append_request_reads(const LayerTensors& prefill, const LayerTensors& decode,
+                            const RequestRead& read, const ReadRole& role,
+                            std::vector<ReadOp>& out) {
   const SourceBlocks& req = read.src;
   const size_t from = out.size();
   auto fail = [&](const Status& st) {
@@ -148,12 +148,12 @@ Status append_request_descriptors(const LayerTensors& prefill, const LayerTensor
   return Status::ok();
 }
 
-void coalesce(std::vector<Descriptor>& out, size_t from) {
+void coalesce(std::vector<ReadOp>& out, size_t from) {
   if (out.size() - from < 2) return;
   size_t w = from;
   for (size_t i = from + 1; i < out.size(); ++i) {
-    Descriptor& last = out[w];
-    const Descriptor& d = out[i];
+    ReadOp& last = out[w];
+    const ReadOp& d = out[i];
     if (d.local == last.local + last.length && d.remote == last.remote + last.length) {
       last.length += d.length;
     } else {

@@ -10,6 +10,7 @@
 #include <vector>
 
 #include "rd2h/common/status.h"
+#include "rd2h/transfer/read_op.h"
 
 namespace rd2h::layout {
 
@@ -49,11 +50,8 @@ struct Range {
 };
 Range share(size_t index, size_t size, int64_t start, size_t n);
 
-struct Descriptor {
-  uint64_t local = 0;   // Decode address
-  uint64_t remote = 0;  // Prefill address
-  uint64_t length = 0;
-};
+// A read of one contiguous run: Decode's address (local), Prefill's (remote), its length.
+using transfer::ReadOp;
 
 // A request's blocks on Prefill for one layer, as its readiness publishes them: the
 // block ids, and where in Decode's block lists they start.
@@ -83,13 +81,13 @@ struct ReadRole {
 // Appends the descriptors of one request: the main share of this Decode rank (pulled only
 // by contributor member 0) and this contributor's range of the indexer (and scale). Checks
 // that every destination index lies inside Decode's block list; on error nothing is added.
-Status append_request_descriptors(const LayerTensors& prefill, const LayerTensors& decode,
-                                  const RequestRead& read, const ReadRole& role,
-                                  std::vector<Descriptor>& out);
+Status append_request_reads(const LayerTensors& prefill, const LayerTensors& decode,
+                            const RequestRead& read, const ReadRole& role,
+                            std::vector<ReadOp>& out);
 
 // Merges neighbours whose Prefill and Decode addresses both continue the previous run.
-// Descriptors are merged only within [from, out.size()), so callers keep tensors and
+// Reads are merged only within [from, out.size()), so callers keep tensors and
 // requests apart by coalescing each group on its own.
-void coalesce(std::vector<Descriptor>& out, size_t from = 0);
+void coalesce(std::vector<ReadOp>& out, size_t from = 0);
 
 }  // namespace rd2h::layout

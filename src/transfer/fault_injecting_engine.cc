@@ -54,7 +54,7 @@ int FaultInjectingEngine::held_connects() const {
   return held_connects_;
 }
 
-Expected<std::string> FaultInjectingEngine::connect(std::span<const std::byte> peer_metadata) {
+Expected<SessionHandle> FaultInjectingEngine::connect(std::span<const std::byte> peer_metadata) {
   {
     std::unique_lock lock(mu_);
     if (holding_connects_) {
@@ -66,10 +66,34 @@ Expected<std::string> FaultInjectingEngine::connect(std::span<const std::byte> p
   return inner_->connect(peer_metadata);
 }
 
-Status FaultInjectingEngine::batch_read_sync(std::string_view session,
-                                             std::span<const uintptr_t> local,
-                                             std::span<const uintptr_t> remote,
-                                             std::span<const size_t> length) {
+namespace {
+
+// Reads whose outcome is decided here: failed before reading, or the inner request's
+// outcome flipped to a failure once it is done.
+class FaultyRequest final : public ReadRequest {
+ public:
+  FaultyRequest(std::unique_ptr<ReadRequest> inner, Status failure)
+      : inner_(std::move(inner)), failure_(std::move(failure)) {}
+  std::optional<Status> test() override {
+    if (!inner_) return failure_;
+    auto st = inner_->test();
+    if (!st) return std::nullopt;
+    return failure_;
+  }
+  Status wait() override {
+    if (inner_) (void)inner_->wait();
+    return failure_;
+  }
+
+ private:
+  std::unique_ptr<ReadRequest> inner_;  // null: nothing was read
+  Status failure_;
+};
+
+}  // namespace
+
+Expected<std::unique_ptr<ReadRequest>> FaultInjectingEngine::post_reads(
+    const SessionHandle& session, std::span<const ReadOp> ops) {
   bool fail = false;
   Status failure;
   FaultPoint point = FaultPoint::kBeforeRead;
@@ -94,10 +118,13 @@ Status FaultInjectingEngine::batch_read_sync(std::string_view session,
   }
   // Simulates a slow link, so a sleep is the behaviour itself rather than a synchronisation.
   if (delay.count() > 0) std::this_thread::sleep_for(delay);
-  if (fail && point == FaultPoint::kBeforeRead) return failure;
-  Status st = inner_->batch_read_sync(session, local, remote, length);
-  if (fail) return failure;
-  return st;
+  if (fail && point == FaultPoint::kBeforeRead) {
+    return std::unique_ptr<ReadRequest>(std::make_unique<FaultyRequest>(nullptr, failure));
+  }
+  auto request = inner_->post_reads(session, ops);
+  if (!fail || !request) return request;
+  return std::unique_ptr<ReadRequest>(
+      std::make_unique<FaultyRequest>(std::move(*request), std::move(failure)));
 }
 
 }  // namespace rd2h::transfer

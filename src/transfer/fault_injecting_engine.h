@@ -1,5 +1,5 @@
-// FaultInjectingEngine: wraps a real TransferEngine and makes chosen batch reads fail, the
-// way a broken link or peer would, so tests exercise failure paths over real transports.
+// FaultInjectingEngine: wraps a real TransferEngine and makes chosen batches of reads fail,
+// the way a broken link or peer would, so tests exercise failure paths over real transports.
 #pragma once
 
 #include <chrono>
@@ -50,19 +50,19 @@ class FaultInjectingEngine final : public TransferEngine {
   Expected<std::vector<std::byte>> export_metadata() const override {
     return inner_->export_metadata();
   }
-  Expected<std::string> connect(std::span<const std::byte> peer_metadata) override;
-  Status disconnect(std::string_view session) override { return inner_->disconnect(session); }
-  Expected<SessionInfo> session_info(std::string_view session) const override {
+  Expected<SessionHandle> connect(std::span<const std::byte> peer_metadata) override;
+  Status disconnect(const SessionHandle& session) override { return inner_->disconnect(session); }
+  Expected<SessionInfo> session_info(const SessionHandle& session) const override {
     return inner_->session_info(session);
   }
-  Status batch_read_sync(std::string_view session, std::span<const uintptr_t> local,
-                         std::span<const uintptr_t> remote,
-                         std::span<const size_t> length) override;
+  // Held, delayed or failed here (a batch held waits in the post, as a stalled reader).
+  Expected<std::unique_ptr<ReadRequest>> post_reads(const SessionHandle& session,
+                                                    std::span<const ReadOp> ops) override;
   bool supports_links() const override { return inner_->supports_links(); }
   Status expect_link(uint64_t token, LinkHandler handler) override {
     return inner_->expect_link(token, std::move(handler));
   }
-  Status open_link(std::string_view session, uint64_t token, LinkHandler handler) override {
+  Status open_link(const SessionHandle& session, uint64_t token, LinkHandler handler) override {
     return inner_->open_link(session, token, std::move(handler));
   }
   Status send_on_link(uint64_t token, std::span<const std::byte> message) override {

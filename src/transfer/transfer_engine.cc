@@ -52,6 +52,12 @@ Expected<ReadPath> parse_read_path(std::string_view text) {
   return invalid_argument("read path '" + std::string(text) + "' is not one of auto, rma, am");
 }
 
+Status TransferEngine::batch_read_sync(const SessionHandle& session, std::span<const ReadOp> ops) {
+  auto request = post_reads(session, ops);
+  if (!request) return request.status();
+  return (*request)->wait();
+}
+
 namespace {
 
 std::mutex g_process_engine_mu;
@@ -111,7 +117,7 @@ Status no_links(const TransferEngine& engine) {
 Status TransferEngine::expect_link(uint64_t, LinkHandler) {
   return no_links(*this);
 }
-Status TransferEngine::open_link(std::string_view, uint64_t, LinkHandler) {
+Status TransferEngine::open_link(const SessionHandle&, uint64_t, LinkHandler) {
   return no_links(*this);
 }
 Status TransferEngine::send_on_link(uint64_t, std::span<const std::byte>) {

@@ -63,10 +63,21 @@ class UcxEngine final : public TransferEngine {
   ~UcxEngine() override {
     links_.reset();
     if (serving_) serving_->stop();
+    std::vector<std::shared_ptr<Session>> held;
     {
       std::lock_guard lock(sessions_mu_);
+      for (const auto& w : made_) {
+        if (auto s = w.lock()) held.push_back(std::move(s));
+      }
       sessions_.clear();
+      made_.clear();
     }
+    // A handle may outlive the engine: what it holds is released here, with the context.
+    for (const auto& s : held) {
+      std::lock_guard lock(s->mu);
+      (void)s->fail(failed_precondition("the transfer engine is gone"));
+    }
+    held.clear();
     serving_.reset();
     registrations_.reset();
     context_.reset();
@@ -109,7 +120,7 @@ class UcxEngine final : public TransferEngine {
     return encode_ucx_metadata(m);
   }
 
-  Expected<std::string> connect(std::span<const std::byte> peer_metadata) override {
+  Expected<SessionHandle> connect(std::span<const std::byte> peer_metadata) override {
     RD2H_TRY(decoded, decode_ucx_metadata(peer_metadata));
     UcxMetadata peer = std::move(decoded);
 
@@ -119,7 +130,7 @@ class UcxEngine final : public TransferEngine {
       auto it = sessions_.find(peer.session_id);
       if (it != sessions_.end() && !it->second->broken.load() &&
           same_regions(it->second->peer, peer)) {
-        return peer.session_id;
+        return SessionHandle{peer.session_id, it->second};
       }
     }
     auto session = std::make_shared<Session>();
@@ -127,19 +138,20 @@ class UcxEngine final : public TransferEngine {
       std::lock_guard lock(session->mu);
       RD2H_RETURN_IF_ERROR(session->open(context_.get(), config_, identity_, std::move(peer)));
     }
-    std::string id = session->id;
+    SessionHandle handle{session->id, session};
     std::lock_guard lock(sessions_mu_);
-    sessions_[id] = std::move(session);  // a replaced session is released with its last user
-    return id;
+    std::erase_if(made_, [](const std::weak_ptr<Session>& w) { return w.expired(); });
+    made_.push_back(session);
+    sessions_[handle.id] = std::move(session);  // a replaced session is released with its last user
+    return handle;
   }
 
-  Status disconnect(std::string_view session) override {
-    std::shared_ptr<Session> s;
+  Status disconnect(const SessionHandle& session) override {
+    RD2H_TRY(s, mine(session));
     {
       std::lock_guard lock(sessions_mu_);
-      auto it = sessions_.find(std::string(session));
-      if (it == sessions_.end()) return not_found("no session " + std::string(session));
-      s = std::move(it->second);
+      auto it = sessions_.find(session.id);
+      if (it == sessions_.end() || it->second != s) return not_found("no session " + session.id);
       sessions_.erase(it);
     }
     std::lock_guard lock(s->mu);
@@ -148,9 +160,8 @@ class UcxEngine final : public TransferEngine {
     return Status::ok();
   }
 
-  Expected<SessionInfo> session_info(std::string_view session) const override {
-    auto s = find_session(session);
-    if (!s) return not_found("no session " + std::string(session));
+  Expected<SessionInfo> session_info(const SessionHandle& session) const override {
+    RD2H_TRY(s, mine(session));
     std::lock_guard lock(s->mu);
     SessionInfo info;
     info.session_id = s->id;
@@ -161,23 +172,10 @@ class UcxEngine final : public TransferEngine {
     return info;
   }
 
-  Status batch_read_sync(std::string_view session, std::span<const uintptr_t> local,
-                         std::span<const uintptr_t> remote,
-                         std::span<const size_t> length) override {
-    if (local.size() != remote.size() || local.size() != length.size()) {
-      return invalid_argument("batch_read_sync: " + std::to_string(local.size()) +
-                              " local addresses, " + std::to_string(remote.size()) +
-                              " remote addresses and " + std::to_string(length.size()) +
-                              " lengths; they must match");
-    }
-    auto s = find_session(session);
-    if (!s) return not_found("batch_read_sync: no session " + std::string(session));
-    std::lock_guard session_lock(s->mu);
-    if (s->broken.load()) {
-      return failed_precondition("session " + s->id + " is broken (" + s->broken_reason +
-                                 "); connect again to read");
-    }
-    return read_batch(*s, *registrations_, local, remote, length, config_.read_timeout);
+  Expected<std::unique_ptr<ReadRequest>> post_reads(const SessionHandle& session,
+                                                    std::span<const ReadOp> ops) override {
+    RD2H_TRY(s, mine(session));
+    return transfer::post_reads(s, *registrations_, ops, config_.read_timeout);
   }
 
   bool supports_links() const override { return true; }
@@ -186,9 +184,8 @@ class UcxEngine final : public TransferEngine {
     return links_->expect(token, std::move(handler));
   }
 
-  Status open_link(std::string_view session, uint64_t token, LinkHandler handler) override {
-    auto s = find_session(session);
-    if (!s) return not_found("open_link: no session " + std::string(session));
+  Status open_link(const SessionHandle& session, uint64_t token, LinkHandler handler) override {
+    RD2H_TRY(s, mine(session));
     return links_->open(s, token, std::move(handler));
   }
 
@@ -202,10 +199,14 @@ class UcxEngine final : public TransferEngine {
   void close_link(uint64_t token) override { links_->close(token); }
 
  private:
-  std::shared_ptr<Session> find_session(std::string_view id) const {
-    std::lock_guard lock(sessions_mu_);
-    auto it = sessions_.find(std::string(id));
-    return it == sessions_.end() ? nullptr : it->second;
+  // The session behind a handle this engine gave out.
+  static Expected<std::shared_ptr<Session>> mine(const SessionHandle& session) {
+    auto s = std::dynamic_pointer_cast<Session>(session.state);
+    if (!s) {
+      return invalid_argument("session '" + session.id + "' is not a session of this UCX engine" +
+                              (session.state ? "" : " (not connected)"));
+    }
+    return s;
   }
 
   EngineConfig config_;
@@ -219,6 +220,7 @@ class UcxEngine final : public TransferEngine {
   std::mutex connect_mu_;  // one connect at a time, so two callers do not race to open one peer
   mutable std::mutex sessions_mu_;
   std::unordered_map<std::string, std::shared_ptr<Session>> sessions_;
+  std::vector<std::weak_ptr<Session>> made_;  // every session given out that may still live
 
   std::unique_ptr<EngineLinks> links_;
 };

@@ -30,18 +30,17 @@ struct ReadPlan {
   std::vector<const std::byte*> mapped_src;
 };
 
-ucs_status_t post_rma_reads(Session& s, BatchState& batch, std::span<const uintptr_t> local,
-                            std::span<const uintptr_t> remote, std::span<const size_t> length,
-                            const ReadPlan& plan) {
+ucs_status_t post_rma_reads(Session& s, BatchState& batch, const ReadPlan& plan) {
   ucp_request_param_t param{};
   param.op_attr_mask =
       UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA | UCP_OP_ATTR_FIELD_MEMH;
   param.cb.send = on_request_done;
   param.user_data = &batch;
-  for (size_t i = 0; i < local.size(); ++i) {
-    if (length[i] == 0 || plan.mapped_src[i] != nullptr) continue;
+  for (size_t i = 0; i < batch.ops.size(); ++i) {
+    const ReadOp& op = batch.ops[i];
+    if (op.length == 0 || plan.mapped_src[i] != nullptr) continue;
     param.memh = plan.local_memh[i];
-    void* req = ucp_get_nbx(s.ep.get(), reinterpret_cast<void*>(local[i]), length[i], remote[i],
+    void* req = ucp_get_nbx(s.ep.get(), reinterpret_cast<void*>(op.local), op.length, op.remote,
                             plan.rkey[i], &param);
     if (req == nullptr) continue;
     if (UCS_PTR_IS_ERR(req)) return UCS_PTR_STATUS(req);
@@ -52,14 +51,14 @@ ucs_status_t post_rma_reads(Session& s, BatchState& batch, std::span<const uintp
 
 // Asks the peer for every non-mapped range, up to kAmRangesPerRequest per message. Each
 // range then counts as outstanding until its reply has landed.
-ucs_status_t post_am_requests(Session& s, BatchState& batch, std::span<const uintptr_t> remote,
-                              std::span<const size_t> length,
+ucs_status_t post_am_requests(Session& s, BatchState& batch,
                               const std::vector<const std::byte*>& mapped_src) {
-  batch.answered.assign(remote.size(), 1);
+  batch.answered.assign(batch.ops.size(), 1);
   auto& requests = s.am_requests;
   requests.clear();
-  for (size_t i = 0; i < remote.size(); ++i) {
-    if (length[i] == 0 || mapped_src[i] != nullptr) continue;
+  for (size_t i = 0; i < batch.ops.size(); ++i) {
+    const ReadOp& op = batch.ops[i];
+    if (op.length == 0 || mapped_src[i] != nullptr) continue;
     // Ranges of one request are indexed from its first_index, so the cap counts gaps too.
     if (requests.empty() || i - requests.back().header.first_index >= kAmRangesPerRequest) {
       requests.push_back({{batch.id, static_cast<uint32_t>(i), 0}, {}});
@@ -69,7 +68,7 @@ ucs_status_t post_am_requests(Session& s, BatchState& batch, std::span<const uin
     // Indices in one request are consecutive from first_index, so gaps are sent as
     // zero-length ranges the server answers without data.
     while (r.header.first_index + r.ranges.size() < i) r.ranges.push_back({0, 0});
-    r.ranges.push_back({remote[i], length[i]});
+    r.ranges.push_back({op.remote, op.length});
     batch.answered[i] = 0;
     ++batch.outstanding;
   }
@@ -92,70 +91,80 @@ ucs_status_t post_am_requests(Session& s, BatchState& batch, std::span<const uin
 
 // Checks every range against the registrations and the peer's regions, before anything
 // is read. Caller holds the registrations' lock.
-Status plan_reads(Session& s, const Registrations& registrations, std::span<const uintptr_t> local,
-                  std::span<const uintptr_t> remote, std::span<const size_t> length,
+Status plan_reads(Session& s, const Registrations& registrations, std::span<const ReadOp> ops,
                   ReadPlan& plan) {
-  plan.local_memh.assign(local.size(), nullptr);
-  plan.rkey.assign(local.size(), nullptr);
-  plan.mapped_src.assign(local.size(), nullptr);
-  for (size_t i = 0; i < local.size(); ++i) {
-    if (length[i] == 0) continue;
+  plan.local_memh.assign(ops.size(), nullptr);
+  plan.rkey.assign(ops.size(), nullptr);
+  plan.mapped_src.assign(ops.size(), nullptr);
+  for (size_t i = 0; i < ops.size(); ++i) {
+    const auto [local, remote, length] = ops[i];
+    if (length == 0) continue;
     auto op = [i] { return "read " + std::to_string(i) + ": "; };
-    if (local[i] + length[i] < local[i] || remote[i] + length[i] < remote[i]) {
-      return out_of_range(op() + "length " + std::to_string(length[i]) +
-                          " wraps the address space");
+    if (local + length < local || remote + length < remote) {
+      return out_of_range(op() + "length " + std::to_string(length) + " wraps the address space");
     }
-    const LocalRegistration* reg = registrations.find(local[i], length[i]);
+    const LocalRegistration* reg = registrations.find(local, length);
     if (reg == nullptr) {
-      return out_of_range(op() + "local range " + range_text(local[i], length[i]) +
+      return out_of_range(op() + "local range " + range_text(local, length) +
                           " is not inside one local registration");
     }
     plan.local_memh[i] = reg->memh.get();
-    auto region = s.find_region(remote[i], length[i]);
+    auto region = s.find_region(remote, length);
     if (region < 0) {
-      return out_of_range(op() + "remote range " + range_text(remote[i], length[i]) +
+      return out_of_range(op() + "remote range " + range_text(remote, length) +
                           " is not inside one region exported by " + s.id);
     }
     const auto r = static_cast<size_t>(region);
     plan.rkey[i] = s.rkeys[r].get();
     if (r < s.file_maps.size() && s.file_maps[r].data() != nullptr && !s.file_maps[r].live()) {
       // What a serving peer would answer: checked before anything is read.
-      return s.fail(out_of_range(op() + "remote range " + range_text(remote[i], length[i]) +
-                                 " of " + s.id + ": range not registered there (any more)"));
+      return s.fail(out_of_range(op() + "remote range " + range_text(remote, length) + " of " +
+                                 s.id + ": range not registered there (any more)"));
     }
-    if (s.mapped[r] != nullptr) {
-      plan.mapped_src[i] = s.mapped[r] + (remote[i] - s.peer.regions[r].base);
-    }
+    if (s.mapped[r] != nullptr)
+      plan.mapped_src[i] = s.mapped[r] + (remote - s.peer.regions[r].base);
   }
   return Status::ok();
 }
 
-// Busy-polls the session's worker until the batch's posted reads are done: this thread
-// exists to drive its reads. Liveness is checked once a millisecond, not on every spin.
-Status await_batch(Session& s, BatchState& batch, size_t reads, std::chrono::milliseconds timeout,
-                   const Deadline& deadline) {
+// Whether the batch may go on: its peer alive, its deadline ahead, its endpoint whole (an
+// endpoint error ends it; batch_outcome names it).
+Status still_live(Session& s, const BatchState& batch, std::chrono::milliseconds timeout) {
+  if (s.watch.exited()) {
+    return s.fail(peer_dead("peer " + s.id + " exited during a batch of " +
+                            std::to_string(batch.ops.size()) + " reads"));
+  }
+  if (batch.deadline.expired()) {
+    return s.fail(timeout_error("batch of " + std::to_string(batch.ops.size()) + " reads from " +
+                                s.id + " took longer than " + std::to_string(timeout.count()) +
+                                " ms; " + std::to_string(batch.outstanding) + " still in flight"));
+  }
+  return Status::ok();
+}
+
+// Busy-polls the session's worker until the batch's posted reads are done: the waiting
+// thread exists to drive its reads. Liveness is checked once a millisecond, not on every
+// spin. Caller holds s.mu.
+Status await_batch(Session& s, BatchState& batch, std::chrono::milliseconds timeout) {
   auto next_check = Deadline::Clock::now();
-  while (batch.outstanding > 0) {
+  while (batch.outstanding > 0 && !s.broken.load()) {
     ucp_worker_progress(s.worker.get());
     auto now = Deadline::Clock::now();
     if (now < next_check) continue;
     next_check = now + std::chrono::milliseconds(1);
     if (s.ep_error != UCS_OK) break;
-    if (s.watch.exited()) {
-      return s.fail(peer_dead("peer " + s.id + " exited during a batch of " +
-                              std::to_string(reads) + " reads"));
-    }
-    if (deadline.expired()) {
-      return s.fail(timeout_error("batch of " + std::to_string(reads) + " reads from " + s.id +
-                                  " took longer than " + std::to_string(timeout.count()) + " ms; " +
-                                  std::to_string(batch.outstanding) + " still in flight"));
-    }
+    RD2H_RETURN_IF_ERROR(still_live(s, batch, timeout));
   }
   return Status::ok();
 }
 
 // What a finished batch (or a failed post) means for the session.
 Status batch_outcome(Session& s, const BatchState& batch, ucs_status_t post_error) {
+  if (s.broken.load()) {
+    // Broken under the batch (disconnected, or a failure seen by another user of it).
+    return failed_precondition("session " + s.id + " broke during a batch of reads (" +
+                               s.broken_reason + ")");
+  }
   if (s.ep_error != UCS_OK) {
     return s.fail(peer_dead("connection to " + s.id + " failed: " + ucs_status_string(s.ep_error)));
   }
@@ -170,42 +179,119 @@ Status batch_outcome(Session& s, const BatchState& batch, ucs_status_t post_erro
   return Status::ok();
 }
 
-}  // namespace
+// One batch in flight on a session. Its state lives here, so the session's callbacks
+// (run by whoever progresses its worker, with s.mu held) find it until it is done.
+class UcxReadRequest final : public ReadRequest {
+ public:
+  UcxReadRequest(std::shared_ptr<Session> s, std::chrono::milliseconds timeout)
+      : s_(std::move(s)), timeout_(timeout) {}
+  ~UcxReadRequest() override {
+    if (!posted_) return;
+    std::lock_guard lock(s_->mu);
+    // Abandoned in flight: what was posted is cancelled with the session.
+    if (!outcome_ && batch_.outstanding > 0 && !s_->broken.load()) {
+      (void)s_->fail(failed_precondition("a read request was abandoned in flight"));
+    }
+    if (s_->active == &batch_) s_->active = nullptr;
+  }
 
-Status read_batch(Session& s, const Registrations& registrations, std::span<const uintptr_t> local,
-                  std::span<const uintptr_t> remote, std::span<const size_t> length,
-                  std::chrono::milliseconds timeout) {
-  // Held for the whole batch so no local registration disappears under a read.
-  const auto regs_lock = registrations.lock_shared();
-  ReadPlan plan;
-  RD2H_RETURN_IF_ERROR(plan_reads(s, registrations, local, remote, length, plan));
-  if (s.watch.exited()) return s.fail(peer_dead("peer " + s.id + " has exited"));
-
-  const Deadline deadline(timeout);
-  BatchState batch;
-  s.active = &batch;
-  struct ClearActive {
-    Session* s;
-    ~ClearActive() { s->active = nullptr; }
-  } clear_active{&s};
-  batch.id = s.next_batch_id++;
-  batch.local = local;
-  batch.length = length;
-  const ucs_status_t post_error = s.rma_get
-                                      ? post_rma_reads(s, batch, local, remote, length, plan)
-                                      : post_am_requests(s, batch, remote, length, plan.mapped_src);
-  if (post_error == UCS_OK) {
+  // Posts the batch (caller holds s.mu and the registrations' shared lock, kept by this
+  // request until it is done).
+  Status post(const Registrations& registrations, std::span<const ReadOp> ops,
+              std::shared_lock<std::shared_mutex> regs_lock) {
+    Session& s = *s_;
+    ReadPlan plan;
+    RD2H_RETURN_IF_ERROR(plan_reads(s, registrations, ops, plan));
+    if (s.watch.exited()) return s.fail(peer_dead("peer " + s.id + " has exited"));
+    regs_lock_ = std::move(regs_lock);
+    batch_.deadline = Deadline(timeout_);
+    batch_.id = s.next_batch_id++;
+    batch_.ops.assign(ops.begin(), ops.end());
+    s.active = &batch_;
+    posted_ = true;
+    const ucs_status_t post_error =
+        s.rma_get ? post_rma_reads(s, batch_, plan) : post_am_requests(s, batch_, plan.mapped_src);
+    if (post_error != UCS_OK) {
+      // Nothing is awaited: the session's teardown cancels what was posted.
+      finish(batch_outcome(s, batch_, post_error));
+      return Status::ok();
+    }
     // Mapped reads are copied while the posted ones are in flight.
-    for (size_t i = 0; i < local.size(); ++i) {
-      if (plan.mapped_src[i] != nullptr && length[i] != 0) {
-        stream_copy(reinterpret_cast<void*>(local[i]), plan.mapped_src[i], length[i]);
+    for (size_t i = 0; i < batch_.ops.size(); ++i) {
+      const ReadOp& op = batch_.ops[i];
+      if (plan.mapped_src[i] != nullptr && op.length != 0) {
+        stream_copy(reinterpret_cast<void*>(op.local), plan.mapped_src[i], op.length);
       }
     }
     stream_copy_fence();
-    // After a failed post nothing is awaited: the session's teardown cancels what was posted.
-    RD2H_RETURN_IF_ERROR(await_batch(s, batch, local.size(), timeout, deadline));
+    if (batch_.outstanding == 0) finish(batch_outcome(s, batch_, UCS_OK));
+    return Status::ok();
   }
-  return batch_outcome(s, batch, post_error);
+
+  std::optional<Status> test() override {
+    if (outcome_) return outcome_;
+    std::lock_guard lock(s_->mu);
+    Session& s = *s_;
+    if (batch_.outstanding > 0 && !s.broken.load()) {
+      ucp_worker_progress(s.worker.get());
+      if (batch_.outstanding > 0 && s.ep_error == UCS_OK) {
+        Status live = still_live(s, batch_, timeout_);
+        if (live.is_ok()) return std::nullopt;
+        finish(std::move(live));
+        return outcome_;
+      }
+    }
+    finish(batch_outcome(s, batch_, UCS_OK));
+    return outcome_;
+  }
+
+  Status wait() override {
+    if (outcome_) return *outcome_;
+    std::lock_guard lock(s_->mu);
+    Status st = await_batch(*s_, batch_, timeout_);
+    finish(st.is_ok() ? batch_outcome(*s_, batch_, UCS_OK) : std::move(st));
+    return *outcome_;
+  }
+
+  // Caller holds s.mu: the batch is over (its outcome decided); the session may carry the
+  // next, and local memory may be unregistered again.
+  void finish(Status outcome) {
+    outcome_ = std::move(outcome);
+    if (s_->active == &batch_) s_->active = nullptr;
+    if (regs_lock_.owns_lock()) regs_lock_.unlock();
+  }
+
+ private:
+  std::shared_ptr<Session> s_;
+  const std::chrono::milliseconds timeout_;
+  // Held until done, so no local registration disappears under a read.
+  std::shared_lock<std::shared_mutex> regs_lock_;
+  BatchState batch_;
+  bool posted_ = false;
+  std::optional<Status> outcome_;
+};
+
+}  // namespace
+
+Expected<std::unique_ptr<ReadRequest>> post_reads(const std::shared_ptr<Session>& s,
+                                                  const Registrations& registrations,
+                                                  std::span<const ReadOp> ops,
+                                                  std::chrono::milliseconds timeout) {
+  // Taken before the session's lock, as an unregistration would take it.
+  auto regs_lock = registrations.lock_shared();
+  auto request = std::make_unique<UcxReadRequest>(s, timeout);
+  std::lock_guard lock(s->mu);
+  // One batch at a time per session (its replies are told apart by batch): an earlier one
+  // in flight is driven to its end first; its owner then finds it done.
+  if (s->active != nullptr && !s->broken.load()) {
+    RD2H_RETURN_IF_ERROR(await_batch(*s, *s->active, timeout));
+  }
+  if (s->broken.load()) {
+    return failed_precondition("session " + s->id + " is broken (" + s->broken_reason +
+                               "); connect again to read");
+  }
+  RD2H_RETURN_IF_ERROR(request->post(registrations, ops, std::move(regs_lock)));
+  return std::unique_ptr<ReadRequest>(std::move(request));
 }
 
 ucs_status_t on_am_read_reply(void* arg, const void* header, size_t header_length, void* data,
@@ -223,7 +309,7 @@ ucs_status_t on_am_read_reply(void* arg, const void* header, size_t header_lengt
     return drop();  // late, foreign or duplicate: nothing waits for it
   }
   b->answered[h.index] = 1;
-  if (h.refused != 0 || length != b->length[h.index]) {
+  if (h.refused != 0 || length != b->ops[h.index].length) {
     if (b->refusal.empty()) {
       b->refusal = "the peer refused read " + std::to_string(h.index) +
                    (h.refused != 0 ? ": range not registered there (any more)"
@@ -232,7 +318,7 @@ ucs_status_t on_am_read_reply(void* arg, const void* header, size_t header_lengt
     b->finish(UCS_ERR_INVALID_ADDR);
     return drop();
   }
-  void* dst = reinterpret_cast<void*>(b->local[h.index]);
+  void* dst = reinterpret_cast<void*>(b->ops[h.index].local);
   if (!rndv) {
     std::memcpy(dst, data, length);
     b->finish(UCS_OK);

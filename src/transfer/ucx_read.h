@@ -1,33 +1,37 @@
-// One batch of reads on a UCX session, each region by its path: mapped (a plain copy), rma
-// (ucp_get on RDMA lanes) or am (active messages the peer's serving worker answers); and the am
-// path's wire format (both ends are rd2h engines; native byte order).
+// Reads in flight on a UCX session (post_reads), each region by its path: mapped (a plain
+// copy), rma (ucp_get on RDMA lanes) or am (active messages the peer's serving worker
+// answers); and the am path's wire format (both ends are rd2h engines; native byte order).
 #pragma once
 
 #include <ucp/api/ucp.h>
 
 #include <chrono>
 #include <cstdint>
+#include <memory>
+#include <shared_mutex>
 #include <span>
 #include <string>
 #include <vector>
 
+#include "rd2h/common/deadline.h"
 #include "rd2h/common/status.h"
+#include "rd2h/transfer/transfer_engine.h"
 
 namespace rd2h::transfer {
 
 struct Session;
 class Registrations;
 
-// Progress state of one batch. Lives on the reading thread's stack; UCX callbacks of this
-// batch only run inside ucp_worker_progress/ucp_worker_destroy called by that thread.
+// Progress state of one batch, owned by its request. UCX callbacks of this batch only run
+// inside ucp_worker_progress/ucp_worker_destroy, called with the session's mu held.
 struct BatchState {
   uint64_t id = 0;
   size_t outstanding = 0;  // reads, requests and replies not finished yet
   ucs_status_t first_error = UCS_OK;
   std::string refusal;  // why the peer refused a read, if it did
-  // For the am path: where each read lands, and which replies have arrived.
-  std::span<const uintptr_t> local;
-  std::span<const size_t> length;
+  Deadline deadline{std::chrono::milliseconds(0)};
+  // The reads (where each lands), and for the am path which replies have arrived.
+  std::vector<ReadOp> ops;
   std::vector<uint8_t> answered;
 
   void finish(ucs_status_t status) {
@@ -60,12 +64,13 @@ struct AmReadReplyHeader {
   uint32_t refused;  // non-zero: the range is not registered on the server
 };
 
-// Reads local[i] <- remote[i] (length[i] bytes each) from the session's peer, within
+// Posts `ops` on the session `s` (found whole by the caller, who holds no lock) within
 // `timeout`. Every range is checked against `registrations` and the peer's regions before
-// anything is read. The caller holds s.mu and found the session whole; a failure breaks it.
-Status read_batch(Session& s, const Registrations& registrations, std::span<const uintptr_t> local,
-                  std::span<const uintptr_t> remote, std::span<const size_t> length,
-                  std::chrono::milliseconds timeout);
+// anything is read; a failure after that breaks the session.
+Expected<std::unique_ptr<ReadRequest>> post_reads(const std::shared_ptr<Session>& s,
+                                                  const Registrations& registrations,
+                                                  std::span<const ReadOp> ops,
+                                                  std::chrono::milliseconds timeout);
 
 // Reader side of the am path: one range's bytes arrive for the Session in arg.
 ucs_status_t on_am_read_reply(void* arg, const void* header, size_t header_length, void* data,

@@ -24,8 +24,8 @@
 
 namespace rd2h::transfer {
 
-struct Session {
-  std::mutex mu;  // serialises reads and teardown on this session
+struct Session final : PeerSession {
+  std::mutex mu;  // serialises progress, posts and teardown on this session
   std::string id;
   UcxMetadata peer;
   bool colocated = false;
@@ -49,7 +49,7 @@ struct Session {
   std::atomic<bool> broken{false};
   std::string broken_reason;       // written under mu before `broken` is set
   ucs_status_t ep_error = UCS_OK;  // set by the error handler, on the reading thread
-  BatchState* active = nullptr;    // the batch replies belong to; set by the reading thread
+  BatchState* active = nullptr;    // the batch in flight, replies belong to; its request's
   // The am requests of the active batch: UCX reads them until their sends complete.
   std::vector<AmReadRequest> am_requests;
   uint64_t next_batch_id = 1;
@@ -59,7 +59,7 @@ struct Session {
   std::vector<std::byte> worker_address;  // this session's worker, as a link's peer reaches it
   bool watched = false;                   // the engine's link thread sleeps on its worker
 
-  ~Session() { release(); }
+  ~Session() override { release(); }
 
   // Connects to `peer` (caller holds mu): a worker of `context`, an endpoint whose wire-up
   // is confirmed within the connect timeout, the peer's regions' rkeys and, for a

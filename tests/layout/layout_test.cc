@@ -120,7 +120,7 @@ TEST(Validate, EachMismatchFailsTheLayerNamingBothValues) {
 
 // Expands descriptors back into (tensor, source block) -> destination block, using the
 // block size of the tensor each address falls in.
-std::map<std::pair<size_t, int64_t>, int64_t> expand(const std::vector<Descriptor>& ds,
+std::map<std::pair<size_t, int64_t>, int64_t> expand(const std::vector<ReadOp>& ds,
                                                      const LayerTensors& p, const LayerTensors& d) {
   std::map<std::pair<size_t, int64_t>, int64_t> blocks;
   for (const auto& x : ds) {
@@ -157,13 +157,13 @@ TEST(Descriptors, EveryTopologyReadsEachBlockExactlyOnceIntoItsDestination) {
         std::vector<int64_t> dest(static_cast<size_t>(start) + n);
         for (size_t i = 0; i < dest.size(); ++i) dest[i] = static_cast<int64_t>((i * 7) % 200);
 
-        std::vector<Descriptor> main_all;
+        std::vector<ReadOp> main_all;
         for (int dr = 0; dr < tp.d_tp; ++dr) {
-          std::vector<Descriptor> rank_indexer;
+          std::vector<ReadOp> rank_indexer;
           for (int m = 0; m < ratio; ++m) {
-            std::vector<Descriptor> out;
+            std::vector<ReadOp> out;
             ReadRole role{dr, tp.d_tp, m, ratio};
-            ASSERT_TRUE(append_request_descriptors(p, d, {req.view(), dest, dest}, role, out).is_ok());
+            ASSERT_TRUE(append_request_reads(p, d, {req.view(), dest, dest}, role, out).is_ok());
             for (const auto& x : out) {
               (x.remote < p.base_addrs[2] ? main_all : rank_indexer).push_back(x);
             }
@@ -195,8 +195,8 @@ TEST(Descriptors, OnlyMemberZeroPullsMainKv) {
   const LayerTensors p = side(0x10000000), d = side(0x90000000);
   Req req{"r", {1, 2, 3, 4}, {1, 2, 3, 4}, 0, 0};
   std::vector<int64_t> dest{10, 11, 12, 13};
-  std::vector<Descriptor> out;
-  ASSERT_TRUE(append_request_descriptors(p, d, {req.view(), dest, dest}, {0, 1, 1, 2}, out).is_ok());
+  std::vector<ReadOp> out;
+  ASSERT_TRUE(append_request_reads(p, d, {req.view(), dest, dest}, {0, 1, 1, 2}, out).is_ok());
   for (const auto& x : out) EXPECT_GE(x.remote, p.base_addrs[2]) << "member 1 read main KV";
 }
 
@@ -210,9 +210,9 @@ TEST(Descriptors, ContiguousRunsOnBothSidesCoalesce) {
   p_main.bytes_per_block.resize(2);
   d_main.base_addrs.resize(2);
   d_main.bytes_per_block.resize(2);
-  std::vector<Descriptor> out;
+  std::vector<ReadOp> out;
   ASSERT_TRUE(
-      append_request_descriptors(p_main, d_main, {req.view(), dest, none}, {0, 1, 0, 1}, out).is_ok());
+      append_request_reads(p_main, d_main, {req.view(), dest, none}, {0, 1, 0, 1}, out).is_ok());
   // Per tensor: 4,5 -> 20,21 merge; 6 -> 30 breaks (destination jumps); 9 -> 31 breaks
   // (source jumps). Tensors never merge with each other.
   ASSERT_EQ(out.size(), 6u);
@@ -227,15 +227,15 @@ TEST(Descriptors, DestinationOutsideTheRequestOrAllocationAddsNothing) {
   const LayerTensors p = side(0x10000000), d = side(0x90000000);
   Req req{"r7", {1, 2, 3}, {1, 2, 3}, 2, 2};
   std::vector<int64_t> short_dest{0, 1, 2, 3};  // start 2 + 3 blocks needs 5
-  std::vector<Descriptor> out{{1, 2, 3}};
-  Status st = append_request_descriptors(p, d, {req.view(), short_dest, short_dest}, {0, 1, 0, 1}, out);
+  std::vector<ReadOp> out{{1, 2, 3}};
+  Status st = append_request_reads(p, d, {req.view(), short_dest, short_dest}, {0, 1, 0, 1}, out);
   EXPECT_EQ(st.code(), StatusCode::kOutOfRange);
   EXPECT_NE(st.message().find("request r7"), std::string::npos) << st.message();
   EXPECT_NE(st.message().find("destination index 4"), std::string::npos) << st.message();
   EXPECT_EQ(out.size(), 1u);
 
   std::vector<int64_t> beyond{0, 0, 5, 256, 7};  // block 256 of 256 allocated
-  st = append_request_descriptors(p, d, {req.view(), beyond, beyond}, {0, 1, 0, 1}, out);
+  st = append_request_reads(p, d, {req.view(), beyond, beyond}, {0, 1, 0, 1}, out);
   EXPECT_EQ(st.code(), StatusCode::kOutOfRange);
   EXPECT_NE(st.message().find("destination block 256 is outside the 256 allocated"),
             std::string::npos)
@@ -247,8 +247,8 @@ TEST(Descriptors, AddressOverflowIsAnError) {
   LayerTensors p = side(0xffffffffffff0000ull), d = side(0x90000000);
   Req req{"r", {1000}, {}, 0, 0};
   std::vector<int64_t> dest{1};
-  std::vector<Descriptor> out;
-  Status st = append_request_descriptors(p, d, {req.view(), dest, dest}, {0, 1, 0, 1}, out);
+  std::vector<ReadOp> out;
+  Status st = append_request_reads(p, d, {req.view(), dest, dest}, {0, 1, 0, 1}, out);
   EXPECT_EQ(st.code(), StatusCode::kOutOfRange) << st.to_string();
   EXPECT_TRUE(out.empty());
 }

@@ -524,7 +524,12 @@ TEST_F(SenderTest, ALinkThatClosesUnderAConnectionStartsItAgainWithMfMeta) {
   SlotGate gate;
   ASSERT_TRUE(reach_the_link(*s, gate));
   // Decode's end of the link goes with its transfer session.
-  ASSERT_TRUE(decode_engine_->disconnect(prefill_.engine->session_id()).is_ok());
+  auto metadata = prefill_.engine->export_metadata();
+  ASSERT_TRUE(metadata);
+  auto session = decode_engine_->connect(*metadata);  // the live session, as the reader has it
+  ASSERT_TRUE(session) << session.status().to_string();
+  ASSERT_EQ(session->id, prefill_.engine->session_id());
+  ASSERT_TRUE(decode_engine_->disconnect(*session).is_ok());
   ASSERT_TRUE(eventually([&] { return s->stats().connections_lost == 1; }));
   const uint64_t on_link = s->stats().readiness_on_link;
   Status st = send_and_wait(*s, ready(0, {}), gate);

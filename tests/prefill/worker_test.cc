@@ -182,8 +182,9 @@ TEST(PrefillWorker, AStepRaisesOnceAndItsLeftoverFailuresDoNotFailTheNextStep) {
   c.expect_request(good);
   const auto next = c.run_step({{&good, {0, 2}, true}});
   EXPECT_TRUE(next[0].is_ok()) << next[0].to_string();
-  // Decode reports (through its reader's lock) before its bytes are checked.
-  auto done = c.gather_finished();
+  // Decode reports (through its reader's lock) before its bytes are checked; "good"
+  // completes when Prefill's commit arrives, which may be after its step returned.
+  auto done = c.ended(0, 2);
   ASSERT_TRUE(done) << done.status().to_string();
   EXPECT_EQ(done->failed, std::vector<std::string>{"internal-bad"});
   EXPECT_EQ(done->finished, std::vector<std::string>{"internal-good"});

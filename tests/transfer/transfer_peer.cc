@@ -74,20 +74,18 @@ int read_forever(TransferEngine& engine, const Options& o) {
   if (!session) return fail(session.status().to_string());
   auto region = engine.allocate_memory(o.block * o.blocks);
   if (!region) return fail(region.status().to_string());
-  std::vector<uintptr_t> local, remote;
-  std::vector<size_t> len;
+  std::vector<transfer::ReadOp> ops;
   for (size_t j = 0; j < o.blocks; ++j) {
-    local.push_back(reinterpret_cast<uintptr_t>(region->addr) + j * o.block);
-    remote.push_back(o.remote_base + j * o.block);
-    len.push_back(o.block);
+    ops.push_back({reinterpret_cast<uintptr_t>(region->addr) + j * o.block,
+                   o.remote_base + j * o.block, o.block});
   }
   for (bool first = true;; first = false) {
-    if (Status st = engine.batch_read_sync(*session, local, remote, len); !st) {
+    if (Status st = engine.batch_read_sync(*session, ops); !st) {
       return fail(st.to_string());
     }
     if (first) {
       for (size_t j = 0; j < o.blocks; ++j) {
-        if (find_pattern_mismatch(reinterpret_cast<void*>(local[j]), o.block, o.key + j)) {
+        if (find_pattern_mismatch(reinterpret_cast<void*>(ops[j].local), o.block, o.key + j)) {
           return fail("block " + std::to_string(j) + " arrived corrupted");
         }
       }

@@ -9,6 +9,8 @@
 #include <cstdlib>
 #include <cstring>
 #include <memory>
+#include <span>
+#include <vector>
 
 #include "rd2h/transfer/transfer_engine.h"
 
@@ -29,6 +31,18 @@ inline std::unique_ptr<transfer::TransferEngine> make_engine(
   auto e = transfer::create_ucx_engine(cfg);
   EXPECT_TRUE(e) << e.status().to_string();
   return e ? std::move(*e) : nullptr;
+}
+
+// The reads local[i] <- remote[i], len[i] bytes each.
+inline std::vector<transfer::ReadOp> reads(std::span<const uintptr_t> local,
+                                           std::span<const uintptr_t> remote,
+                                           std::span<const size_t> len) {
+  EXPECT_TRUE(local.size() == remote.size() && local.size() == len.size());
+  std::vector<transfer::ReadOp> out;
+  for (size_t i = 0; i < local.size() && i < remote.size() && i < len.size(); ++i) {
+    out.push_back({local[i], remote[i], len[i]});
+  }
+  return out;
 }
 
 // Local destination memory, registered with the engine (caller-owned or engine-allocated).

@@ -25,6 +25,7 @@ using rd2h::testing::Destination;
 using rd2h::testing::kReadTimeout;
 using rd2h::testing::make_engine;
 using rd2h::testing::PeerProcess;
+using rd2h::testing::reads;
 using rd2h::testing::start_peer;
 
 // A peer with 8 blocks of 4096 bytes, an engine connected to it, and one-block reads.
@@ -44,7 +45,7 @@ class OneBlock : public ::testing::Test {
     std::vector<uintptr_t> local{reinterpret_cast<uintptr_t>(dst_->base)};
     std::vector<uintptr_t> remote{peer_->base + block * 4096};
     std::vector<size_t> len{4096};
-    return engine_->batch_read_sync(session_, local, remote, len);
+    return engine_->batch_read_sync(session_, reads(local, remote, len));
   }
   bool holds_block(size_t block) const {
     return !find_pattern_mismatch(dst_->base, 4096, peer_->key + block);
@@ -52,7 +53,7 @@ class OneBlock : public ::testing::Test {
 
   std::unique_ptr<PeerProcess> peer_;
   std::unique_ptr<TransferEngine> engine_;
-  std::string session_;
+  transfer::SessionHandle session_;
   std::unique_ptr<Destination> dst_;
 };
 
@@ -97,7 +98,10 @@ TEST_F(OneBlock, SilentTcpPeerTimesOutAndAnExplicitReconnectRecovers) {
 
   auto again = engine_->connect(peer_->metadata);
   ASSERT_TRUE(again) << again.status().to_string();
-  EXPECT_EQ(*again, session_);
+  EXPECT_EQ(again->id, session_.id);
+  EXPECT_NE(again->state, session_.state) << "a broken session was handed out again";
+  EXPECT_TRUE(engine_->session_info(session_)->broken) << "the old handle reads as broken";
+  session_ = *again;
   ASSERT_TRUE(read(2).is_ok());
   EXPECT_TRUE(holds_block(2));
   EXPECT_FALSE(engine_->session_info(session_)->broken);
@@ -114,7 +118,8 @@ void a_new_session_reads_every_block(Transport transport, const PeerProcess& pee
   std::vector<size_t> len{peer.block};
   for (size_t j = 0; j < peer.blocks; ++j) {
     remote[0] = peer.base + j * peer.block;
-    ASSERT_TRUE(engine->batch_read_sync(*session, local, remote, len).is_ok()) << "block " << j;
+    ASSERT_TRUE(engine->batch_read_sync(*session, reads(local, remote, len)).is_ok())
+        << "block " << j;
     ASSERT_FALSE(find_pattern_mismatch(dst.base, peer.block, peer.key + j)) << "block " << j;
   }
 }
@@ -156,7 +161,7 @@ void reader_gets_an_error_within_the_timeout(Transport transport, const char* me
   std::thread reader([&] {
     Deadline give_up(60s);
     while (!give_up.expired()) {
-      Status st = engine->batch_read_sync(*session, local, remote, len);
+      Status st = engine->batch_read_sync(*session, reads(local, remote, len));
       std::lock_guard lock(mu);
       if (!st.is_ok()) {
         last = st;
@@ -208,7 +213,7 @@ TEST_P(KilledDuringReads, SourceSurvivesAReaderThatGivesUpMidTransfer) {
       remote.push_back(peer->base + i * block);
       len.push_back(block);
     }
-    Status st = (*impatient)->batch_read_sync(*session, local, remote, len);
+    Status st = (*impatient)->batch_read_sync(*session, reads(local, remote, len));
     if (GetParam() == Transport::kTcp) {
       EXPECT_EQ(st.code(), StatusCode::kTimeout) << st.to_string();
     }
@@ -221,7 +226,7 @@ TEST_P(KilledDuringReads, SourceSurvivesAReaderThatGivesUpMidTransfer) {
   ASSERT_TRUE(session) << session.status().to_string();
   Destination dst(*engine, block * blocks, true);
   for (size_t i = 0; i < blocks; ++i) local[i] = reinterpret_cast<uintptr_t>(dst.base) + i * block;
-  ASSERT_TRUE(engine->batch_read_sync(*session, local, remote, len).is_ok());
+  ASSERT_TRUE(engine->batch_read_sync(*session, reads(local, remote, len)).is_ok());
   for (size_t i = 0; i < blocks; ++i) {
     ASSERT_FALSE(find_pattern_mismatch(dst.base + i * block, block, 11 + i)) << "block " << i;
   }
@@ -352,7 +357,7 @@ class SharedRegistration : public ::testing::Test {
     std::vector<uintptr_t> local{reinterpret_cast<uintptr_t>(dst.base)};
     std::vector<uintptr_t> remote{reinterpret_cast<uintptr_t>(base)};
     std::vector<size_t> len{kBytes};
-    Status st = reader_->batch_read_sync(*session, local, remote, len);
+    Status st = reader_->batch_read_sync(*session, reads(local, remote, len));
     EXPECT_TRUE(st.is_ok()) << st.to_string();
     return reader_->session_info(*session)->transport;
   }

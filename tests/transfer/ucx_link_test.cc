@@ -92,7 +92,7 @@ class Link : public ::testing::TestWithParam<Transport> {
   // Declared first, so they outlive the engines, whose teardown may still report to them.
   Inbox served, opened, other_served, other_opened;
   std::unique_ptr<TransferEngine> serving_, connecting_;
-  std::string session_;
+  transfer::SessionHandle session_;
 };
 
 TEST_P(Link, MessagesTravelBothWaysInTheOrderTheyWereSent) {
@@ -162,7 +162,8 @@ TEST_P(Link, ALinkClosesWithItsSession) {
   ASSERT_EQ(events.size(), 1u);
   EXPECT_EQ(events[0].event, LinkEvent::kClosed);
   EXPECT_EQ(connecting_->send_on_link(3, bytes_of("x")).code(), StatusCode::kFailedPrecondition);
-  EXPECT_EQ(connecting_->open_link(session_, 4, opened.handler()).code(), StatusCode::kNotFound);
+  EXPECT_EQ(connecting_->open_link(session_, 4, opened.handler()).code(),
+            StatusCode::kFailedPrecondition);  // its handle reads as broken
 }
 
 TEST_P(Link, AMessageOverTheLimitIsRefusedBeforeAnythingIsSent) {

@@ -8,16 +8,18 @@
 #include <cstdint>
 #include <functional>
 #include <memory>
+#include <optional>
 #include <span>
 #include <string>
 #include <string_view>
 #include <vector>
 
 #include "rd2h/common/status.h"
+#include "rd2h/transfer/read_op.h"
 
 namespace rd2h::transfer {
 
-inline constexpr int kTransferEngineInterfaceVersion = 2;
+inline constexpr int kTransferEngineInterfaceVersion = 3;
 
 enum class Role { kPrefill, kDecode };
 std::string_view to_string(Role role);
@@ -59,6 +61,35 @@ struct EngineConfig {
 struct MemoryRegion {
   void* addr = nullptr;
   size_t length = 0;
+};
+
+// What an engine keeps of one connected peer (each engine derives its own).
+class PeerSession {
+ public:
+  virtual ~PeerSession() = default;
+};
+
+// A session with one peer, as connect() returns it: reads and links through it reach the
+// peer without a lookup. Copies share the session; it stays valid while held (a session
+// disconnected or rebuilt meanwhile reads as broken).
+struct SessionHandle {
+  std::string id;  // the peer's session id (the spec's p_session)
+  std::shared_ptr<PeerSession> state;
+  explicit operator bool() const { return state != nullptr; }
+};
+
+// Reads posted with post_reads(), in flight until done. Tested, waited on and destroyed by
+// the thread that posted them. Destroyed before it is done, it cancels them: their session
+// breaks.
+class ReadRequest {
+ public:
+  virtual ~ReadRequest() = default;
+  // Progresses the reads without blocking: nullopt while some are in flight, else their
+  // outcome (the same at every later call).
+  virtual std::optional<Status> test() = 0;
+  // Returns the outcome once they are done, or a timeout error (and a broken session) when
+  // the engine's read_timeout from the post ran out first.
+  virtual Status wait() = 0;
 };
 
 struct SessionInfo {
@@ -105,20 +136,22 @@ class TransferEngine {
   // Opaque bytes a peer passes to connect(): how to reach this engine and every region
   // registered at the time of the call.
   virtual Expected<std::vector<std::byte>> export_metadata() const = 0;
-  // Connects to the peer that exported `peer_metadata` and returns its session id.
-  // Connecting to a live session again returns it unchanged; a broken session is rebuilt.
-  virtual Expected<std::string> connect(std::span<const std::byte> peer_metadata) = 0;
-  virtual Status disconnect(std::string_view session) = 0;
-  virtual Expected<SessionInfo> session_info(std::string_view session) const = 0;
+  // Connects to the peer that exported `peer_metadata`. Connecting to a live session again
+  // returns it unchanged; a broken session is rebuilt (a handle of the old one stays broken).
+  virtual Expected<SessionHandle> connect(std::span<const std::byte> peer_metadata) = 0;
+  virtual Status disconnect(const SessionHandle& session) = 0;
+  virtual Expected<SessionInfo> session_info(const SessionHandle& session) const = 0;
 
-  // Reads remote[i] .. remote[i]+length[i] of the peer into local[i] for every i, and returns
-  // when all reads are done (ok), or on the first error, or when read_timeout runs out.
-  // Every range is checked before any read is posted: a batch with a remote range outside
-  // the peer's exported regions or a local range outside local registrations reads nothing.
-  // A transport failure, a dead peer or a timeout marks the session broken.
-  virtual Status batch_read_sync(std::string_view session, std::span<const uintptr_t> local,
-                                 std::span<const uintptr_t> remote,
-                                 std::span<const size_t> length) = 0;
+  // Posts every read of `ops` from the session's peer and returns them in flight. Every
+  // range is checked before any read is posted: a batch with a remote range outside the
+  // peer's exported regions or a local range outside local registrations reads nothing and
+  // is an error. A session carries one request at a time: posting while another is in
+  // flight on it first waits for that one. A transport failure, a dead peer or a timeout
+  // marks the session broken.
+  virtual Expected<std::unique_ptr<ReadRequest>> post_reads(const SessionHandle& session,
+                                                            std::span<const ReadOp> ops) = 0;
+  // post_reads(), then wait().
+  Status batch_read_sync(const SessionHandle& session, std::span<const ReadOp> ops);
 
   // Links (see LinkEvent). A backend without them returns false and refuses the calls.
   virtual bool supports_links() const { return false; }
@@ -126,7 +159,7 @@ class TransferEngine {
   virtual Status expect_link(uint64_t token, LinkHandler handler);
   // Connecting side: opens link `token` to the peer of `session`; its events go to
   // `handler`. The peer must expect the token.
-  virtual Status open_link(std::string_view session, uint64_t token, LinkHandler handler);
+  virtual Status open_link(const SessionHandle& session, uint64_t token, LinkHandler handler);
   // Sends one message (at most kMaxLinkMessageBytes) on an open link; messages arrive in
   // the order they were sent. An error means the link can carry no more.
   virtual Status send_on_link(uint64_t token, std::span<const std::byte> message);
