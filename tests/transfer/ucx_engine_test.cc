@@ -11,6 +11,7 @@
 
 #include "rd2h/common/deadline.h"
 #include "rd2h/transfer/transfer_engine.h"
+#include "support/http_server.h"
 #include "transfer/fault_injecting_engine.h"
 #include "transfer/peer_process.h"
 #include "transfer/ucx_engine_fixture.h"
@@ -343,6 +344,92 @@ TEST_P(Engine, FaultInjectedFailureReadsNothingThenReadsResume) {
   EXPECT_EQ(faulty.injected_failures(), 1);
   ASSERT_TRUE(faulty.batch_read_sync(session_, reads(local, remote, len)).is_ok());
   EXPECT_FALSE(find_pattern_mismatch(dst.base, 4096, peer_->key + 3));
+}
+
+// The reads of `blocks` of `peer` into consecutive blocks of `dst`.
+std::vector<ReadOp> block_reads(const PeerProcess& peer, const Destination& dst,
+                                const std::vector<size_t>& blocks) {
+  std::vector<ReadOp> ops;
+  for (size_t i = 0; i < blocks.size(); ++i) {
+    ops.push_back({reinterpret_cast<uintptr_t>(dst.base) + i * peer.block,
+                   peer.base + blocks[i] * peer.block, peer.block});
+  }
+  return ops;
+}
+
+bool holds(const PeerProcess& peer, const Destination& dst, const std::vector<size_t>& blocks) {
+  for (size_t i = 0; i < blocks.size(); ++i) {
+    if (find_pattern_mismatch(dst.base + i * peer.block, peer.block, peer.key + blocks[i])) {
+      return false;
+    }
+  }
+  return true;
+}
+
+TEST_P(Engine, PostedReadsCompleteThroughTestsThatNeverBlock) {
+  Destination dst(*engine_, 4096 * 4, false);
+  const std::vector<size_t> blocks{5, 1, 9, 3};
+  auto request = engine_->post_reads(session_, block_reads(*peer_, dst, blocks));
+  ASSERT_TRUE(request) << request.status().to_string();
+  std::optional<Status> outcome;
+  ASSERT_TRUE(rd2h::testing::eventually([&] { return (outcome = (*request)->test()).has_value(); }))
+      << "the reads never completed";
+  EXPECT_TRUE(outcome->is_ok()) << outcome->to_string();
+  EXPECT_TRUE(holds(*peer_, dst, blocks));
+  const auto again = (*request)->test();
+  ASSERT_TRUE(again.has_value());
+  EXPECT_EQ(again->to_string(), outcome->to_string()) << "a done request changed its outcome";
+  EXPECT_TRUE((*request)->wait().is_ok());
+}
+
+TEST_P(Engine, TwoSessionsCarryReadsInFlightAtOnce) {
+  auto p = start_peer(std::string(to_string(GetParam())), "alloc", 4096, 16, 77);
+  ASSERT_TRUE(p) << p.status().to_string();
+  auto other = engine_->connect(p->metadata);
+  ASSERT_TRUE(other) << other.status().to_string();
+  Destination a(*engine_, 4096 * 3, false), b(*engine_, 4096 * 3, true);
+  const std::vector<size_t> blocks{2, 7, 11};
+  auto first = engine_->post_reads(session_, block_reads(*peer_, a, blocks));
+  ASSERT_TRUE(first) << first.status().to_string();
+  auto second = engine_->post_reads(*other, block_reads(*p, b, blocks));
+  ASSERT_TRUE(second) << second.status().to_string();
+  EXPECT_TRUE((*second)->wait().is_ok());
+  EXPECT_TRUE((*first)->wait().is_ok());
+  EXPECT_TRUE(holds(*peer_, a, blocks));
+  EXPECT_TRUE(holds(*p, b, blocks));
+}
+
+TEST_P(Engine, ASecondPostOnASessionFirstDrivesTheOneInFlight) {
+  Destination a(*engine_, 4096 * 2, false), b(*engine_, 4096 * 2, false);
+  auto first = engine_->post_reads(session_, block_reads(*peer_, a, {4, 6}));
+  ASSERT_TRUE(first) << first.status().to_string();
+  auto second = engine_->post_reads(session_, block_reads(*peer_, b, {8, 10}));
+  ASSERT_TRUE(second) << second.status().to_string();
+  // The first was driven to its end by the second's post: its owner finds it done.
+  auto done = (*first)->test();
+  ASSERT_TRUE(done.has_value()) << "the first request was still in flight";
+  EXPECT_TRUE(done->is_ok()) << done->to_string();
+  EXPECT_TRUE((*second)->wait().is_ok());
+  EXPECT_TRUE(holds(*peer_, a, {4, 6}));
+  EXPECT_TRUE(holds(*peer_, b, {8, 10}));
+}
+
+TEST_P(Engine, ARequestAbandonedInFlightBreaksItsSession) {
+  if (GetParam() == Transport::kShm) {
+    GTEST_SKIP() << "mapped reads are copies, done before post_reads returns";
+  }
+  Destination dst(*engine_, 4096 * 8, false);
+  auto request = engine_->post_reads(session_, block_reads(*peer_, dst, {0, 1, 2, 3, 4, 5, 6, 7}));
+  ASSERT_TRUE(request) << request.status().to_string();
+  request->reset();  // nobody progressed it: the replies are still owed
+  auto info = engine_->session_info(session_);
+  ASSERT_TRUE(info);
+  EXPECT_TRUE(info->broken);
+  EXPECT_NE(info->broken_reason.find("abandoned"), std::string::npos) << info->broken_reason;
+  auto again = engine_->connect(peer_->metadata);
+  ASSERT_TRUE(again) << again.status().to_string();
+  EXPECT_TRUE(engine_->batch_read_sync(*again, block_reads(*peer_, dst, {3})).is_ok());
+  EXPECT_TRUE(holds(*peer_, dst, {3}));
 }
 
 INSTANTIATE_TEST_SUITE_P(Transports, Engine, ::testing::Values(Transport::kShm, Transport::kTcp),
