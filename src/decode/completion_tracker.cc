@@ -31,7 +31,7 @@ std::optional<std::string> CompletionTracker::remove_request(const std::string& 
   if (auto it = requests_.find(ext_id); it != requests_.end()) {
     internal_id = it->second.internal_id;
     to_report_.push_back(
-        {ext_id, std::move(it->second.internal_id), read_in_flight_ ? reads_begun_ : 0});
+        {ext_id, std::move(it->second.internal_id), reads_in_flight_.empty() ? 0 : reads_begun_});
     requests_.erase(it);
   }
   early_.erase(ext_id);
@@ -73,13 +73,13 @@ Status CompletionTracker::record(const std::string& ext_id, Signals& s, int grou
   return Status::ok();
 }
 
-void CompletionTracker::read_started() {
-  read_in_flight_ = true;
-  ++reads_begun_;
+uint64_t CompletionTracker::read_started() {
+  reads_in_flight_.insert(++reads_begun_);
+  return reads_begun_;
 }
 
-void CompletionTracker::read_ended() {
-  read_in_flight_ = false;
+void CompletionTracker::read_ended(uint64_t read) {
+  reads_in_flight_.erase(read);
 }
 
 bool CompletionTracker::read_on(const std::string& ext_id, const std::string& connection,
@@ -198,8 +198,8 @@ Finished CompletionTracker::finish(const std::vector<RankTerminal>& ranks) {
     }
   }
   for (auto it = to_report_.begin(); it != to_report_.end();) {
-    if (it->read != 0 && read_in_flight_ && reads_begun_ == it->read) {
-      ++it;  // its blocks may be being written: next time
+    if (it->read != 0 && !reads_in_flight_.empty() && *reads_in_flight_.begin() <= it->read) {
+      ++it;  // a read begun before it was removed may be writing its blocks: next time
       continue;
     }
     out.ended_ext_ids.push_back(it->ext_id);

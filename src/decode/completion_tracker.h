@@ -54,15 +54,15 @@ class CompletionTracker {
   Status add_request(const std::string& ext_id, const std::string& internal_id,
                      Destinations destinations = {});
   // Decode gave up on the request: its state is dropped and later signals are ignored. It is
-  // reported finished by the first finish() after the read in flight now (if any) ended
-  // (its blocks may be being written). Returns its internal id if it was tracked.
+  // reported finished by the first finish() after every read in flight now ended (its
+  // blocks may be being written). Returns its internal id if it was tracked.
   std::optional<std::string> remove_request(const std::string& ext_id);
   // The destinations of a tracked request, or null.
   const Destinations* destinations(const std::string& ext_id) const;
 
-  // A batched read into Decode's blocks starts, or ends (one at a time).
-  void read_started();
-  void read_ended();
+  // A batched read into Decode's blocks starts (its number), or ends.
+  uint64_t read_started();
+  void read_ended(uint64_t read);
   // A layer of `ext_id` from contributor `group_member_idx` was read (or its final layer
   // signalled) on `connection`; with `owes`, the connection now owes the request's final
   // layer or commit. A contributor seen on a second connection fails the request (its
@@ -128,12 +128,12 @@ class CompletionTracker {
   std::map<std::string, std::set<std::string>> owed_;
   // By external id, for each contributor: the connection its KV came on.
   std::map<std::string, std::map<int, std::string>> source_;
-  // The reads begun, and whether the last is still in flight.
+  // The reads begun, and those still in flight.
   uint64_t reads_begun_ = 0;
-  bool read_in_flight_ = false;
+  std::set<uint64_t> reads_in_flight_;
   struct Removed {
     std::string ext_id, internal_id;
-    uint64_t read = 0;  // the read in flight when it was removed (0: none)
+    uint64_t read = 0;  // the last read begun when it was removed, if one was in flight
   };
   std::vector<Removed> to_report_;  // removed requests, reported by finish()
   std::map<std::string, Signals> early_;

@@ -233,17 +233,21 @@ void Reader::run() {
   using Clock = std::chrono::steady_clock;
   Clock::time_point busy_until{};
   while (!stopping_.load()) {
+    // Reads in flight are driven here, between messages: the thread never sleeps on them.
+    if (!in_flight_.empty()) progress_reads();
+    const bool reading = !in_flight_.empty();
     const bool busy = link_fd >= 0 && Clock::now() < busy_until;
-    const bool armed = link_fd < 0 || engine_->progress_links(!busy);
+    const bool armed = link_fd < 0 || engine_->progress_links(!busy && !reading);
     if (drain_links(busy) && link_fd >= 0 && config_.busy_poll.count() > 0) {
       std::lock_guard lock(mu_);
       busy_until = tracker_.owes_any() ? Clock::now() + config_.busy_poll : Clock::time_point{};
     }
-    auto in = router_->receive(armed ? config_.poll_interval : std::chrono::milliseconds(0),
-                               std::span(wake_fds, link_fd >= 0 ? 3 : 2));
+    auto in =
+        router_->receive(armed && !reading ? config_.poll_interval : std::chrono::milliseconds(0),
+                         std::span(wake_fds, link_fd >= 0 ? 3 : 2));
     finish_connects();
     // Polling, it gives way to whatever else wants this CPU.
-    if (busy && in && !in->has_value()) std::this_thread::yield();
+    if ((busy || reading) && in && !in->has_value()) std::this_thread::yield();
     if (!in) {
       log::warn("decode reader {}: {}", config_.d_rank, in.status().to_string());
     } else if (in->has_value()) {
@@ -275,6 +279,8 @@ void Reader::run() {
     }
     if (held_count_ > 0) drain_held();
   }
+  // Reads still in flight end before their memory may go: answered, the rest dropped.
+  while (!in_flight_.empty()) complete_read(in_flight_.begin()->first, /*replay=*/false);
   if (link_fd >= 0) engine_->drive_links(false);
 }
 
@@ -289,7 +295,8 @@ void Reader::drain_held() {
   const auto now = std::chrono::steady_clock::now();
   for (auto it = held_.begin(); it != held_.end();) {
     auto& queue = it->second;
-    while (!queue.empty()) {
+    // A connection with a read in flight takes its next turn after that read's answer.
+    while (!queue.empty() && in_flight_.count(it->first) == 0) {
       bool ready = !queue.front().refusal.empty();
       if (!ready) {
         std::lock_guard lock(mu_);
@@ -376,6 +383,16 @@ void Reader::close_link(const std::string& identity) {
 }
 
 void Reader::handle(const control::Inbound& in, bool* polled) {
+  if (auto f = in_flight_.find(in.identity); f != in_flight_.end()) {
+    // Its connection has a read in flight: in its turn, after that read's answer.
+    if (f->second.behind.size() < config_.max_held_per_peer) {
+      f->second.behind.push_back(in);
+    } else {
+      warn_limited(unknown_log_, "dropped a message of a connection whose read is in flight",
+                   "more than " + std::to_string(config_.max_held_per_peer) + " waiting");
+    }
+    return;
+  }
   if (!in.malformed.empty()) return handle_undecodable(in, in.malformed);
   auto message = protocol::decode_message(in.payload);
   if (!message) return handle_undecodable(in, message.status().message());
@@ -485,6 +502,9 @@ void Reader::refuse_mf_meta(const std::string& identity, const std::string& why)
 
 void Reader::drop_peer(const std::string& identity, const std::string& why,
                        const protocol::ReadReadyBatch* last) {
+  // A read in flight is answered first, in its turn; what waited behind it goes with the
+  // connection.
+  complete_read(identity, /*replay=*/false);
   if (auto queue = held_.find(identity); queue != held_.end()) {
     for (auto& h : queue->second) {
       count(&Counters::layers_failed);

@@ -212,19 +212,33 @@ class Reader {
   // its Prefill fails at once rather than at a deadline.
   void drop_peer(const std::string& identity, const std::string& why,
                  const protocol::ReadReadyBatch* last = nullptr);
+  // A readiness whose turn came: its layer read (or its read posted, answered once done).
   void handle_ready(const std::string& identity, const protocol::ReadReadyBatch& ready);
+  // The answer to a readiness whose read ended with `st`, and what it means for its
+  // requests.
+  void answer_ready(const std::string& identity, const protocol::ReadReadyBatch& ready,
+                    const Status& st);
   // Prefill committed requests of this connection: their final-layer signals count now.
   void handle_commit(const std::string& identity, const protocol::KvCommit& commit);
   // The connection is gone: what it still owed fails. Caller holds mu_.
   void fail_owed(const std::string& identity);
-  // Reads the layer; the error explains why it was not read.
-  Status read_layer(const std::string& identity, const protocol::ReadReadyBatch& ready);
-  // The layer's reads on this rank, into reads_ (none: nothing to read here); marks a read
-  // in flight when there are some.
+  // Starts reading the layer: its outcome when it is known at once (nothing to read here,
+  // reads refused, or reads done as they were posted; an error explains why it was not
+  // read), or nullopt with the read in flight (in_flight_).
+  std::optional<Status> start_read(const std::string& identity,
+                                   const protocol::ReadReadyBatch& ready);
+  // The layer's reads on this rank, into reads_ (none: nothing to read here), begun in the
+  // tracker as planned_read_ when there are some.
   Status plan_read(const PeerLayer& layer, const protocol::ReadReadyBatch& ready);
-  // Reads what plan_read() planned, in one batch, and counts it.
-  Status read_planned(const transfer::SessionHandle& session,
-                      const protocol::ReadReadyBatch& ready);
+  // Posts what plan_read() planned, in one batch, as start_read() says.
+  std::optional<Status> post_planned(const std::string& identity,
+                                     const transfer::SessionHandle& session,
+                                     const protocol::ReadReadyBatch& ready);
+  // Answers the reads in flight that are done, then what their connections sent meanwhile.
+  void progress_reads();
+  // Ends the read in flight of `identity` (waiting for it if need be) and answers it; with
+  // `replay`, handles what its connection sent meanwhile, else drops that.
+  void complete_read(const std::string& identity, bool replay);
   void reply(const std::string& identity, const std::vector<std::byte>& payload);
 
   ReaderConfig config_;
@@ -235,7 +249,24 @@ class Reader {
   std::shared_ptr<LinkInbox> links_;
   std::map<std::string, PeerLink> link_of_;    // by ZMQ identity; reader thread only
   std::map<uint64_t, std::string> link_peer_;  // identity by link token; reader thread only
-  std::vector<transfer::ReadOp> reads_;        // read_layer's, reused (reader thread only)
+  std::vector<transfer::ReadOp> reads_;        // plan_read's, reused (reader thread only)
+  uint64_t planned_read_ = 0;
+  // A layer's read in flight on one connection: that connection's later messages wait
+  // behind it, in order, so its answers keep theirs. Reads of different connections (the
+  // contributors of a request, other Prefills) overlap.
+  struct InFlight {
+    protocol::ReadReadyBatch ready;
+    std::unique_ptr<transfer::ReadRequest> request;
+    std::optional<Status> outcome;  // once done
+    uint64_t read = 0;              // its number in the tracker
+    uint64_t bytes = 0;
+    std::chrono::steady_clock::time_point start;
+    int64_t start_us = 0;
+    std::deque<control::Inbound> behind;  // at most max_held_per_peer
+  };
+  std::map<std::string, InFlight> in_flight_;  // by ZMQ identity; reader thread only
+  // Accounts for a read that ended with `st`: the tracker, counters, latency and trace.
+  Status end_read(const InFlight& f, Status st);
   struct Held {
     protocol::ReadReadyBatch ready;
     std::chrono::steady_clock::time_point since;

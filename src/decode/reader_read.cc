@@ -10,7 +10,11 @@
 namespace rd2h::decode {
 
 void Reader::handle_ready(const std::string& identity, const protocol::ReadReadyBatch& ready) {
-  Status st = read_layer(identity, ready);
+  if (std::optional<Status> st = start_read(identity, ready)) answer_ready(identity, ready, *st);
+}
+
+void Reader::answer_ready(const std::string& identity, const protocol::ReadReadyBatch& ready,
+                          const Status& st) {
   auto peer = peers_.find(identity);
   const bool commits = peer != peers_.end() && peer->second.commits;
   std::lock_guard lock(mu_);
@@ -77,7 +81,8 @@ void Reader::handle_commit(const std::string& identity, const protocol::KvCommit
   }
 }
 
-Status Reader::read_layer(const std::string& identity, const protocol::ReadReadyBatch& ready) {
+std::optional<Status> Reader::start_read(const std::string& identity,
+                                         const protocol::ReadReadyBatch& ready) {
   // Named only when something fails: the hot path builds no strings.
   auto where = [&] {
     return "Decode rank " + std::to_string(config_.d_rank) + ", layer " +
@@ -93,11 +98,10 @@ Status Reader::read_layer(const std::string& identity, const protocol::ReadReady
     return not_found(where() + ": layer '" + ready.layer_name + "' is not in Prefill's MF_META");
   }
   const PeerLayer& layer = p_layer->second;
-  RD2H_RETURN_IF_ERROR(layer.layout);
+  if (!layer.layout) return layer.layout;
   if (Status st = plan_read(layer, ready); !st) return st.with_context(where());
   if (reads_.empty()) return Status::ok();  // nothing on this rank: still answered
-  if (Status st = read_planned(peer->second.session, ready); !st) return st.with_context(where());
-  return Status::ok();
+  return post_planned(identity, peer->second.session, ready);
 }
 
 Status Reader::plan_read(const PeerLayer& layer, const protocol::ReadReadyBatch& ready) {
@@ -119,33 +123,77 @@ Status Reader::plan_read(const PeerLayer& layer, const protocol::ReadReadyBatch&
         layer.tensors, *layer.decode, {source_blocks(req), dest->main, dest->indexer}, role,
         reads_));
   }
-  if (!reads_.empty()) tracker_.read_started();
+  // Begun under the same lock as its destinations were looked up: a request removed from
+  // here on is reported only once this read ended.
+  if (!reads_.empty()) planned_read_ = tracker_.read_started();
   return Status::ok();
 }
 
-Status Reader::read_planned(const transfer::SessionHandle& session,
-                            const protocol::ReadReadyBatch& ready) {
-  uint64_t bytes = 0;
-  for (const auto& op : reads_) bytes += op.length;
-  const auto start = std::chrono::steady_clock::now();
-  const int64_t start_us = trace::now_us();
-  Status st = engine_->batch_read_sync(session, reads_);
-  const auto ns =
-      std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now() - start)
-          .count();
+std::optional<Status> Reader::post_planned(const std::string& identity,
+                                           const transfer::SessionHandle& session,
+                                           const protocol::ReadReadyBatch& ready) {
+  InFlight f;
+  for (const auto& op : reads_) f.bytes += op.length;
+  f.read = planned_read_;
+  f.start = std::chrono::steady_clock::now();
+  f.start_us = trace::now_us();
+  f.ready = ready;
+  auto request = engine_->post_reads(session, reads_);
+  std::optional<Status> done;
+  if (!request) {
+    done = request.status();
+  } else if (!(done = (*request)->test())) {
+    // In flight: answered by progress_reads() once done.
+    f.request = std::move(*request);
+    in_flight_.emplace(identity, std::move(f));
+    return std::nullopt;
+  }
+  return end_read(f, std::move(*done));
+}
+
+Status Reader::end_read(const InFlight& f, Status st) {
+  const auto ns = std::chrono::duration_cast<std::chrono::nanoseconds>(
+                      std::chrono::steady_clock::now() - f.start)
+                      .count();
   if (trace::enabled()) {
     std::string ids;
-    for (const auto& req : ready.read_reqs) ids += (ids.empty() ? "" : ",") + req.ext_id;
-    trace::span(st.is_ok() ? "read" : "read failed", "reader", start_us, trace::now_us(),
-                ready.layer_idx, bytes, std::move(ids));
+    for (const auto& req : f.ready.read_reqs) ids += (ids.empty() ? "" : ",") + req.ext_id;
+    trace::span(st.is_ok() ? "read" : "read failed", "reader", f.start_us, trace::now_us(),
+                f.ready.layer_idx, f.bytes, std::move(ids));
   }
-  std::lock_guard lock(mu_);
-  tracker_.read_ended();
+  {
+    std::lock_guard lock(mu_);
+    tracker_.read_ended(f.read);
+  }
   count(&Counters::reads);
   count(&Counters::read_ns, static_cast<uint64_t>(ns));
   read_seconds_.observe(static_cast<double>(ns) / 1e9);
-  if (st.is_ok()) count(&Counters::bytes_read, bytes);
-  return st;
+  if (st.is_ok()) {
+    count(&Counters::bytes_read, f.bytes);
+    return st;
+  }
+  return st.with_context("Decode rank " + std::to_string(config_.d_rank) + ", layer " +
+                         std::to_string(f.ready.layer_idx));
+}
+
+void Reader::progress_reads() {
+  std::vector<std::string> done;
+  for (auto& [identity, f] : in_flight_) {
+    if ((f.outcome = f.request->test())) done.push_back(identity);
+  }
+  for (const auto& identity : done) complete_read(identity, /*replay=*/true);
+}
+
+void Reader::complete_read(const std::string& identity, bool replay) {
+  auto node = in_flight_.extract(identity);
+  if (node.empty()) return;
+  InFlight& f = node.mapped();
+  Status st = f.outcome ? *f.outcome : f.request->wait();
+  f.request.reset();
+  answer_ready(identity, f.ready, end_read(f, std::move(st)));
+  if (!replay) return;
+  // In order; a readiness among them that starts another read puts the rest behind it.
+  for (auto& in : f.behind) handle(in);
 }
 
 }  // namespace rd2h::decode

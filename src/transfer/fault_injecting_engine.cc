@@ -90,7 +90,63 @@ class FaultyRequest final : public ReadRequest {
   Status failure_;
 };
 
+// Reads in flight until the hold is released, then as the inner request says.
+class HeldRequest final : public ReadRequest {
+ public:
+  HeldRequest(std::unique_ptr<ReadRequest> inner,
+              std::shared_ptr<FaultInjectingEngine::CompletionHold> hold)
+      : inner_(std::move(inner)), hold_(std::move(hold)) {}
+  ~HeldRequest() override { done(); }
+  std::optional<Status> test() override {
+    {
+      std::lock_guard lock(hold_->mu);
+      if (hold_->holding) return std::nullopt;
+    }
+    auto st = inner_->test();
+    if (st) done();
+    return st;
+  }
+  Status wait() override {
+    {
+      std::unique_lock lock(hold_->mu);
+      hold_->released.wait_for(lock, std::chrono::minutes(1), [this] { return !hold_->holding; });
+    }
+    Status st = inner_->wait();
+    done();
+    return st;
+  }
+
+ private:
+  void done() {
+    if (counted_) return;
+    counted_ = true;
+    std::lock_guard lock(hold_->mu);
+    --hold_->in_flight;
+  }
+  std::unique_ptr<ReadRequest> inner_;
+  std::shared_ptr<FaultInjectingEngine::CompletionHold> hold_;
+  bool counted_ = false;
+};
+
 }  // namespace
+
+void FaultInjectingEngine::hold_completions() {
+  std::lock_guard lock(completions_->mu);
+  completions_->holding = true;
+}
+
+void FaultInjectingEngine::release_completions() {
+  {
+    std::lock_guard lock(completions_->mu);
+    completions_->holding = false;
+  }
+  completions_->released.notify_all();
+}
+
+int FaultInjectingEngine::completions_held() const {
+  std::lock_guard lock(completions_->mu);
+  return completions_->in_flight;
+}
 
 Expected<std::unique_ptr<ReadRequest>> FaultInjectingEngine::post_reads(
     const SessionHandle& session, std::span<const ReadOp> ops) {
@@ -122,6 +178,13 @@ Expected<std::unique_ptr<ReadRequest>> FaultInjectingEngine::post_reads(
     return std::unique_ptr<ReadRequest>(std::make_unique<FaultyRequest>(nullptr, failure));
   }
   auto request = inner_->post_reads(session, ops);
+  if (request) {
+    std::lock_guard lock(completions_->mu);
+    if (completions_->holding) {
+      ++completions_->in_flight;
+      *request = std::make_unique<HeldRequest>(std::move(*request), completions_);
+    }
+  }
   if (!fail || !request) return request;
   return std::unique_ptr<ReadRequest>(
       std::make_unique<FaultyRequest>(std::move(*request), std::move(failure)));

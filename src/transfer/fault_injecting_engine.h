@@ -31,6 +31,19 @@ class FaultInjectingEngine final : public TransferEngine {
   void hold_reads(int after = 0);
   void release_reads();
   int held_reads() const;
+  // Batches posted from now on stay in flight (test() finds them running, wait() waits)
+  // until release_completions(), for at most a minute, as reads on a slow link would; they
+  // then end as the inner engine's did. completions_held() counts those in flight now.
+  void hold_completions();
+  void release_completions();
+  int completions_held() const;
+  // What the engine shares with the requests posted while completions are held.
+  struct CompletionHold {
+    std::mutex mu;
+    std::condition_variable released;
+    bool holding = false;
+    int in_flight = 0;
+  };
   // Connects wait until release_connects() (for at most a minute), as they would for a
   // peer host that answers slowly. held_connects() counts the connects waiting now.
   void hold_connects();
@@ -87,6 +100,7 @@ class FaultInjectingEngine final : public TransferEngine {
   std::condition_variable released_;
   bool holding_connects_ = false;
   int held_connects_ = 0;
+  std::shared_ptr<CompletionHold> completions_ = std::make_shared<CompletionHold>();
 };
 
 }  // namespace rd2h::transfer

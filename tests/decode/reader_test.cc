@@ -170,6 +170,52 @@ TEST_F(ReaderTest, ASlowNewPrefillDoesNotStallAConnectedOne) {
   EXPECT_TRUE(std::holds_alternative<protocol::ReadDone>(*m));
 }
 
+// The answer `dealer` receives next, decoded.
+protocol::Message next_answer(control::DealerChannel& dealer) {
+  auto reply = dealer.receive(10s);
+  EXPECT_TRUE(reply && reply->has_value()) << "no answer within 10 s";
+  if (!reply || !reply->has_value()) return {};
+  auto m = protocol::decode_message(**reply);
+  EXPECT_TRUE(m) << m.status().to_string();
+  return m ? *m : protocol::Message{};
+}
+
+int64_t done_layer(const protocol::Message& m) {
+  const auto* done = std::get_if<protocol::ReadDone>(&m);
+  return done != nullptr ? done->layer_idx : -1;
+}
+
+TEST_F(ReaderTest, ReadsOfTwoConnectionsAreInFlightAtOnceAndEachConnectionKeepsItsOrder) {
+  auto engine = std::make_shared<transfer::FaultInjectingEngine>(decode_engine_);
+  decode_engine_ = engine;
+  start_reader(ReaderConfig{});
+  send_mf_meta(mf_meta(prefill_));
+  auto other = control::DealerChannel::connect(context_, reader_->url());
+  ASSERT_TRUE(other);
+  ASSERT_TRUE((*other)->send(protocol::encode(mf_meta(prefill_))).is_ok());
+  auto ack = (*other)->receive(10s);
+  ASSERT_TRUE(ack && ack->has_value() && protocol::is_commit_ack(**ack));
+  ASSERT_TRUE(reader_->add_request("a", "int-a", {2}, {2}).is_ok());
+  ASSERT_TRUE(reader_->add_request("b", "int-b", {3}, {3}).is_ok());
+
+  engine->hold_completions();  // reads stay in flight until released
+  ASSERT_TRUE(dealer_->send(protocol::encode(ready(0, {{"a", {6}, {6}, 0, 0}}))).is_ok());
+  ASSERT_TRUE((*other)->send(protocol::encode(ready(0, {{"b", {7}, {7}, 0, 0}}))).is_ok());
+  ASSERT_TRUE(eventually([&] { return engine->completions_held() == 2; }))
+      << "the second connection's read waited for the first's";
+  // Behind its read in flight, the connection's next readiness waits for that answer.
+  ASSERT_TRUE(dealer_->send(protocol::encode(ready(1, {}))).is_ok());
+  engine->release_completions();
+  EXPECT_EQ(done_layer(next_answer(*dealer_)), 0);
+  EXPECT_EQ(done_layer(next_answer(*dealer_)), 1) << "answers out of order";
+  EXPECT_EQ(done_layer(next_answer(**other)), 0);
+  sync_with_reader();
+  EXPECT_TRUE(decode_.holds(0, 0, 2, 6));
+  EXPECT_TRUE(decode_.holds(0, 2, 2, 6));
+  EXPECT_TRUE(decode_.holds(0, 0, 3, 7));
+  EXPECT_TRUE(decode_.holds(0, 2, 3, 7));
+}
+
 TEST_F(ReaderTest, ARequestWhoseKvDoesNotArriveInTimeFailsWithItsBlocks) {
   const auto now = std::chrono::steady_clock::now();
   ASSERT_TRUE(reader_->add_request("late", "int-late", {2, 3}, {4}, now).is_ok());
