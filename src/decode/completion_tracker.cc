@@ -82,6 +82,19 @@ void CompletionTracker::read_ended(uint64_t read) {
   reads_in_flight_.erase(read);
 }
 
+void CompletionTracker::read_into(const std::string& ext_id, uint64_t read) {
+  auto it = requests_.find(ext_id);
+  if (it == requests_.end()) return;
+  auto& reads = it->second.reads;
+  std::erase_if(reads, [this](uint64_t r) { return reads_in_flight_.count(r) == 0; });
+  reads.push_back(read);
+}
+
+bool CompletionTracker::any_in_flight(const std::vector<uint64_t>& reads) const {
+  return std::any_of(reads.begin(), reads.end(),
+                     [this](uint64_t r) { return reads_in_flight_.count(r) != 0; });
+}
+
 bool CompletionTracker::read_on(const std::string& ext_id, const std::string& connection,
                                 int group_member_idx, bool owes) {
   if (!known(ext_id)) return true;
@@ -185,10 +198,16 @@ Finished CompletionTracker::finish(const std::vector<RankTerminal>& ranks) {
       auto it = requests_.find(ext_id);
       if (it == requests_.end()) continue;  // removed while the ranks gathered
       const Destinations& d = it->second.destinations;
-      (failed ? out.failed : out.finished).push_back(std::move(it->second.internal_id));
-      append(failed ? out.invalid_main_blocks : out.loaded_main_blocks, d.main);
-      append(failed ? out.invalid_indexer_blocks : out.loaded_indexer_blocks, d.indexer);
-      out.ended_ext_ids.push_back(ext_id);
+      if (failed && any_in_flight(it->second.reads)) {
+        // Another contributor's read still writes its blocks: handed back once it ended.
+        failed_later_.push_back({ext_id, std::move(it->second.internal_id),
+                                 std::move(it->second.destinations), std::move(it->second.reads)});
+      } else {
+        (failed ? out.failed : out.finished).push_back(std::move(it->second.internal_id));
+        append(failed ? out.invalid_main_blocks : out.loaded_main_blocks, d.main);
+        append(failed ? out.invalid_indexer_blocks : out.loaded_indexer_blocks, d.indexer);
+        out.ended_ext_ids.push_back(ext_id);
+      }
       requests_.erase(it);
       for (auto owed = owed_.begin(); owed != owed_.end();) {
         owed->second.erase(ext_id);
@@ -196,6 +215,17 @@ Finished CompletionTracker::finish(const std::vector<RankTerminal>& ranks) {
       }
       source_.erase(ext_id);
     }
+  }
+  for (auto it = failed_later_.begin(); it != failed_later_.end();) {
+    if (any_in_flight(it->reads)) {
+      ++it;
+      continue;
+    }
+    out.failed.push_back(std::move(it->internal_id));
+    append(out.invalid_main_blocks, it->destinations.main);
+    append(out.invalid_indexer_blocks, it->destinations.indexer);
+    out.ended_ext_ids.push_back(it->ext_id);
+    it = failed_later_.erase(it);
   }
   for (auto it = to_report_.begin(); it != to_report_.end();) {
     if (it->read != 0 && !reads_in_flight_.empty() && *reads_in_flight_.begin() <= it->read) {

@@ -60,9 +60,12 @@ class CompletionTracker {
   // The destinations of a tracked request, or null.
   const Destinations* destinations(const std::string& ext_id) const;
 
-  // A batched read into Decode's blocks starts (its number), or ends.
+  // A batched read into Decode's blocks starts (its number), or ends; read_into() names a
+  // request whose blocks it writes. A request that fails while such a read is in flight is
+  // reported (its blocks handed back) only once that read ended.
   uint64_t read_started();
   void read_ended(uint64_t read);
+  void read_into(const std::string& ext_id, uint64_t read);
   // A layer of `ext_id` from contributor `group_member_idx` was read (or its final layer
   // signalled) on `connection`; with `owes`, the connection now owes the request's final
   // layer or commit. A contributor seen on a second connection fails the request (its
@@ -115,6 +118,7 @@ class CompletionTracker {
     Destinations destinations;
     Signals signals;
     bool terminal = false;
+    std::vector<uint64_t> reads;  // reads planned into its blocks that may be in flight
   };
   void update_terminal(Request& r);
   // Every tracked request whose arrival deadline passed by `now` fails.
@@ -136,6 +140,13 @@ class CompletionTracker {
     uint64_t read = 0;  // the last read begun when it was removed, if one was in flight
   };
   std::vector<Removed> to_report_;  // removed requests, reported by finish()
+  struct FailedLater {
+    std::string ext_id, internal_id;
+    Destinations destinations;
+    std::vector<uint64_t> reads;  // some still writing its blocks when it ended
+  };
+  bool any_in_flight(const std::vector<uint64_t>& reads) const;
+  std::vector<FailedLater> failed_later_;  // ended, reported once `read` ended
   std::map<std::string, Signals> early_;
   // Aborted ids whose late signals are ignored: the most recent max_early_ of them, so the
   // set does not grow with the life of the process.

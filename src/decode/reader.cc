@@ -305,6 +305,7 @@ void Reader::drain_held() {
       if (!ready && now - queue.front().since < config_.hold_timeout) break;
       Held h = std::move(queue.front());
       queue.pop_front();
+      answer_on(it->first, h.on_link);
       --held_count_;
       set_held_now();
       if (!h.refusal.empty()) count(&Counters::layers_failed);
@@ -315,6 +316,17 @@ void Reader::drain_held() {
       }
     }
     it = queue.empty() ? held_.erase(it) : std::next(it);
+  }
+}
+
+bool Reader::came_on_link(const std::string& identity) const {
+  auto link = link_of_.find(identity);
+  return link != link_of_.end() && link->second.answer_on_link;
+}
+
+void Reader::answer_on(const std::string& identity, bool on_link) {
+  if (auto link = link_of_.find(identity); link != link_of_.end()) {
+    link->second.answer_on_link = on_link;
   }
 }
 
@@ -386,12 +398,12 @@ void Reader::handle(const control::Inbound& in, bool* polled) {
   if (auto f = in_flight_.find(in.identity); f != in_flight_.end()) {
     // Its connection has a read in flight: in its turn, after that read's answer.
     if (f->second.behind.size() < config_.max_held_per_peer) {
-      f->second.behind.push_back(in);
-    } else {
-      warn_limited(unknown_log_, "dropped a message of a connection whose read is in flight",
-                   "more than " + std::to_string(config_.max_held_per_peer) + " waiting");
+      f->second.behind.emplace_back(in, came_on_link(in.identity));
+      return;
     }
-    return;
+    // No room to keep its turn: the connection is dropped (its Prefill fails at once).
+    return drop_peer(in.identity, "more than " + std::to_string(config_.max_held_per_peer) +
+                                      " messages of this connection wait behind its read");
   }
   if (!in.malformed.empty()) return handle_undecodable(in, in.malformed);
   auto message = protocol::decode_message(in.payload);
@@ -428,7 +440,8 @@ void Reader::handle_undecodable(const control::Inbound& in, const std::string& w
     if (queue != held_.end() && !queue->second.empty() && held_count_ < config_.max_held) {
       protocol::ReadReadyBatch failed;
       failed.layer_idx = *layer;
-      queue->second.push_back({std::move(failed), std::chrono::steady_clock::now(), why});
+      queue->second.push_back(
+          {std::move(failed), std::chrono::steady_clock::now(), why, came_on_link(in.identity)});
       ++held_count_;
       set_held_now();
       return;
@@ -465,7 +478,8 @@ void Reader::take_readiness(const std::string& identity, protocol::ReadReadyBatc
     hold = !destinations_known(ready);
   }
   if (hold && room) {
-    held_[identity].push_back({std::move(ready), std::chrono::steady_clock::now(), {}});
+    held_[identity].push_back(
+        {std::move(ready), std::chrono::steady_clock::now(), {}, came_on_link(identity)});
     ++held_count_;
     count(&Counters::readiness_held);
     set_held_now();

@@ -240,6 +240,10 @@ class Reader {
   // `replay`, handles what its connection sent meanwhile, else drops that.
   void complete_read(const std::string& identity, bool replay);
   void reply(const std::string& identity, const std::vector<std::byte>& payload);
+  // Whether the connection's message being handled came on its link; and setting that, for
+  // a message handled after others came (its answer goes back on the path it came on).
+  bool came_on_link(const std::string& identity) const;
+  void answer_on(const std::string& identity, bool on_link);
 
   ReaderConfig config_;
   std::shared_ptr<transfer::TransferEngine> engine_;
@@ -262,7 +266,9 @@ class Reader {
     uint64_t bytes = 0;
     std::chrono::steady_clock::time_point start;
     int64_t start_us = 0;
-    std::deque<control::Inbound> behind;  // at most max_held_per_peer
+    bool on_link = false;  // the readiness came on the link: answered there
+    // With the path each came on; at most max_held_per_peer.
+    std::deque<std::pair<control::Inbound, bool>> behind;
   };
   std::map<std::string, InFlight> in_flight_;  // by ZMQ identity; reader thread only
   // Accounts for a read that ended with `st`: the tracker, counters, latency and trace.
@@ -271,6 +277,7 @@ class Reader {
     protocol::ReadReadyBatch ready;
     std::chrono::steady_clock::time_point since;
     std::string refusal;  // set: a readiness that could not be decoded, answered READ_FAILED
+    bool on_link = false;  // it came on the link: answered there
   };
   std::map<std::string, std::deque<Held>> held_;  // by ZMQ identity; reader thread only
   size_t held_count_ = 0;

@@ -125,7 +125,10 @@ Status Reader::plan_read(const PeerLayer& layer, const protocol::ReadReadyBatch&
   }
   // Begun under the same lock as its destinations were looked up: a request removed from
   // here on is reported only once this read ended.
-  if (!reads_.empty()) planned_read_ = tracker_.read_started();
+  if (!reads_.empty()) {
+    planned_read_ = tracker_.read_started();
+    for (const auto& req : ready.read_reqs) tracker_.read_into(req.ext_id, planned_read_);
+  }
   return Status::ok();
 }
 
@@ -138,6 +141,7 @@ std::optional<Status> Reader::post_planned(const std::string& identity,
   f.start = std::chrono::steady_clock::now();
   f.start_us = trace::now_us();
   f.ready = ready;
+  f.on_link = came_on_link(identity);
   auto request = engine_->post_reads(session, reads_);
   std::optional<Status> done;
   if (!request) {
@@ -190,10 +194,26 @@ void Reader::complete_read(const std::string& identity, bool replay) {
   InFlight& f = node.mapped();
   Status st = f.outcome ? *f.outcome : f.request->wait();
   f.request.reset();
+  answer_on(identity, f.on_link);
   answer_ready(identity, f.ready, end_read(f, std::move(st)));
-  if (!replay) return;
-  // In order; a readiness among them that starts another read puts the rest behind it.
-  for (auto& in : f.behind) handle(in);
+  if (!replay) {
+    // The connection goes: the requests of the readiness that waited fail with it.
+    std::lock_guard lock(mu_);
+    for (const auto& [in, on_link] : f.behind) {
+      auto m = protocol::decode_message(in.payload);
+      const auto* r = m ? std::get_if<protocol::ReadReadyBatch>(&*m) : nullptr;
+      if (r == nullptr) continue;
+      for (const auto& req : r->read_reqs) tracker_.on_failed(req.ext_id);
+      for (const auto& ext_id : r->done_ext_ids) tracker_.on_failed(ext_id);
+    }
+    return;
+  }
+  // In order, each answered on the path it came on; a readiness among them that starts
+  // another read puts the rest behind it.
+  for (auto& [in, on_link] : f.behind) {
+    answer_on(identity, on_link);
+    handle(in);
+  }
 }
 
 }  // namespace rd2h::decode

@@ -106,11 +106,33 @@ Status Registrations::map(void* addr, size_t length, bool allocate, LocalRegistr
   return Status::ok();
 }
 
+void Registrations::pin_reads() const {
+  std::lock_guard lock(pins_mu_);
+  ++pins_;
+}
+
+void Registrations::unpin_reads() const {
+  {
+    std::lock_guard lock(pins_mu_);
+    --pins_;
+  }
+  unpinned_.notify_all();
+}
+
 Status Registrations::remove(void* addr) {
   const auto base = reinterpret_cast<uintptr_t>(addr);
   std::unique_lock lock(mu_);
   auto it = regs_.find(base);
   if (it == regs_.end()) return not_found("no registration starts at " + hex(base));
+  {
+    // No batch starts meanwhile (it would plan under mu_); those in flight may write here.
+    std::unique_lock pins(pins_mu_);
+    if (!unpinned_.wait_for(pins, config_.read_timeout, [this] { return pins_ == 0; })) {
+      return timeout_error("reads into local memory were still in flight after " +
+                           std::to_string(config_.read_timeout.count()) + " ms; " +
+                           range_text(base, it->second.length) + " stays registered");
+    }
+  }
   // Out of the table first, so no new reply is sent from it; then wait for those in flight.
   LocalRegistration reg = std::move(it->second);
   regs_.erase(it);

@@ -59,6 +59,10 @@ class Registrations {
   std::vector<ExportedRegion> exported() const;
 
   std::shared_lock<std::shared_mutex> lock_shared() const { return std::shared_lock(mu_); }
+  // A batch of reads into local memory is in flight from pin_reads() to unpin_reads():
+  // remove() waits for none to be (within the read timeout).
+  void pin_reads() const;
+  void unpin_reads() const;
   // The registration covering the whole range, or null. Caller holds lock_shared().
   const LocalRegistration* find(uintptr_t addr, size_t len) const;
 
@@ -74,6 +78,9 @@ class Registrations {
   const EngineConfig& config_;
   mutable std::shared_mutex mu_;
   std::map<uintptr_t, LocalRegistration> regs_;
+  mutable std::mutex pins_mu_;
+  mutable std::condition_variable unpinned_;
+  mutable size_t pins_ = 0;  // batches of reads in flight
 };
 
 }  // namespace rd2h::transfer

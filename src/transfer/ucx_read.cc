@@ -193,17 +193,18 @@ class UcxReadRequest final : public ReadRequest {
       (void)s_->fail(failed_precondition("a read request was abandoned in flight"));
     }
     if (s_->active == &batch_) s_->active = nullptr;
+    if (pinned_ != nullptr) pinned_->unpin_reads();
   }
 
-  // Posts the batch (caller holds s.mu and the registrations' shared lock, kept by this
-  // request until it is done).
-  Status post(const Registrations& registrations, std::span<const ReadOp> ops,
-              std::shared_lock<std::shared_mutex> regs_lock) {
+  // Posts the batch (caller holds s.mu and the registrations' shared lock); the local
+  // registrations stay pinned until it is done.
+  Status post(const Registrations& registrations, std::span<const ReadOp> ops) {
     Session& s = *s_;
     ReadPlan plan;
     RD2H_RETURN_IF_ERROR(plan_reads(s, registrations, ops, plan));
     if (s.watch.exited()) return s.fail(peer_dead("peer " + s.id + " has exited"));
-    regs_lock_ = std::move(regs_lock);
+    registrations.pin_reads();
+    pinned_ = &registrations;
     batch_.deadline = Deadline(timeout_);
     batch_.id = s.next_batch_id++;
     batch_.ops.assign(ops.begin(), ops.end());
@@ -232,6 +233,10 @@ class UcxReadRequest final : public ReadRequest {
     if (outcome_) return outcome_;
     std::lock_guard lock(s_->mu);
     Session& s = *s_;
+    if (batch_.settled) {
+      finish(*batch_.settled);
+      return outcome_;
+    }
     if (batch_.outstanding > 0 && !s.broken.load()) {
       ucp_worker_progress(s.worker.get());
       if (batch_.outstanding > 0 && s.ep_error == UCS_OK) {
@@ -248,6 +253,10 @@ class UcxReadRequest final : public ReadRequest {
   Status wait() override {
     if (outcome_) return *outcome_;
     std::lock_guard lock(s_->mu);
+    if (batch_.settled) {
+      finish(*batch_.settled);
+      return *outcome_;
+    }
     Status st = await_batch(*s_, batch_, timeout_);
     finish(st.is_ok() ? batch_outcome(*s_, batch_, UCS_OK) : std::move(st));
     return *outcome_;
@@ -258,14 +267,15 @@ class UcxReadRequest final : public ReadRequest {
   void finish(Status outcome) {
     outcome_ = std::move(outcome);
     if (s_->active == &batch_) s_->active = nullptr;
-    if (regs_lock_.owns_lock()) regs_lock_.unlock();
+    if (pinned_ != nullptr) pinned_->unpin_reads();
+    pinned_ = nullptr;
   }
 
  private:
   std::shared_ptr<Session> s_;
   const std::chrono::milliseconds timeout_;
-  // Held until done, so no local registration disappears under a read.
-  std::shared_lock<std::shared_mutex> regs_lock_;
+  // Pinned until done, so no local registration disappears under a read.
+  const Registrations* pinned_ = nullptr;
   BatchState batch_;
   bool posted_ = false;
   std::optional<Status> outcome_;
@@ -277,20 +287,26 @@ Expected<std::unique_ptr<ReadRequest>> post_reads(const std::shared_ptr<Session>
                                                   const Registrations& registrations,
                                                   std::span<const ReadOp> ops,
                                                   std::chrono::milliseconds timeout) {
-  // Taken before the session's lock, as an unregistration would take it.
-  auto regs_lock = registrations.lock_shared();
+  // Taken before the session's lock, as an unregistration would take it, and only while
+  // the batch is planned and posted.
+  const auto regs_lock = registrations.lock_shared();
   auto request = std::make_unique<UcxReadRequest>(s, timeout);
   std::lock_guard lock(s->mu);
   // One batch at a time per session (its replies are told apart by batch): an earlier one
   // in flight is driven to its end first; its owner then finds it done.
   if (s->active != nullptr && !s->broken.load()) {
-    RD2H_RETURN_IF_ERROR(await_batch(*s, *s->active, timeout));
+    // Its outcome is decided now (a failure breaks the session before anything is posted
+    // on it), and kept for its owner.
+    BatchState& earlier = *s->active;
+    Status st = await_batch(*s, earlier, timeout);
+    earlier.settled = st.is_ok() ? batch_outcome(*s, earlier, UCS_OK) : std::move(st);
+    s->active = nullptr;
   }
   if (s->broken.load()) {
     return failed_precondition("session " + s->id + " is broken (" + s->broken_reason +
                                "); connect again to read");
   }
-  RD2H_RETURN_IF_ERROR(request->post(registrations, ops, std::move(regs_lock)));
+  RD2H_RETURN_IF_ERROR(request->post(registrations, ops));
   return std::unique_ptr<ReadRequest>(std::move(request));
 }
 

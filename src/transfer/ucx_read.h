@@ -8,6 +8,7 @@
 #include <chrono>
 #include <cstdint>
 #include <memory>
+#include <optional>
 #include <shared_mutex>
 #include <span>
 #include <string>
@@ -33,6 +34,8 @@ struct BatchState {
   // The reads (where each lands), and for the am path which replies have arrived.
   std::vector<ReadOp> ops;
   std::vector<uint8_t> answered;
+  // Its outcome, when a later post on the session drove it to its end before its owner did.
+  std::optional<Status> settled;
 
   void finish(ucs_status_t status) {
     --outstanding;

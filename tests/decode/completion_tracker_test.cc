@@ -100,6 +100,27 @@ TEST(CompletionTracker, ALostConnectionFailsWhatItOwedAndNothingElse) {
   EXPECT_EQ(done->finished, (std::vector<std::string>{"ib", "ic"}));
 }
 
+TEST(CompletionTracker, AFailedRequestsBlocksAreHandedBackOnlyOnceNoReadWritesThem) {
+  CompletionTracker t;
+  ASSERT_TRUE(t.add_request("r", "i", {{1, 2}, {3}}).is_ok());
+  const uint64_t a = t.read_started(), b = t.read_started();  // its two contributors' reads
+  t.read_into("r", a);
+  t.read_into("r", b);
+  t.read_ended(a);
+  t.on_failed("r");  // contributor 0's read failed; contributor 1's still writes
+  auto early = finished_of(t, kAlone);
+  ASSERT_TRUE(early);
+  EXPECT_TRUE(early->failed.empty()) << "blocks handed back while a read writes them";
+  EXPECT_TRUE(early->invalid_main_blocks.empty());
+  t.read_ended(b);
+  auto done = finished_of(t, kAlone);
+  ASSERT_TRUE(done);
+  EXPECT_EQ(done->failed, std::vector<std::string>{"i"});
+  EXPECT_EQ(done->invalid_main_blocks, (std::vector<int64_t>{1, 2}));
+  EXPECT_EQ(done->invalid_indexer_blocks, std::vector<int64_t>{3});
+  EXPECT_EQ(done->ended_ext_ids, std::vector<std::string>{"r"});
+}
+
 TEST(CompletionTracker, ARemovedRequestIsReportedOnlyOnceTheReadsInFlightEnded) {
   CompletionTracker t;
   ASSERT_TRUE(t.add_request("r", "i", {{1}, {2}}).is_ok());

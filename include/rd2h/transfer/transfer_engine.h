@@ -78,9 +78,9 @@ struct SessionHandle {
   explicit operator bool() const { return state != nullptr; }
 };
 
-// Reads posted with post_reads(), in flight until done. Tested, waited on and destroyed by
-// the thread that posted them. Destroyed before it is done, it cancels them: their session
-// breaks.
+// Reads posted with post_reads(), in flight until done; destroyed before its engine. Local
+// memory they read into is not unregistered while they are in flight. Destroyed before it
+// is done, it cancels them: their session breaks.
 class ReadRequest {
  public:
   virtual ~ReadRequest() = default;
