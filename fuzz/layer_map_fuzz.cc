@@ -1,8 +1,8 @@
 // MF_META's layer map (the bin Prefill nests in MF_META) and what Decode does with it: each
 // layer becomes layout::LayerTensors and is validated against Decode's, then read
-// descriptors are built over it. The map decodes or is refused with a reason, in heap linear
+// reads are built over it. The map decodes or is refused with a reason, in heap linear
 // in its size; a decoded map re-encodes to itself; a layer that converts validates against
-// itself; descriptors cover exactly the requested blocks, or are refused with nothing added.
+// itself; reads cover exactly the requested blocks, or are refused with nothing added.
 #include <msgpack.hpp>
 
 #include "decode/layer_meta.h"
@@ -29,18 +29,18 @@ std::vector<std::byte> mf_meta_around(std::span<const std::byte> map) {
   return {p, p + buf.size()};
 }
 
-void check_descriptors(const layout::LayerTensors& t) {
+void check_reads(const layout::LayerTensors& t) {
   layout::LayerTensors decode = t;
   decode.num_blocks = 8;
   const std::vector<int64_t> dest{0, 1, 2, 3, 4, 5, 6, 7};
   const protocol::ReadReq req{"r", {0, 1, 2, 3, 5}, {6, 7}, 1, 2};
   for (int member = 0; member < 2; ++member) {
     const layout::ReadRole role{0, 2, member, 2};
-    std::vector<layout::Descriptor> out{{1, 2, 3}};
+    std::vector<transfer::ReadOp> out{{1, 2, 3}};
     const Status st =
-        layout::append_request_descriptors(t, decode, {decode::source_blocks(req), dest, dest}, role, out);
+        layout::append_request_reads(t, decode, {decode::source_blocks(req), dest, dest}, role, out);
     if (!st) {
-      RD2H_FUZZ_CHECK(out.size() == 1, "a refused request left descriptors behind");
+      RD2H_FUZZ_CHECK(out.size() == 1, "a refused request left reads behind");
       continue;
     }
     // Member 0 pulls rank 0's share of the main blocks; each member its share of the indexer.
@@ -58,7 +58,7 @@ void check_descriptors(const layout::LayerTensors& t) {
     }
     uint64_t got = 0;
     for (size_t i = 1; i < out.size(); ++i) got += out[i].length;
-    RD2H_FUZZ_CHECK(got == expected, "descriptors cover " + std::to_string(got) +
+    RD2H_FUZZ_CHECK(got == expected, "reads cover " + std::to_string(got) +
                                          " bytes, the request " + std::to_string(expected));
   }
 }
@@ -91,7 +91,7 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
     }
     const Status same = layout::validate_layer(static_cast<int64_t>(i), *t, *t);
     RD2H_FUZZ_CHECK(same.is_ok(), "a layer does not validate against itself: " + same.message());
-    check_descriptors(*t);
+    check_reads(*t);
   }
   return 0;
 }
