@@ -47,15 +47,11 @@ Expected<std::unique_ptr<Reader>> Reader::start(ReaderConfig config,
   RD2H_TRY(router, control::RouterChannel::bind(std::move(context), config.host, config.port,
                                                 config.security));
   router->deliver_malformed(true);  // answered where they can be (handle_undecodable)
-  auto links = std::make_shared<LinkInbox>();
-  links->fd.reset(::eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK));
-  if (!links->fd.valid()) return internal_error("cannot create the reader's wake-up fd");
   auto connects = std::make_shared<ConnectQueue>();
   connects->fd.reset(::eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK));
   if (!connects->fd.valid()) return internal_error("cannot create the reader's wake-up fd");
   auto reader = std::unique_ptr<Reader>(
       new Reader(std::move(config), std::move(engine), std::move(layout), std::move(router)));
-  reader->links_ = std::move(links);
   reader->connects_ = std::move(connects);
   reader->connect_thread_ = std::thread([r = reader.get()] { r->connect_loop(); });
   reader->thread_ = std::thread([r = reader.get()] { r->run(); });
@@ -67,7 +63,8 @@ Reader::Reader(ReaderConfig config, std::shared_ptr<transfer::TransferEngine> en
     : config_(std::move(config)),
       engine_(std::move(engine)),
       layout_(std::move(layout)),
-      router_(std::move(router)) {}
+      router_(std::move(router)),
+      links_(config_.control_link ? engine_ : nullptr) {}
 
 Reader::~Reader() {
   stopping_.store(true);
@@ -78,10 +75,10 @@ Reader::~Reader() {
   }
   connects_->cv.notify_all();
   if (connect_thread_.joinable()) connect_thread_.join();  // a connect ends in connect_timeout
+  // Links opened for connections that went meanwhile have no path to close them.
   for (const auto& d : connects_->done) {
-    if (d.link) engine_->close_link(*d.link);
+    if (d.link) engine_->close_notifications(*d.link);
   }
-  for (const auto& [token, identity] : link_peer_) engine_->close_link(token);
 }
 
 void Reader::connect_loop() {
@@ -102,7 +99,7 @@ void Reader::connect_loop() {
     // Before the ACK: the link is open on Prefill's side by the time its first readiness
     // goes.
     if (d.session && job.link) {
-      d.link_status = open_link(*d.session, *job.link);
+      d.link_status = engine_->open_notifications(*d.session, *job.link);
       if (d.link_status.is_ok()) d.link = job.link;
     }
     {
@@ -125,8 +122,9 @@ void Reader::finish_connects() {
   for (auto& d : done) {
     auto it = connecting_.find(d.identity);
     if (it == connecting_.end() || it->second.job != d.job) {
-      // The connection closed, or sent MF_META again, meanwhile: this answer is no one's.
-      if (d.link) engine_->close_link(*d.link);
+      // The connection closed, or sent MF_META again, meanwhile: this answer is no one's
+      // (and the path of its link is gone).
+      if (d.link) engine_->close_notifications(*d.link);
       continue;
     }
     Connecting c = std::move(it->second);
@@ -138,8 +136,7 @@ void Reader::finish_connects() {
     } else {
       c.peer.session = std::move(*d.session);
       if (d.link) {
-        link_of_[identity] = PeerLink{*d.link, false};
-        link_peer_[*d.link] = identity;
+        paths_of(identity).link = std::move(c.link);
         count(&Counters::links_opened);
       } else if (!d.link_status.is_ok()) {
         // The connection stays on ZeroMQ: slower, not wrong.
@@ -222,11 +219,10 @@ size_t Reader::tracked_requests() const {
 }
 
 void Reader::run() {
-  // This thread drives the engine's links: it sleeps on them as well as on its socket, so
-  // a readiness on a link wakes it directly.
-  const int link_fd = config_.control_link && engine_->supports_links() ? engine_->link_fd() : -1;
-  if (link_fd >= 0) engine_->drive_links(true);
-  const int wake_fds[] = {links_->fd.get(), connects_->fd.get(), link_fd};
+  // This thread takes what the links carry off the engine itself: it sleeps on them as
+  // well as on its socket, so a readiness on a link wakes it directly.
+  const int link_fd = links_.available() ? links_.fd() : -1;
+  const int wake_fds[] = {connects_->fd.get(), link_fd};
   // While a request read on a link is owed later layers, the links are polled, unarmed,
   // for up to busy_poll after each message: the Prefill sending the next layer finds no
   // sleeper to wake. Past that, or owed nothing, the thread sleeps again.
@@ -237,23 +233,21 @@ void Reader::run() {
     if (!in_flight_.empty()) progress_reads();
     const bool reading = !in_flight_.empty();
     const bool busy = link_fd >= 0 && Clock::now() < busy_until;
-    const bool armed = link_fd < 0 || engine_->progress_links(!busy && !reading);
+    const bool armed = link_fd < 0 || links_.poll(!busy && !reading);
     if (drain_links(busy) && link_fd >= 0 && config_.busy_poll.count() > 0) {
       std::lock_guard lock(mu_);
       busy_until = tracker_.owes_any() ? Clock::now() + config_.busy_poll : Clock::time_point{};
     }
     auto in =
         router_->receive(armed && !reading ? config_.poll_interval : std::chrono::milliseconds(0),
-                         std::span(wake_fds, link_fd >= 0 ? 3 : 2));
+                         std::span(wake_fds, link_fd >= 0 ? 2 : 1));
     finish_connects();
     // Polling, it gives way to whatever else wants this CPU.
     if ((busy || reading) && in && !in->has_value()) std::this_thread::yield();
     if (!in) {
       log::warn("decode reader {}: {}", config_.d_rank, in.status().to_string());
     } else if (in->has_value()) {
-      if (auto link = link_of_.find((*in)->identity); link != link_of_.end()) {
-        link->second.answer_on_link = false;
-      }
+      paths_of((*in)->identity).answer_on_link = false;
       if (auto wait = connecting_.find((*in)->identity); wait != connecting_.end()) {
         // Its session is being opened: the message waits for it, in order, in bounds.
         if (wait->second.waiting.size() < config_.max_held_per_peer) {
@@ -273,7 +267,7 @@ void Reader::run() {
       if (peers_.count(gone) || held_.count(gone)) {
         drop_peer(gone, "the connection closed");
       }
-      close_link(gone);
+      paths_.erase(gone);
       std::lock_guard lock(mu_);
       fail_owed(gone);
     }
@@ -281,7 +275,6 @@ void Reader::run() {
   }
   // Reads still in flight end before their memory may go: answered, the rest dropped.
   while (!in_flight_.empty()) complete_read(in_flight_.begin()->first, /*replay=*/false);
-  if (link_fd >= 0) engine_->drive_links(false);
 }
 
 bool Reader::destinations_known(const protocol::ReadReadyBatch& ready) const {
@@ -319,79 +312,67 @@ void Reader::drain_held() {
   }
 }
 
+Reader::ConnectionPaths& Reader::paths_of(const std::string& identity) {
+  return paths_.try_emplace(identity, *router_, identity).first->second;
+}
+
 bool Reader::came_on_link(const std::string& identity) const {
-  auto link = link_of_.find(identity);
-  return link != link_of_.end() && link->second.answer_on_link;
+  auto p = paths_.find(identity);
+  return p != paths_.end() && p->second.answer_on_link;
 }
 
 void Reader::answer_on(const std::string& identity, bool on_link) {
-  if (auto link = link_of_.find(identity); link != link_of_.end()) {
-    link->second.answer_on_link = on_link;
-  }
+  if (auto p = paths_.find(identity); p != paths_.end()) p->second.answer_on_link = on_link;
 }
 
 void Reader::reply(const std::string& identity, const std::vector<std::byte>& payload) {
-  if (auto link = link_of_.find(identity);
-      link != link_of_.end() && link->second.answer_on_link &&
-      engine_->send_on_link(link->second.token, payload).is_ok()) {
+  auto p = paths_.find(identity);
+  if (p == paths_.end()) {
+    (void)control::RouterPath(*router_, identity).send(payload);
     return;
   }
-  // A peer that vanished cannot be answered; its gates fail on its own deadline. (A link
-  // that failed is followed by its kClosed, which drops the connection.)
-  (void)router_->send(identity, payload);
+  // A link that failed closes, which drops the connection; ZeroMQ carries this answer.
+  if (p->second.answer_on_link && p->second.link && p->second.link->send(payload).is_ok()) return;
+  // A peer that vanished cannot be answered; its gates fail on its own deadline.
+  (void)p->second.zmq.send(payload);
 }
 
 bool Reader::drain_links(bool polled) {
-  decltype(links_->messages) messages;
-  std::vector<uint64_t> closed;
-  {
-    std::lock_guard lock(links_->mu);
-    if (links_->messages.empty() && links_->closed.empty()) return false;
-    messages.swap(links_->messages);
-    closed.swap(links_->closed);
-    uint64_t count;
-    [[maybe_unused]] auto n = ::read(links_->fd.get(), &count, sizeof(count));
+  // Taken first: handling a message may drop its connection, and its link with it.
+  struct Came {
+    std::string identity;
+    uint64_t channel;
+    std::vector<std::byte> payload;
+  };
+  std::vector<Came> came;
+  std::vector<std::string> closed;
+  for (auto& [identity, p] : paths_) {
+    if (!p.link) continue;
+    for (;;) {
+      auto m = p.link->try_receive();
+      if (!m || !m->has_value()) break;
+      came.push_back({identity, p.link->channel(), std::move(**m)});
+    }
+    if (p.link->lost()) closed.push_back(identity);
   }
-  for (auto& [token, payload] : messages) {
-    auto peer = link_peer_.find(token);
-    if (peer == link_peer_.end()) continue;  // closed meanwhile
-    const std::string identity = peer->second;
-    link_of_[identity].answer_on_link = true;
-    handle(control::Inbound{identity, std::move(payload), {}}, &polled);
+  for (auto& c : came) {
+    auto p = paths_.find(c.identity);
+    if (p == paths_.end() || !p->second.link || p->second.link->channel() != c.channel) {
+      continue;  // closed meanwhile
+    }
+    p->second.answer_on_link = true;
+    handle(control::Inbound{c.identity, std::move(c.payload), {}}, &polled);
   }
-  for (uint64_t token : closed) {
-    auto peer = link_peer_.find(token);
-    if (peer == link_peer_.end()) continue;
-    const std::string identity = peer->second;
+  for (const auto& identity : closed) {
+    auto p = paths_.find(identity);
+    if (p == paths_.end() || !p->second.link) continue;
     drop_peer(identity, "the transfer link to this Decode closed; send MF_META again");
   }
-  return !messages.empty();
-}
-
-Status Reader::open_link(const transfer::SessionHandle& session, uint64_t token) {
-  return engine_->open_link(
-      session, token,
-      [inbox = links_, token](transfer::LinkEvent event, std::span<const std::byte> message) {
-        std::lock_guard lock(inbox->mu);
-        if (event == transfer::LinkEvent::kMessage) {
-          inbox->messages.emplace_back(token,
-                                       std::vector<std::byte>(message.begin(), message.end()));
-        } else if (event == transfer::LinkEvent::kClosed) {
-          inbox->closed.push_back(token);
-        } else {
-          return;
-        }
-        uint64_t one = 1;
-        [[maybe_unused]] auto n = ::write(inbox->fd.get(), &one, sizeof(one));
-      });
+  return !came.empty();
 }
 
 void Reader::close_link(const std::string& identity) {
-  auto link = link_of_.find(identity);
-  if (link == link_of_.end()) return;
-  engine_->close_link(link->second.token);
-  link_peer_.erase(link->second.token);
-  link_of_.erase(link);
+  if (auto p = paths_.find(identity); p != paths_.end()) p->second.link.reset();
 }
 
 void Reader::handle(const control::Inbound& in, bool* polled) {
@@ -582,11 +563,15 @@ void Reader::handle_mf_meta(const std::string& identity, const protocol::MfMeta&
   // connection sends meanwhile, wait for it (finish_connects). MF_META again on one
   // connection: a new link replaces the old.
   close_link(identity);
-  ConnectJob job{++next_job_, identity, meta.backend_metadata, std::nullopt};
-  if (meta.control_link && config_.control_link && engine_->supports_links()) {
-    job.link = *meta.control_link;
-  }
   Connecting& waiting = connecting_[identity];
+  waiting.link.reset();  // an earlier MF_META's, still opening
+  ConnectJob job{++next_job_, identity, meta.backend_metadata, std::nullopt};
+  if (meta.control_link && links_.available()) {
+    if (auto link = links_.expect(*meta.control_link)) {
+      waiting.link = std::move(*link);
+      job.link = *meta.control_link;
+    }
+  }
   waiting.job = job.job;
   waiting.peer = std::move(peer);
   waiting.p_session = meta.p_session;

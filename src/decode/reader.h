@@ -31,6 +31,7 @@
 #include <vector>
 
 #include "control/channel.h"
+#include "control/path.h"
 #include "decode/completion_tracker.h"
 #include "layout/layout.h"
 #include "protocol/messages.h"
@@ -129,18 +130,13 @@ class Reader {
     // contributor signal (group_member_idx, tp_ratio) each then counts.
     std::map<std::string, std::pair<int, int>> uncommitted;
   };
-  // What the engine's link handlers hand over, for the reader thread; `fd` (an eventfd)
-  // wakes it.
-  struct LinkInbox {
-    std::mutex mu;
-    // By link token. Prefill sends a readiness per layer slot it fills and waits for the
-    // answer before filling it again; the reader thread drains this each turn.
-    std::deque<std::pair<uint64_t, std::vector<std::byte>>> messages;
-    std::vector<uint64_t> closed;
-    UniqueFd fd;  // an eventfd, signalled when something came
-  };
-  struct PeerLink {
-    uint64_t token = 0;
+  // The paths back to one connection of the router: ZeroMQ, and the transfer link once
+  // it is open. Kept from the connection's first message until it closes.
+  struct ConnectionPaths {
+    ConnectionPaths(control::RouterChannel& router, const std::string& identity)
+        : zmq(router, identity) {}
+    control::RouterPath zmq;
+    std::unique_ptr<control::NotificationPath> link;
     bool answer_on_link = false;  // the connection's last message came on the link
   };
   // A Prefill whose MF_META was accepted and whose session (and link) the connect thread is
@@ -149,7 +145,8 @@ class Reader {
     uint64_t job = 0;  // the connect job it waits for (a later MF_META starts another)
     Peer peer;
     std::string p_session;
-    std::deque<control::Inbound> waiting;  // at most max_held_per_peer
+    std::unique_ptr<control::NotificationPath> link;  // the link being opened, if any
+    std::deque<control::Inbound> waiting;             // at most max_held_per_peer
   };
   // What the connect thread does and says: connect to a Prefill, open its link.
   struct ConnectJob {
@@ -186,16 +183,13 @@ class Reader {
   void handle_undecodable(const control::Inbound& in, const std::string& why);
   // A readiness: held (behind held ones, or until its requests are known) or read now.
   void take_readiness(const std::string& identity, protocol::ReadReadyBatch ready);
-  // Takes what the links delivered: messages handled as if they came on their connection,
-  // closed links dropping theirs.
-  // Handles what came on the links (`polled`: while the reader polled them, unarmed); true
-  // when there was a message.
+  // Handles what came on the links as if it came on their connections (`polled`: while the
+  // reader polled them, unarmed), and drops the connections whose link closed; true when
+  // there was a message.
   bool drain_links(bool polled);
   // The connect thread: sessions and links opened off the reader thread, so one slow new
   // Prefill does not stall the others.
   void connect_loop();
-  // Opens link `token` on `session` (on the connect thread).
-  Status open_link(const transfer::SessionHandle& session, uint64_t token);
   // Ends the wait of the connections whose session is open (or failed): ACK or refusal,
   // then what they sent meanwhile.
   void finish_connects();
@@ -239,7 +233,9 @@ class Reader {
   // Ends the read in flight of `identity` (waiting for it if need be) and answers it; with
   // `replay`, handles what its connection sent meanwhile, else drops that.
   void complete_read(const std::string& identity, bool replay);
+  // Answers on the path the connection's message being handled came on.
   void reply(const std::string& identity, const std::vector<std::byte>& payload);
+  ConnectionPaths& paths_of(const std::string& identity);
   // Whether the connection's message being handled came on its link; and setting that, for
   // a message handled after others came (its answer goes back on the path it came on).
   bool came_on_link(const std::string& identity) const;
@@ -249,10 +245,10 @@ class Reader {
   std::shared_ptr<transfer::TransferEngine> engine_;
   DecodeLayout layout_;
   std::unique_ptr<control::RouterChannel> router_;
+  control::Notifications links_;       // reader thread only; outlives the links below
   std::map<std::string, Peer> peers_;  // by ZMQ identity; reader thread only
-  std::shared_ptr<LinkInbox> links_;
-  std::map<std::string, PeerLink> link_of_;    // by ZMQ identity; reader thread only
-  std::map<uint64_t, std::string> link_peer_;  // identity by link token; reader thread only
+  // By ZMQ identity; reader thread only. Bounded by the router's connections.
+  std::map<std::string, ConnectionPaths> paths_;
   std::vector<transfer::ReadOp> reads_;        // plan_read's, reused (reader thread only)
   uint64_t planned_read_ = 0;
   // A layer's read in flight on one connection: that connection's later messages wait

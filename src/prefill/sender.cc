@@ -116,7 +116,7 @@ Sender::Sender(SenderConfig config, std::shared_ptr<control::Context> context,
       context_(std::move(context)),
       meta_(std::move(meta)),
       mf_meta_(protocol::encode(meta_)),
-      engine_(std::move(engine)),
+      links_(config_.control_link ? std::move(engine) : nullptr),
       wake_fd_(std::move(wake_fd)),
       waker_(std::make_shared<Waker>()) {
   waker_->fd = wake_fd_.get();
@@ -197,7 +197,7 @@ void Sender::serve() {
   pump();
   set_waiting_for_write();
   for (auto& [url, ep] : endpoints_) {
-    if (ep.dealer) receive(url, ep);
+    if (ep.zmq) receive(url, ep);
   }
   for (auto& [url, ep] : endpoints_) drop_if_lost(url, ep);
   check_deadlines();
@@ -206,7 +206,7 @@ void Sender::serve() {
 Clock::time_point Sender::next_deadline(Clock::time_point cap) const {
   Clock::time_point next = cap;
   for (const auto& [url, ep] : endpoints_) {
-    if (!ep.dealer) continue;
+    if (!ep.zmq) continue;
     if (!ep.acked) next = std::min(next, ep.ack_deadline);
     if (!ep.pending.empty()) next = std::min(next, ep.pending.front().deadline);
   }
@@ -217,22 +217,21 @@ Clock::time_point Sender::next_deadline(Clock::time_point cap) const {
 void Sender::run() {
   std::vector<pollfd> fds;
   while (take_submitted()) {
+    bool links = false;
+    for (const auto& [url, ep] : endpoints_) links = links || ep.link;
+    // This thread takes what the links carry off the engine itself, as it does off the
+    // sockets, and serves it before it sleeps.
+    const bool armed = !links || links_.poll();
     serve();
     // Asleep until something changes: a submission, a write completing or stop (the
     // wake-up fd), something on a connection, or on a link.
     fds.clear();
     fds.push_back({wake_fd_.get(), POLLIN, 0});
-    bool links = false;
     for (const auto& [url, ep] : endpoints_) {
-      if (ep.dealer) fds.push_back({ep.dealer->notify_fd(), POLLIN, 0});
-      links = links || ep.on_link;
+      if (ep.zmq) fds.push_back({ep.zmq->notify_fd(), POLLIN, 0});
     }
-    // Answers on a link: this thread takes them off the engine itself, as it does off the
-    // sockets, rather than wait for the engine's thread to hand them over.
-    const int link_fd = links ? engine_->link_fd() : -1;
-    if (link_fd >= 0) fds.push_back({link_fd, POLLIN, 0});
-    int timeout = poll_ms(next_deadline(Clock::now() + kPollSlice));
-    if (link_fd >= 0 && !engine_->progress_links()) timeout = 0;
+    if (links) fds.push_back({links_.fd(), POLLIN, 0});
+    const int timeout = armed ? poll_ms(next_deadline(Clock::now() + kPollSlice)) : 0;
     ::poll(fds.data(), fds.size(), timeout);
     drain_fd(wake_fd_.get());
   }

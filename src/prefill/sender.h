@@ -15,6 +15,7 @@
 #include <thread>
 
 #include "control/channel.h"
+#include "control/path.h"
 #include "prefill/slot_gate.h"
 #include "protocol/messages.h"
 #include "rd2h/common/deadline.h"
@@ -97,18 +98,11 @@ class Sender {
     bool notifies = false;             // the event calls back; else the waiter waits on it
   };
   // The sender thread's wake-up eventfd, for whatever outlives the sender (an event's
-  // notification, a link's handler): -1 once the sender is gone.
+  // notification): -1 once the sender is gone.
   struct Waker {
     std::mutex mu;
     int fd = -1;
     void wake();
-  };
-  // What a connection's link delivered, shared with the engine's handler.
-  struct LinkInbox {
-    std::mutex mu;
-    bool opened = false, closed = false;
-    // Decode's answers: one per readiness sent on the link, so no more than `pending`.
-    std::deque<std::vector<std::byte>> messages;
   };
   struct Pending {
     int64_t layer_idx;
@@ -117,7 +111,7 @@ class Sender {
     std::vector<std::string> final_ids;  // committed on READ_DONE (Endpoint::commits)
   };
   struct Endpoint {
-    std::unique_ptr<control::DealerChannel> dealer;
+    std::unique_ptr<control::DealerPath> zmq;  // null: no connection (the next opens one)
     bool acked = false;
     bool commits = false;  // Decode's ACK promised to complete requests on KV_COMMIT only
     std::chrono::steady_clock::time_point ack_deadline;
@@ -125,9 +119,12 @@ class Sender {
     // is given for it, until its tasks are answered or failed.
     std::deque<Task> waiting;         // given before the ACK
     std::deque<Pending> pending;      // sent, in the order Decode answers
-    std::shared_ptr<LinkInbox> link;  // the link offered in MF_META, if any
-    uint64_t link_token = 0;
+    // The transfer link offered in MF_META, if any (the ZeroMQ connection stays for
+    // MF_META, its ACK, and to notice Decode going).
+    std::unique_ptr<control::NotificationPath> link;
     bool on_link = false;  // readiness go on the link (from a point with nothing pending)
+    // Where readiness and commits go, and answers come from.
+    control::Path& path() { return on_link ? static_cast<control::Path&>(*link) : *zmq; }
   };
   class EventWaiter;
 
@@ -176,7 +173,7 @@ class Sender {
   std::shared_ptr<control::Context> context_;
   protocol::MfMeta meta_;
   std::vector<std::byte> mf_meta_;  // without a link
-  std::shared_ptr<transfer::TransferEngine> engine_;
+  control::Notifications links_;    // the sender thread's; outlives the endpoints' links
   UniqueFd wake_fd_;  // drained by the sender thread; closed after the waker let it go
   std::shared_ptr<Waker> waker_;
 

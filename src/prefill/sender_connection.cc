@@ -1,7 +1,5 @@
 // Prefill's sender, per Decode connection: MF_META and its ACK, the link it offers, readiness
 // sent, answers read and given to their gates, and connections dropped when lost or late.
-#include <sodium.h>
-
 #include "prefill/sender.h"
 #include "rd2h/common/trace.h"
 
@@ -15,19 +13,19 @@ void Sender::dispatch(Task task) {
   Endpoint& ep = endpoints_[task.url];
   // Never send on a connection the peer no longer knows; what it answered before it went
   // counts (answers nobody waited for may still be in the socket).
-  if (ep.dealer) receive(task.url, ep);
+  if (ep.zmq) receive(task.url, ep);
   drop_if_lost(task.url, ep);
-  if (!ep.dealer) {
+  if (!ep.zmq) {
     // A new connection, or one rebuilt after a failure: it starts with MF_META, since the
     // Decode side keys its metadata by connection.
     std::optional<control::ClientSecurity> security;
     if (config_.curve) security = control::ClientSecurity{*config_.curve, task.server_key};
-    auto dealer = control::DealerChannel::connect(context_, task.url, security);
-    if (!dealer) return answer_tickets(task.tickets, dealer.status());
-    ep.dealer = std::move(*dealer);
+    auto zmq = control::DealerPath::connect(context_, task.url, security);
+    if (!zmq) return answer_tickets(task.tickets, zmq.status());
+    ep.zmq = std::move(*zmq);
     ep.acked = false;
     ep.ack_deadline = Clock::now() + config_.ack_timeout;
-    if (Status st = ep.dealer->send(offer_link(ep)); !st) {
+    if (Status st = ep.zmq->send(offer_link(ep)); !st) {
       const std::string url = task.url;
       ep.waiting.push_back(std::move(task));
       return fail_endpoint(url, ep, st);
@@ -42,38 +40,22 @@ void Sender::dispatch(Task task) {
 }
 
 std::vector<std::byte> Sender::offer_link(Endpoint& ep) {
-  if (!engine_ || !config_.control_link || !engine_->supports_links()) return mf_meta_;
-  uint64_t token = 0;
-  randombytes_buf(&token, sizeof(token));  // the link's capability: unguessable
-  auto inbox = std::make_shared<LinkInbox>();
-  Status st = engine_->expect_link(
-      token, [inbox, waker = waker_](transfer::LinkEvent event, std::span<const std::byte> m) {
-        {
-          std::lock_guard lock(inbox->mu);
-          if (event == transfer::LinkEvent::kOpened) inbox->opened = true;
-          if (event == transfer::LinkEvent::kClosed) inbox->closed = true;
-          if (event == transfer::LinkEvent::kMessage)
-            inbox->messages.emplace_back(m.begin(), m.end());
-        }
-        waker->wake();
-      });
-  if (!st) return mf_meta_;  // a token in use already, say: this connection stays on ZeroMQ
-  ep.link = std::move(inbox);
-  ep.link_token = token;
+  if (!links_.available()) return mf_meta_;
+  auto link = links_.listen();
+  if (!link) return mf_meta_;  // this connection stays on ZeroMQ: slower, not wrong
+  ep.link = std::move(*link);
   ep.on_link = false;
   protocol::MfMeta offer = meta_;
-  offer.control_link = token;
+  offer.control_link = ep.link->channel();
   return protocol::encode(offer);
 }
 
 void Sender::transmit(Endpoint& ep, Task task) {
   if (ep.link && !ep.on_link && ep.pending.empty()) {
     // Nothing is owed on ZeroMQ any more: answers cannot overtake each other from here.
-    std::lock_guard lock(ep.link->mu);
-    ep.on_link = ep.link->opened && !ep.link->closed;
+    ep.on_link = ep.link->opened() && !ep.link->lost();
   }
-  Status st = ep.on_link ? engine_->send_on_link(ep.link_token, task.payload)
-                         : ep.dealer->send(task.payload);
+  Status st = ep.path().send(task.payload);
   if (!st) return answer_tickets(task.tickets, st);
   ep.pending.push_back({task.layer_idx, std::move(task.tickets),
                         Clock::now() + config_.reply_timeout, std::move(task.final_ids)});
@@ -85,21 +67,16 @@ void Sender::transmit(Endpoint& ep, Task task) {
 void Sender::receive(const std::string& url, Endpoint& ep) {
   // Answers on the link first: once a connection moved there, ZeroMQ carries no answer.
   while (ep.on_link) {
-    std::vector<std::byte> bytes;
-    {
-      std::lock_guard lock(ep.link->mu);
-      if (ep.link->messages.empty()) break;
-      bytes = std::move(ep.link->messages.front());
-      ep.link->messages.pop_front();
-    }
-    if (!answer(url, ep, bytes)) return;
+    auto bytes = ep.link->try_receive();
+    if (!bytes || !bytes->has_value()) break;
+    if (!answer(url, ep, **bytes)) return;
   }
   // A connection whose first connect failed reaches, at best, a Decode that came up later
   // on the same port and does not know what was said to its predecessor: its ACK must not
   // release the readiness that waited for it.
   if (!ep.acked && drop_if_lost(url, ep)) return;
   for (;;) {
-    auto payload = ep.dealer->try_receive();
+    auto payload = ep.zmq->try_receive();
     if (!payload || !payload->has_value()) return;
     const auto& bytes = **payload;
     if (!ep.acked) {
@@ -171,7 +148,7 @@ bool Sender::answer(const std::string& url, Endpoint& ep, std::span<const std::b
     // Decode read these requests whole and no slot of theirs was reused before it answered
     // (this connection was never given up): they may complete. On the path the answer took.
     const auto commit = protocol::encode(protocol::KvCommit{p.layer_idx, std::move(p.final_ids)});
-    Status st = ep.on_link ? engine_->send_on_link(ep.link_token, commit) : ep.dealer->send(commit);
+    Status st = ep.path().send(commit);
     if (!st) {
       // Uncommitted, Decode fails those requests; this connection is not to be trusted.
       answer_tickets(p.tickets, Status::ok(), /*from_decode=*/true);
@@ -185,37 +162,28 @@ bool Sender::answer(const std::string& url, Endpoint& ep, std::span<const std::b
 }
 
 bool Sender::drop_if_lost(const std::string& url, Endpoint& ep) {
-  if (!ep.dealer) return false;
-  if (ep.link) {
-    bool closed;
-    {
-      std::lock_guard lock(ep.link->mu);
-      closed = ep.link->closed;
-    }
-    if (closed && !ep.on_link) {
-      // Never used: the connection stays on ZeroMQ (slower, not wrong).
-      engine_->close_link(ep.link_token);
-      ep.link.reset();
-    } else if (closed) {
+  if (!ep.zmq) return false;
+  if (ep.link && ep.link->lost()) {
+    if (!ep.on_link) {
+      ep.link.reset();  // never used: the connection stays on ZeroMQ (slower, not wrong)
+    } else {
       count(&SenderStats::connections_lost);
       fail_endpoint(url, ep,
                     peer_dead("the transfer link to " + url + " closed (Decode restarted or died)"));
       return true;
     }
   }
-  if (!ep.dealer->connection_lost()) return false;
+  std::optional<Status> lost = ep.zmq->lost();
+  if (!lost) return false;
   count(&SenderStats::connections_lost);
-  fail_endpoint(url, ep,
-                ep.dealer->refusal().empty()
-                    ? peer_dead("the connection to " + url + " closed (Decode restarted or died)")
-                    : unreachable(ep.dealer->refusal()));
+  fail_endpoint(url, ep, *lost);
   return true;
 }
 
 void Sender::check_deadlines() {
   const auto now = Clock::now();
   for (auto& [url, ep] : endpoints_) {
-    if (!ep.dealer) continue;
+    if (!ep.zmq) continue;
     if (!ep.acked && now >= ep.ack_deadline) {
       fail_endpoint(url, ep,
                     timeout_error("no ACK for MF_META from " + url + " within " +
@@ -234,10 +202,9 @@ void Sender::fail_endpoint(const std::string& /*url*/, Endpoint& ep, const Statu
   for (auto& t : ep.waiting) answer_tickets(t.tickets, why);
   ep.pending.clear();
   ep.waiting.clear();
-  ep.dealer.reset();  // the next readiness reconnects and sends MF_META again
+  ep.zmq.reset();  // the next readiness reconnects and sends MF_META again
   ep.acked = false;
   ep.commits = false;
-  if (ep.link) engine_->close_link(ep.link_token);
   ep.link.reset();
   ep.on_link = false;
 }

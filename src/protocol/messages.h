@@ -75,8 +75,9 @@ struct MfMeta {
   std::optional<uint64_t> cache_layout_version;
   std::string backend_name;
   std::vector<std::byte> backend_metadata;
-  // A link token (TransferEngine::expect_link): this Prefill takes readiness answers, and
-  // sends readiness, on the transfer engine's own connection once Decode opens the link.
+  // A notification channel (TransferEngine::listen_notifications): this Prefill takes
+  // readiness answers, and sends readiness, on the transfer engine's own connection once
+  // Decode opens it (the link).
   // Absent: the control plane stays on this connection.
   std::optional<uint64_t> control_link;
 };

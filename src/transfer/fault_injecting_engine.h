@@ -71,20 +71,21 @@ class FaultInjectingEngine final : public TransferEngine {
   // Held, delayed or failed here (a batch held waits in the post, as a stalled reader).
   Expected<std::unique_ptr<ReadRequest>> post_reads(const SessionHandle& session,
                                                     std::span<const ReadOp> ops) override;
-  bool supports_links() const override { return inner_->supports_links(); }
-  Status expect_link(uint64_t token, LinkHandler handler) override {
-    return inner_->expect_link(token, std::move(handler));
+  bool supports_notifications() const override { return inner_->supports_notifications(); }
+  Status listen_notifications(uint64_t channel) override {
+    return inner_->listen_notifications(channel);
   }
-  Status open_link(const SessionHandle& session, uint64_t token, LinkHandler handler) override {
-    return inner_->open_link(session, token, std::move(handler));
+  Status open_notifications(const SessionHandle& session, uint64_t channel) override {
+    return inner_->open_notifications(session, channel);
   }
-  Status send_on_link(uint64_t token, std::span<const std::byte> message) override {
-    return inner_->send_on_link(token, message);
+  Status send_notification(uint64_t channel, std::span<const std::byte> message) override {
+    return inner_->send_notification(channel, message);
   }
-  void close_link(uint64_t token) override { inner_->close_link(token); }
-  int link_fd() override { return inner_->link_fd(); }
-  void drive_links(bool on) override { inner_->drive_links(on); }
-  bool progress_links(bool arm) override { return inner_->progress_links(arm); }
+  void close_notifications(uint64_t channel) override { inner_->close_notifications(channel); }
+  bool get_notifications(std::vector<Notification>& out, bool arm) override {
+    return inner_->get_notifications(out, arm);
+  }
+  int notification_fd() override { return inner_->notification_fd(); }
 
  private:
   std::shared_ptr<TransferEngine> inner_;

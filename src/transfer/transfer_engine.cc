@@ -1,5 +1,7 @@
 #include "rd2h/transfer/transfer_engine.h"
 
+#include <poll.h>
+
 #include <mutex>
 
 namespace rd2h::transfer {
@@ -108,21 +110,36 @@ void unbind_process_engine() {
 namespace rd2h::transfer {
 
 namespace {
-Status no_links(const TransferEngine& engine) {
+Status no_notifications(const TransferEngine& engine) {
   return failed_precondition("the '" + std::string(engine.backend_name()) +
-                             "' transfer backend has no links");
+                             "' transfer backend has no notifications");
 }
 }  // namespace
 
-Status TransferEngine::expect_link(uint64_t, LinkHandler) {
-  return no_links(*this);
+Status TransferEngine::listen_notifications(uint64_t) {
+  return no_notifications(*this);
 }
-Status TransferEngine::open_link(const SessionHandle&, uint64_t, LinkHandler) {
-  return no_links(*this);
+Status TransferEngine::open_notifications(const SessionHandle&, uint64_t) {
+  return no_notifications(*this);
 }
-Status TransferEngine::send_on_link(uint64_t, std::span<const std::byte>) {
-  return no_links(*this);
+Status TransferEngine::send_notification(uint64_t, std::span<const std::byte>) {
+  return no_notifications(*this);
 }
-void TransferEngine::close_link(uint64_t) {}
+void TransferEngine::close_notifications(uint64_t) {}
+bool TransferEngine::get_notifications(std::vector<Notification>&, bool) {
+  return true;
+}
+
+size_t TransferEngine::wait_notifications(std::vector<Notification>& out,
+                                          std::chrono::milliseconds timeout) {
+  const size_t before = out.size();
+  if (!get_notifications(out) || out.size() > before) return out.size() - before;
+  const int fd = notification_fd();
+  if (fd < 0) return 0;
+  pollfd p{fd, POLLIN, 0};
+  ::poll(&p, 1, static_cast<int>(timeout.count()));
+  get_notifications(out, /*arm=*/false);
+  return out.size() - before;
+}
 
 }  // namespace rd2h::transfer

@@ -4,8 +4,8 @@
 // (ucx_memory.h). A serving worker, whose address is exported, is progressed by its own
 // thread (ucx_serving.h), so peers' reads are served without the application's help. Each
 // session (ucx_session.h) has a worker of its own, progressed by the thread that reads on
-// it (ucx_read.h): reads on different sessions do not contend. Links carry control
-// messages on the same connections (ucx_engine_links.h).
+// it (ucx_read.h): reads on different sessions do not contend. Notifications travel on
+// the same connections (ucx_notifications.h).
 #include <unistd.h>
 
 #include <memory>
@@ -19,9 +19,9 @@
 #include "rd2h/transfer/transfer_engine.h"
 #include "transfer/peer_liveness.h"
 #include "transfer/ucx_context.h"
-#include "transfer/ucx_engine_links.h"
 #include "transfer/ucx_memory.h"
 #include "transfer/ucx_metadata.h"
+#include "transfer/ucx_notifications.h"
 #include "transfer/ucx_read.h"
 #include "transfer/ucx_serving.h"
 #include "transfer/ucx_session.h"
@@ -58,10 +58,10 @@ class UcxEngine final : public TransferEngine {
                   hex(nonce).substr(2);
   }
 
-  // In this order: the links' thread, the sessions, the serving worker (its unfinished
+  // In this order: the notification channels, the sessions, the serving worker (its unfinished
   // replies may still read registered memory), the registrations, the context.
   ~UcxEngine() override {
-    links_.reset();
+    notifications_.reset();
     if (serving_) serving_->stop();
     std::vector<std::shared_ptr<Session>> held;
     {
@@ -90,8 +90,10 @@ class UcxEngine final : public TransferEngine {
     auto serving = ServingWorker::start(context_.get(), *registrations_);
     if (!serving) return serving.status().with_context("starting the serving worker");
     serving_ = std::move(*serving);
-    links_ =
-        std::make_unique<EngineLinks>(*serving_, config_.connect_timeout, config_.read_timeout);
+    auto notifications =
+        EngineNotifications::create(*serving_, config_.connect_timeout, config_.read_timeout);
+    if (!notifications) return notifications.status();
+    notifications_ = std::move(*notifications);
     return Status::ok();
   }
 
@@ -178,25 +180,20 @@ class UcxEngine final : public TransferEngine {
     return transfer::post_reads(s, *registrations_, ops, config_.read_timeout);
   }
 
-  bool supports_links() const override { return true; }
-
-  Status expect_link(uint64_t token, LinkHandler handler) override {
-    return links_->expect(token, std::move(handler));
-  }
-
-  Status open_link(const SessionHandle& session, uint64_t token, LinkHandler handler) override {
+  bool supports_notifications() const override { return true; }
+  Status listen_notifications(uint64_t channel) override { return notifications_->listen(channel); }
+  Status open_notifications(const SessionHandle& session, uint64_t channel) override {
     RD2H_TRY(s, mine(session));
-    return links_->open(s, token, std::move(handler));
+    return notifications_->open(s, channel);
   }
-
-  Status send_on_link(uint64_t token, std::span<const std::byte> message) override {
-    return links_->send(token, message);
+  Status send_notification(uint64_t channel, std::span<const std::byte> message) override {
+    return notifications_->send(channel, message);
   }
-
-  int link_fd() override { return links_->fd(); }
-  void drive_links(bool on) override { links_->drive(on); }
-  bool progress_links(bool arm) override { return links_->progress(arm); }
-  void close_link(uint64_t token) override { links_->close(token); }
+  void close_notifications(uint64_t channel) override { notifications_->close(channel); }
+  bool get_notifications(std::vector<Notification>& out, bool arm) override {
+    return notifications_->poll(out, arm);
+  }
+  int notification_fd() override { return notifications_->fd(); }
 
  private:
   // The session behind a handle this engine gave out.
@@ -222,7 +219,7 @@ class UcxEngine final : public TransferEngine {
   std::unordered_map<std::string, std::shared_ptr<Session>> sessions_;
   std::vector<std::weak_ptr<Session>> made_;  // every session given out that may still live
 
-  std::unique_ptr<EngineLinks> links_;
+  std::unique_ptr<EngineNotifications> notifications_;
 };
 
 }  // namespace

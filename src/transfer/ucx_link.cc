@@ -7,7 +7,7 @@
 namespace rd2h::transfer {
 
 bool acceptable_link_message(size_t length, const ucp_am_recv_param_t* param) {
-  return (param->recv_attr & UCP_AM_RECV_ATTR_FLAG_RNDV) == 0 && length <= kMaxLinkMessageBytes;
+  return (param->recv_attr & UCP_AM_RECV_ATTR_FLAG_RNDV) == 0 && length <= kMaxNotificationBytes;
 }
 
 void ServedLinks::close_all() {

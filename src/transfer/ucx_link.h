@@ -1,12 +1,13 @@
 // Links of the UCX engine: control messages on the data plane's own connection, as eager active
 // messages. A token, handed over the authenticated control channel, is the capability: a message
-// naming one not expected, or longer than kMaxLinkMessageBytes, is dropped.
+// naming one not expected, or longer than kMaxNotificationBytes, is dropped.
 #pragma once
 
 #include <ucp/api/ucp.h>
 
 #include <cstdint>
 #include <deque>
+#include <functional>
 #include <list>
 #include <memory>
 #include <mutex>
@@ -19,6 +20,12 @@
 #include "transfer/ucx_handles.h"
 
 namespace rd2h::transfer {
+
+// The engine's own view of a channel (a link): its events go to a handler, which runs on
+// whichever thread progresses the link's worker, with that worker's locks held: it may copy
+// the message and wake a waiter, and must not call the engine. kClosed comes once.
+enum class LinkEvent { kOpened, kMessage, kClosed };
+using LinkHandler = std::function<void(LinkEvent event, std::span<const std::byte> message)>;
 
 inline constexpr uint16_t kAmLinkOpen = 0x7266;     // connecting -> serving side
 inline constexpr uint16_t kAmLinkMessage = 0x7267;  // either way

@@ -31,9 +31,9 @@ class ServingWorker {
 
   const std::vector<std::byte>& address() const { return address_; }
   ServedLinks& links() { return *links_; }
-  // The worker's event fd, for a driver of the links to sleep on.
+  // The worker's event fd, for the notification consumer to sleep on.
   int event_fd() const { return event_fd_; }
-  // One progress of the worker for a driver of the links; true when it had no events and
+  // One progress of the worker for the notification consumer; true when it had no events and
   // is armed (the driver may sleep). Without `arm` it is left unarmed (and false returned).
   bool progress_once(bool arm);
   // Stops serving: the thread is joined. Idempotent.

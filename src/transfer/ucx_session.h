@@ -19,6 +19,7 @@
 #include "transfer/peer_liveness.h"
 #include "transfer/shared_backing.h"
 #include "transfer/ucx_handles.h"
+#include "transfer/ucx_link.h"
 #include "transfer/ucx_metadata.h"
 #include "transfer/ucx_read.h"
 
@@ -57,7 +58,7 @@ struct Session final : PeerSession {
   // Links opened on this session (ucx_link.h), by token; each gets kClosed on release.
   std::map<uint64_t, LinkHandler> links;
   std::vector<std::byte> worker_address;  // this session's worker, as a link's peer reaches it
-  bool watched = false;                   // the engine's link thread sleeps on its worker
+  bool watched = false;                   // a notification consumer sleeps on its worker
 
   ~Session() override { release(); }
 

@@ -19,7 +19,7 @@
 
 namespace rd2h::transfer {
 
-inline constexpr int kTransferEngineInterfaceVersion = 3;
+inline constexpr int kTransferEngineInterfaceVersion = 4;
 
 enum class Role { kPrefill, kDecode };
 std::string_view to_string(Role role);
@@ -69,7 +69,7 @@ class PeerSession {
   virtual ~PeerSession() = default;
 };
 
-// A session with one peer, as connect() returns it: reads and links through it reach the
+// A session with one peer, as connect() returns it: reads and channels through it reach the
 // peer without a lookup. Copies share the session; it stays valid while held (a session
 // disconnected or rebuilt meanwhile reads as broken).
 struct SessionHandle {
@@ -102,18 +102,28 @@ struct SessionInfo {
   std::string broken_reason;
 };
 
-// Links (optional, see supports_links()): short messages between the two ends of a session
-// on the data plane's own connection, for a control plane that would otherwise take a
-// round trip through another stack. The serving side picks a token, expects it, and hands
-// it to the connecting side over its own control channel; the connecting side opens the
-// link with it, and the serving side's handler then sees kOpened. A handler runs on an
-// engine thread with the engine's locks held: it may copy the message and wake a waiter,
-// and must not call the engine. kClosed comes once, when the link can carry no more (the
-// session broke or was disconnected, or the peer failed); no event comes after
-// close_link() returned.
-enum class LinkEvent { kOpened, kMessage, kClosed };
-using LinkHandler = std::function<void(LinkEvent event, std::span<const std::byte> message)>;
-inline constexpr size_t kMaxLinkMessageBytes = 64u << 20;  // longer messages are dropped
+// Notifications (optional, see supports_notifications()): short messages between the two ends
+// of a session on the data plane's own connection, for a control plane that would otherwise
+// take a round trip through another stack. A channel joins the two ends: the serving side
+// picks its number, listens on it and hands the number to the connecting side over its own
+// control channel (the number is the capability); the connecting side opens the channel on
+// its session to the serving side. Then either side sends on it; messages arrive in the order
+// they were sent.
+struct Notification {
+  enum class Kind {
+    kOpened,   // serving side: the peer opened the channel (before any of its messages)
+    kMessage,  // a message (in `message`)
+    kClosed,   // the channel can carry no more: its session broke or went, the peer failed,
+               // or its messages overflowed the engine's queue. Once per channel.
+  };
+  uint64_t channel = 0;
+  Kind kind = Kind::kMessage;
+  std::vector<std::byte> message;
+};
+inline constexpr size_t kMaxNotificationBytes = 64u << 20;  // longer messages are dropped
+// Notifications an engine keeps for its consumer. A channel whose message would go past
+// this is closed (its peer sends faster than the consumer polls).
+inline constexpr size_t kMaxQueuedNotifications = 1u << 16;
 
 class TransferEngine {
  public:
@@ -153,29 +163,33 @@ class TransferEngine {
   // post_reads(), then wait().
   Status batch_read_sync(const SessionHandle& session, std::span<const ReadOp> ops);
 
-  // Links (see LinkEvent). A backend without them returns false and refuses the calls.
-  virtual bool supports_links() const { return false; }
-  // Serving side: link `token` may be opened by a peer; its events go to `handler`.
-  virtual Status expect_link(uint64_t token, LinkHandler handler);
-  // Connecting side: opens link `token` to the peer of `session`; its events go to
-  // `handler`. The peer must expect the token.
-  virtual Status open_link(const SessionHandle& session, uint64_t token, LinkHandler handler);
-  // Sends one message (at most kMaxLinkMessageBytes) on an open link; messages arrive in
-  // the order they were sent. An error means the link can carry no more.
-  virtual Status send_on_link(uint64_t token, std::span<const std::byte> message);
-  // Forgets the link; a message in flight may be lost.
-  virtual void close_link(uint64_t token);
-  // Who progresses the links this engine opened: an engine thread, unless a caller that
-  // waits anyway drives them (drive_links(true) until drive_links(false)). A driver sleeps
-  // on link_fd() among its own descriptors and calls progress_links() whenever it is
-  // readable and before every wait; meanwhile the engine's thread stands aside.
-  // progress_links() delivers what arrived to the handlers, on the calling thread, and
-  // returns false when more may be in already (do not sleep then). With `arm` false the
-  // driver polls instead of sleeping: link_fd() is not armed, so a peer sending meanwhile
-  // does not pay for waking this process.
-  virtual int link_fd() { return -1; }
-  virtual void drive_links(bool /*on*/) {}
-  virtual bool progress_links(bool /*arm*/ = true) { return true; }
+  // Notifications (see Notification). A backend without them returns false and refuses
+  // the calls.
+  virtual bool supports_notifications() const { return false; }
+  // Serving side: a peer may open `channel`.
+  virtual Status listen_notifications(uint64_t channel);
+  // Connecting side: opens `channel` to the peer of `session`, which listens on it.
+  virtual Status open_notifications(const SessionHandle& session, uint64_t channel);
+  // Sends one message (at most kMaxNotificationBytes) on an open channel. It returns once
+  // the transport took the message. An error means the channel can carry no more.
+  virtual Status send_notification(uint64_t channel, std::span<const std::byte> message);
+  // Forgets the channel: nothing more is delivered for it, a message in flight may be lost.
+  virtual void close_notifications(uint64_t channel);
+  // The progress rule. An engine's notifications have one consumer, the thread that calls
+  // get_notifications(): that call progresses, on the calling thread, every connection that
+  // carries channels, and appends what arrived to `out` (in order per channel). Nothing
+  // else delivers notifications and no engine thread works for a consumer that does not
+  // call; what arrives meanwhile waits in the engine (up to kMaxQueuedNotifications). The
+  // call never blocks. It returns false when more may be in already: call again before
+  // sleeping. After a call that returned true with `arm`, notification_fd() becomes
+  // readable when more may have come; with `arm` false the consumer polls instead of
+  // sleeping (the fd is not armed), so a peer sending meanwhile does not pay for waking it.
+  virtual bool get_notifications(std::vector<Notification>& out, bool arm = true);
+  // A descriptor to poll(2) among the consumer's own; -1 without notifications.
+  virtual int notification_fd() { return -1; }
+  // get_notifications(); when nothing came, sleeps on notification_fd() for at most
+  // `timeout` and gets again. Returns how many it appended.
+  size_t wait_notifications(std::vector<Notification>& out, std::chrono::milliseconds timeout);
 };
 
 Expected<std::unique_ptr<TransferEngine>> create_ucx_engine(const EngineConfig& config);
