@@ -264,7 +264,7 @@ Expected<std::optional<Inbound>> RouterChannel::receive(std::chrono::millisecond
     RD2H_TRY(frames, receive_multipart(impl_->socket, remaining(deadline), wake_fds));
     if (!frames.has_value()) return std::optional<Inbound>{};
     auto& f = *frames;
-    // Disconnects reported so far are settled first: a closed connection's descriptor may
+    // Disconnects reported so far are handled first: a closed connection's descriptor may
     // be reused by the connection this message came on.
     note_disconnects();
     if (const int fd = f.back().get(ZMQ_SRCFD); fd >= 0) {

@@ -395,7 +395,7 @@ void Reader::handle(const control::Inbound& in, bool* polled) {
     if (polled != nullptr) {
       std::lock_guard lock(mu_);
       // Polling stops once nothing is owed: a readiness taken in the same batch after the
-      // message that settled the last request did not find the reader polling for it.
+      // message that completed the last request did not find the reader polling for it.
       *polled = *polled && tracker_.owes_any();
       count(&Counters::readiness_on_link);
       if (*polled) count(&Counters::readiness_polled);

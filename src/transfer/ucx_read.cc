@@ -233,8 +233,8 @@ class UcxReadRequest final : public ReadRequest {
     if (outcome_) return outcome_;
     std::lock_guard lock(s_->mu);
     Session& s = *s_;
-    if (batch_.settled) {
-      finish(*batch_.settled);
+    if (batch_.outcome) {
+      finish(*batch_.outcome);
       return outcome_;
     }
     if (batch_.outstanding > 0 && !s.broken.load()) {
@@ -253,8 +253,8 @@ class UcxReadRequest final : public ReadRequest {
   Status wait() override {
     if (outcome_) return *outcome_;
     std::lock_guard lock(s_->mu);
-    if (batch_.settled) {
-      finish(*batch_.settled);
+    if (batch_.outcome) {
+      finish(*batch_.outcome);
       return *outcome_;
     }
     Status st = await_batch(*s_, batch_, timeout_);
@@ -299,7 +299,7 @@ Expected<std::unique_ptr<ReadRequest>> post_reads(const std::shared_ptr<Session>
     // on it), and kept for its owner.
     BatchState& earlier = *s->active;
     Status st = await_batch(*s, earlier, timeout);
-    earlier.settled = st.is_ok() ? batch_outcome(*s, earlier, UCS_OK) : std::move(st);
+    earlier.outcome = st.is_ok() ? batch_outcome(*s, earlier, UCS_OK) : std::move(st);
     s->active = nullptr;
   }
   if (s->broken.load()) {

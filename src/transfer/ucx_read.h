@@ -35,7 +35,7 @@ struct BatchState {
   std::vector<ReadOp> ops;
   std::vector<uint8_t> answered;
   // Its outcome, when a later post on the session drove it to its end before its owner did.
-  std::optional<Status> settled;
+  std::optional<Status> outcome;
 
   void finish(ucs_status_t status) {
     --outstanding;
