@@ -73,6 +73,14 @@ bool Notifications::poll(bool arm) {
         inbox.opened = true;
         break;
       case transfer::Notification::Kind::kMessage:
+        if (inbox.closed) break;
+        if (inbox.messages.size() >= transfer::kMaxQueuedNotifications) {
+          // Its peer says more than the path's owner takes: the path is lost.
+          inbox.messages.clear();
+          inbox.closed = true;
+          engine_->close_notifications(n.channel);
+          break;
+        }
         inbox.messages.push_back(std::move(n.message));
         break;
       case transfer::Notification::Kind::kClosed:

@@ -93,8 +93,8 @@ class NotificationPath final : public Path {
  private:
   friend class Notifications;
   // What came on the channel. Prefill sends a readiness per slot and Decode an answer per
-  // readiness, so it holds no more than that; the engine bounds it as well
-  // (kMaxQueuedNotifications).
+  // readiness, so it holds no more than that from a peer that keeps the protocol; past
+  // kMaxQueuedNotifications messages the path is lost.
   struct Inbox {
     std::deque<std::vector<std::byte>> messages;
     bool opened = false;

@@ -217,11 +217,21 @@ Clock::time_point Sender::next_deadline(Clock::time_point cap) const {
 void Sender::run() {
   std::vector<pollfd> fds;
   while (take_submitted()) {
-    bool links = false;
-    for (const auto& [url, ep] : endpoints_) links = links || ep.link;
+    bool on_links = false, offered = false;
+    for (const auto& [url, ep] : endpoints_) {
+      on_links = on_links || ep.on_link;
+      offered = offered || ep.link;
+    }
     // This thread takes what the links carry off the engine itself, as it does off the
-    // sockets, and serves it before it sleeps.
-    const bool armed = !links || links_.poll();
+    // sockets, and serves it before it sleeps. A link offered but not in use yet is only
+    // looked at (its opening is seen before this thread sends anything, which follows a
+    // wake-up): sleeping on the engine would wake this thread for every read it serves.
+    bool armed = true;
+    if (on_links) {
+      armed = links_.poll();
+    } else if (offered) {
+      links_.poll(/*arm=*/false);
+    }
     serve();
     // Asleep until something changes: a submission, a write completing or stop (the
     // wake-up fd), something on a connection, or on a link.
@@ -230,7 +240,7 @@ void Sender::run() {
     for (const auto& [url, ep] : endpoints_) {
       if (ep.zmq) fds.push_back({ep.zmq->notify_fd(), POLLIN, 0});
     }
-    if (links) fds.push_back({links_.fd(), POLLIN, 0});
+    if (on_links) fds.push_back({links_.fd(), POLLIN, 0});
     const int timeout = armed ? poll_ms(next_deadline(Clock::now() + kPollSlice)) : 0;
     ::poll(fds.data(), fds.size(), timeout);
     drain_fd(wake_fd_.get());

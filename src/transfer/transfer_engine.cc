@@ -4,6 +4,8 @@
 
 #include <mutex>
 
+#include "rd2h/common/deadline.h"
+
 namespace rd2h::transfer {
 
 std::string_view to_string(Role role) {
@@ -133,13 +135,16 @@ bool TransferEngine::get_notifications(std::vector<Notification>&, bool) {
 size_t TransferEngine::wait_notifications(std::vector<Notification>& out,
                                           std::chrono::milliseconds timeout) {
   const size_t before = out.size();
-  if (!get_notifications(out) || out.size() > before) return out.size() - before;
-  const int fd = notification_fd();
-  if (fd < 0) return 0;
-  pollfd p{fd, POLLIN, 0};
-  ::poll(&p, 1, static_cast<int>(timeout.count()));
-  get_notifications(out, /*arm=*/false);
-  return out.size() - before;
+  const Deadline deadline(timeout);
+  for (;;) {
+    const bool armed = get_notifications(out);
+    if (out.size() > before || deadline.expired()) return out.size() - before;
+    if (!armed) continue;  // more may be in already
+    const int fd = notification_fd();
+    if (fd < 0) return 0;
+    pollfd p{fd, POLLIN, 0};
+    ::poll(&p, 1, deadline.remaining_ms());
+  }
 }
 
 }  // namespace rd2h::transfer

@@ -1,7 +1,6 @@
 #include "transfer/ucx_notifications.h"
 
 #include <sys/epoll.h>
-#include <sys/eventfd.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -12,10 +11,6 @@
 namespace rd2h::transfer {
 
 namespace {
-// The queue whose consumer is polling on this thread: what its handlers deliver here needs
-// no wake-up.
-thread_local const void* t_polling = nullptr;
-
 Status add_to_epoll(int epoll_fd, int fd) {
   epoll_event ev{};
   ev.events = EPOLLIN;
@@ -31,39 +26,13 @@ Expected<std::unique_ptr<EngineNotifications>> EngineNotifications::create(
     std::chrono::milliseconds send_timeout) {
   auto n = std::unique_ptr<EngineNotifications>(
       new EngineNotifications(serving, connect_timeout, send_timeout));
-  n->queue_ = std::make_shared<Queue>();
-  n->queue_->wake_fd.reset(::eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK));
+  RD2H_TRY(queue, NotificationQueue::create());
+  n->queue_ = std::move(queue);
   n->epoll_fd_.reset(::epoll_create1(EPOLL_CLOEXEC));
-  if (!n->queue_->wake_fd.valid() || !n->epoll_fd_.valid()) {
-    return internal_error("cannot create the notification fds");
-  }
-  RD2H_RETURN_IF_ERROR(add_to_epoll(n->epoll_fd_.get(), n->queue_->wake_fd.get()));
+  if (!n->epoll_fd_.valid()) return internal_error("cannot create the notification fds");
+  RD2H_RETURN_IF_ERROR(add_to_epoll(n->epoll_fd_.get(), n->queue_->wake_fd()));
   RD2H_RETURN_IF_ERROR(add_to_epoll(n->epoll_fd_.get(), serving.event_fd()));
   return n;
-}
-
-void EngineNotifications::Queue::push(uint64_t channel, LinkEvent event,
-                                      std::span<const std::byte> message) {
-  {
-    std::lock_guard lock(mu);
-    if (open.count(channel) == 0) return;  // closed: nothing more is heard of it
-    if (events.size() >= kMaxQueuedNotifications) {
-      // The peer sends faster than the consumer takes: its channel closes, once.
-      open.erase(channel);
-      overflowed.push_back(channel);
-    } else {
-      Notification& n = events.emplace_back();
-      n.channel = channel;
-      n.kind = event == LinkEvent::kOpened   ? Notification::Kind::kOpened
-               : event == LinkEvent::kClosed ? Notification::Kind::kClosed
-                                             : Notification::Kind::kMessage;
-      n.message.assign(message.begin(), message.end());
-      if (event == LinkEvent::kClosed) open.erase(channel);
-    }
-  }
-  if (t_polling == this) return;
-  uint64_t one = 1;
-  [[maybe_unused]] auto n = ::write(wake_fd.get(), &one, sizeof(one));
 }
 
 Status EngineNotifications::channel_taken(uint64_t channel) {
@@ -73,23 +42,24 @@ Status EngineNotifications::channel_taken(uint64_t channel) {
 
 LinkHandler EngineNotifications::handler(uint64_t channel) {
   return [queue = queue_, channel](LinkEvent event, std::span<const std::byte> message) {
-    queue->push(channel, event, message);
+    queue->push(channel,
+                event == LinkEvent::kOpened   ? Notification::Kind::kOpened
+                : event == LinkEvent::kClosed ? Notification::Kind::kClosed
+                                              : Notification::Kind::kMessage,
+                message);
   };
 }
 
 void EngineNotifications::forget(uint64_t channel) {
-  std::lock_guard lock(queue_->mu);
-  queue_->open.erase(channel);
-  std::erase_if(queue_->events, [channel](const Notification& n) { return n.channel == channel; });
+  queue_->close(channel);
 }
 
 Status EngineNotifications::listen(uint64_t channel) {
   std::lock_guard lock(channels_mu_);
-  if (sessions_.count(channel) != 0) return channel_taken(channel);
-  {
-    std::lock_guard queue_lock(queue_->mu);
-    queue_->open.insert(channel);
+  if (sessions_.count(channel) != 0 || serving_.links().has(channel)) {
+    return channel_taken(channel);
   }
+  queue_->open(channel);
   Status st = serving_.links().expect(channel, handler(channel));
   if (!st) forget(channel);
   return st;
@@ -102,14 +72,25 @@ Status EngineNotifications::open(const std::shared_ptr<Session>& s, uint64_t cha
       return channel_taken(channel);
     }
     sessions_[channel] = s;
-    std::lock_guard queue_lock(queue_->mu);
-    queue_->open.insert(channel);
+    queue_->open(channel);
   }
   Status st = open_on_session(s, channel);
   if (!st) {
     forget(channel);
     std::lock_guard lock(channels_mu_);
     sessions_.erase(channel);
+    return st;
+  }
+  bool closed_meanwhile = false;
+  {
+    std::lock_guard lock(channels_mu_);
+    auto it = sessions_.find(channel);
+    closed_meanwhile = it == sessions_.end() || it->second.lock() != s;
+  }
+  if (closed_meanwhile) {
+    // close() ran while the channel opened (from another thread): its handler goes too.
+    std::lock_guard lock(s->mu);
+    s->links.erase(channel);
   }
   return st;
 }
@@ -153,21 +134,19 @@ void EngineNotifications::close(uint64_t channel) {
 }
 
 bool EngineNotifications::poll(std::vector<Notification>& out, bool arm) {
-  t_polling = queue_.get();
-  const bool sessions = progress_sessions(arm);
-  // One progress of the serving worker, which may be busy serving reads: a consumer comes
-  // back to check what it waits for, and calls again.
-  const bool serving = serving_.progress_once(arm);
-  t_polling = nullptr;
-  std::vector<uint64_t> overflowed;
+  // The wake-up is taken first: whatever signals it from now on (a session opened on
+  // another thread, an event of a worker this pass does not progress) wakes the consumer
+  // again.
+  queue_->clear_wake();
+  bool sessions = false, serving = false;
   {
-    std::lock_guard lock(queue_->mu);
-    uint64_t count;
-    [[maybe_unused]] auto n = ::read(queue_->wake_fd.get(), &count, sizeof(count));
-    for (auto& e : queue_->events) out.push_back(std::move(e));
-    queue_->events.clear();
-    overflowed.swap(queue_->overflowed);
+    NotificationQueue::Polling polling(*queue_);
+    sessions = progress_sessions(arm);
+    // One progress of the serving worker, which may be busy serving reads: a consumer comes
+    // back to check what it waits for, and calls again.
+    serving = serving_.progress_once(arm);
   }
+  const std::vector<uint64_t> overflowed = queue_->take(out);
   for (uint64_t channel : overflowed) {
     close(channel);
     out.push_back({channel, Notification::Kind::kClosed, {}});
@@ -203,10 +182,9 @@ Status EngineNotifications::open_on_session(const std::shared_ptr<Session>& s, u
   s->watched = true;
   std::lock_guard watch_lock(watched_mu_);
   watched_.push_back(s);
-  // The consumer arms the new worker at its next poll: until then a message on it finds
-  // the queue's wake-up fd.
-  uint64_t one = 1;
-  [[maybe_unused]] auto n = ::write(queue_->wake_fd.get(), &one, sizeof(one));
+  // The consumer arms the new worker at its next poll; until then the wake-up, which a poll
+  // takes before it looks at the workers, brings it back.
+  queue_->signal();
   return Status::ok();
 }
 

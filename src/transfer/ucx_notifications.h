@@ -4,16 +4,15 @@
 #pragma once
 
 #include <cstdint>
-#include <deque>
 #include <memory>
 #include <mutex>
 #include <span>
 #include <unordered_map>
-#include <unordered_set>
 #include <vector>
 
 #include "rd2h/common/status.h"
 #include "rd2h/transfer/transfer_engine.h"
+#include "transfer/notification_queue.h"
 #include "transfer/ucx_serving.h"
 #include "transfer/ucx_session.h"
 #include "util/unique_fd.h"
@@ -38,16 +37,6 @@ class EngineNotifications {
   bool poll(std::vector<Notification>& out, bool arm);
 
  private:
-  // What the channels' handlers hand to the consumer. Bounded by kMaxQueuedNotifications.
-  struct Queue {
-    std::mutex mu;
-    std::unordered_set<uint64_t> open;  // channels whose events are kept
-    std::deque<Notification> events;
-    std::vector<uint64_t> overflowed;  // closed by the consumer's next poll
-    UniqueFd wake_fd;                  // an eventfd, signalled for a consumer asleep
-    void push(uint64_t channel, LinkEvent event, std::span<const std::byte> message);
-  };
-
   EngineNotifications(ServingWorker& serving, std::chrono::milliseconds connect_timeout,
                       std::chrono::milliseconds send_timeout)
       : serving_(serving), connect_timeout_(connect_timeout), send_timeout_(send_timeout) {}
@@ -67,7 +56,7 @@ class EngineNotifications {
   ServingWorker& serving_;
   const std::chrono::milliseconds connect_timeout_;
   const std::chrono::milliseconds send_timeout_;
-  std::shared_ptr<Queue> queue_;  // shared with the handlers
+  std::shared_ptr<NotificationQueue> queue_;  // shared with the handlers
 
   std::mutex channels_mu_;
   std::unordered_map<uint64_t, std::weak_ptr<Session>> sessions_;  // channels opened on them

@@ -121,9 +121,11 @@ struct Notification {
   std::vector<std::byte> message;
 };
 inline constexpr size_t kMaxNotificationBytes = 64u << 20;  // longer messages are dropped
-// Notifications an engine keeps for its consumer. A channel whose message would go past
-// this is closed (its peer sends faster than the consumer polls).
+// What an engine keeps for its consumer between two calls. A message that would go past
+// either bound closes the channel that holds the most (its peer sends faster than the
+// consumer takes), dropping what it held.
 inline constexpr size_t kMaxQueuedNotifications = 1u << 16;
+inline constexpr size_t kMaxQueuedNotificationBytes = size_t{256} << 20;
 
 class TransferEngine {
  public:
@@ -170,8 +172,9 @@ class TransferEngine {
   virtual Status listen_notifications(uint64_t channel);
   // Connecting side: opens `channel` to the peer of `session`, which listens on it.
   virtual Status open_notifications(const SessionHandle& session, uint64_t channel);
-  // Sends one message (at most kMaxNotificationBytes) on an open channel. It returns once
-  // the transport took the message. An error means the channel can carry no more.
+  // Sends one message (at most kMaxNotificationBytes) on an open channel, in order with the
+  // channel's earlier ones; the engine may still hold it when this returns. An error means
+  // the channel can carry no more; a failure found later closes it (kClosed).
   virtual Status send_notification(uint64_t channel, std::span<const std::byte> message);
   // Forgets the channel: nothing more is delivered for it, a message in flight may be lost.
   virtual void close_notifications(uint64_t channel);
@@ -187,8 +190,8 @@ class TransferEngine {
   virtual bool get_notifications(std::vector<Notification>& out, bool arm = true);
   // A descriptor to poll(2) among the consumer's own; -1 without notifications.
   virtual int notification_fd() { return -1; }
-  // get_notifications(); when nothing came, sleeps on notification_fd() for at most
-  // `timeout` and gets again. Returns how many it appended.
+  // get_notifications() until something came or `timeout` passed, sleeping on
+  // notification_fd() between calls that allow it. Returns how many it appended.
   size_t wait_notifications(std::vector<Notification>& out, std::chrono::milliseconds timeout);
 };
 
