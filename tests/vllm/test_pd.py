@@ -217,8 +217,11 @@ def test_a_decode_killed_mid_request_fails_it_and_prefill_serves_on(single, pref
                                                                     corrupting):
     victim, victim_proxy = corrupting
     rng = random.Random(99)
+    # A thousand tokens whatever the model samples (no end at its EOS): the stream is still
+    # going when the client, however slowly it is scheduled, reads its first event.
     stream = client(victim_proxy.url).completions.create(
-        model=MODEL_NAME, prompt=prompt(rng, 80), max_tokens=1000, temperature=0, stream=True)
+        model=MODEL_NAME, prompt=prompt(rng, 80), max_tokens=1000, temperature=0, stream=True,
+        extra_body={"ignore_eos": True})
     with pytest.raises(openai.APIError):
         for i, ev in enumerate(stream):
             if i == 0:
