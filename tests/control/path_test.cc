@@ -3,13 +3,17 @@
 // The test thread is each side's only consumer, as Sender's and Reader's threads are.
 #include "control/path.h"
 
+#include <arpa/inet.h>
 #include <gtest/gtest.h>
+#include <netinet/in.h>
 #include <poll.h>
+#include <sys/socket.h>
 
 #include <functional>
 #include <thread>
 
 #include "rd2h/common/deadline.h"
+#include "util/unique_fd.h"
 
 namespace rd2h::control {
 namespace {
@@ -231,13 +235,17 @@ TEST(ZeroMqPaths, DealerAndRouterPathsCarryMessagesAndTheDealerNoticesTheRouterG
 
 TEST(ZeroMqPaths, ADealerWithNobodyAtItsUrlIsLostAsUnreachable) {
   auto context = Context::create();
-  int port = 0;
-  {
-    auto router = RouterChannel::bind(context, "127.0.0.1", 0);  // a port nobody holds now
-    ASSERT_TRUE(router);
-    const std::string url = (*router)->url();
-    port = std::stoi(url.substr(url.rfind(':') + 1));
-  }
+  // A port held by a socket that does not listen: connects to it are refused, and nothing
+  // else can bind it meanwhile.
+  UniqueFd holder(::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0));
+  ASSERT_TRUE(holder.valid());
+  sockaddr_in addr{};
+  addr.sin_family = AF_INET;
+  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  socklen_t length = sizeof(addr);
+  ASSERT_EQ(::bind(holder.get(), reinterpret_cast<sockaddr*>(&addr), sizeof(addr)), 0);
+  ASSERT_EQ(::getsockname(holder.get(), reinterpret_cast<sockaddr*>(&addr), &length), 0);
+  const int port = ntohs(addr.sin_port);
   auto dealer = DealerPath::connect(context, endpoint_url("127.0.0.1", port));
   ASSERT_TRUE(dealer) << dealer.status().to_string();
   Path& prefill = **dealer;
