@@ -327,14 +327,12 @@ void Reader::answer_on(const std::string& identity, bool on_link) {
 
 void Reader::reply(const std::string& identity, const std::vector<std::byte>& payload) {
   auto p = paths_.find(identity);
-  if (p == paths_.end()) {
-    (void)control::RouterPath(*router_, identity).send(payload);
-    return;
-  }
+  if (p == paths_.end()) return;  // its connection closed: nobody is left to answer
+  ConnectionPaths& paths = p->second;
   // A link that failed closes, which drops the connection; ZeroMQ carries this answer.
-  if (p->second.answer_on_link && p->second.link && p->second.link->send(payload).is_ok()) return;
+  if (paths.answer_on_link && paths.link && paths.link->send(payload).is_ok()) return;
   // A peer that vanished cannot be answered; its gates fail on its own deadline.
-  (void)p->second.zmq.send(payload);
+  (void)paths.zmq.send(payload);
 }
 
 bool Reader::drain_links(bool polled) {

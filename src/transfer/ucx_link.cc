@@ -61,7 +61,7 @@ void ServedLinks::close(uint64_t token) {
 void ServedLinks::fail(Link& link) {
   if (link.closed) return;
   link.closed = true;
-  link.handler(LinkEvent::kClosed, {});
+  link.handler(Notification::Kind::kClosed, {});
 }
 
 Status ServedLinks::send(uint64_t token, std::span<const std::byte> message) {
@@ -181,7 +181,7 @@ ucs_status_t ServedLinks::on_open(void* arg, const void* header, size_t header_l
   self->opening_.push_back({h.token, h.network != 0, {p, p + length}});
   // Heard now, before the messages that follow it; nobody can send on the link before
   // after_progress() gave it its endpoint, since both run under one hold of mu.
-  it->second.handler(LinkEvent::kOpened, {});
+  it->second.handler(Notification::Kind::kOpened, {});
   return UCS_OK;
 }
 
@@ -195,7 +195,7 @@ ucs_status_t ServedLinks::on_message(void* arg, const void* header, size_t heade
   if (it == self->links_.end() || it->second.closed || (!it->second.ep && !it->second.opening)) {
     return UCS_OK;
   }
-  it->second.handler(LinkEvent::kMessage, {static_cast<const std::byte*>(data), length});
+  it->second.handler(Notification::Kind::kMessage, {static_cast<const std::byte*>(data), length});
   return UCS_OK;
 }
 

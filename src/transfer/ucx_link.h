@@ -24,8 +24,8 @@ namespace rd2h::transfer {
 // The engine's own view of a channel (a link): its events go to a handler, which runs on
 // whichever thread progresses the link's worker, with that worker's locks held: it may copy
 // the message and wake a waiter, and must not call the engine. kClosed comes once.
-enum class LinkEvent { kOpened, kMessage, kClosed };
-using LinkHandler = std::function<void(LinkEvent event, std::span<const std::byte> message)>;
+using LinkHandler =
+    std::function<void(Notification::Kind event, std::span<const std::byte> message)>;
 
 inline constexpr uint16_t kAmLinkOpen = 0x7266;     // connecting -> serving side
 inline constexpr uint16_t kAmLinkMessage = 0x7267;  // either way

@@ -41,17 +41,9 @@ Status EngineNotifications::channel_taken(uint64_t channel) {
 }
 
 LinkHandler EngineNotifications::handler(uint64_t channel) {
-  return [queue = queue_, channel](LinkEvent event, std::span<const std::byte> message) {
-    queue->push(channel,
-                event == LinkEvent::kOpened   ? Notification::Kind::kOpened
-                : event == LinkEvent::kClosed ? Notification::Kind::kClosed
-                                              : Notification::Kind::kMessage,
-                message);
+  return [queue = queue_, channel](Notification::Kind event, std::span<const std::byte> message) {
+    queue->push(channel, event, message);
   };
-}
-
-void EngineNotifications::forget(uint64_t channel) {
-  queue_->close(channel);
 }
 
 Status EngineNotifications::listen(uint64_t channel) {
@@ -61,7 +53,7 @@ Status EngineNotifications::listen(uint64_t channel) {
   }
   queue_->open(channel);
   Status st = serving_.links().expect(channel, handler(channel));
-  if (!st) forget(channel);
+  if (!st) queue_->close(channel);
   return st;
 }
 
@@ -76,7 +68,7 @@ Status EngineNotifications::open(const std::shared_ptr<Session>& s, uint64_t cha
   }
   Status st = open_on_session(s, channel);
   if (!st) {
-    forget(channel);
+    queue_->close(channel);
     std::lock_guard lock(channels_mu_);
     sessions_.erase(channel);
     return st;
@@ -118,7 +110,7 @@ Status EngineNotifications::send(uint64_t channel, std::span<const std::byte> me
 }
 
 void EngineNotifications::close(uint64_t channel) {
-  forget(channel);
+  queue_->close(channel);
   serving_.links().close(channel);
   std::shared_ptr<Session> s;
   {

@@ -42,7 +42,6 @@ class EngineNotifications {
       : serving_(serving), connect_timeout_(connect_timeout), send_timeout_(send_timeout) {}
   static Status channel_taken(uint64_t channel);
   LinkHandler handler(uint64_t channel);
-  void forget(uint64_t channel);  // from the queue: nothing more is delivered for it
   Status open_on_session(const std::shared_ptr<Session>& s, uint64_t channel);
   // Sends one eager active message on the session's endpoint and progresses the session's
   // worker until it is sent (within `timeout`); a failure breaks the session. Caller holds

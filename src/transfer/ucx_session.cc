@@ -165,7 +165,7 @@ void Session::choose_read_path(ReadPath path) {
 void Session::release() {
   std::map<uint64_t, LinkHandler> gone;
   gone.swap(links);
-  for (auto& [token, handler] : gone) handler(LinkEvent::kClosed, {});
+  for (auto& [token, handler] : gone) handler(Notification::Kind::kClosed, {});
   mapped.clear();
   file_maps.clear();
   ep.close();
@@ -196,7 +196,7 @@ ucs_status_t on_am_link_message(void* arg, const void* header, size_t header_len
   std::memcpy(&h, header, sizeof(h));
   auto it = s->links.find(h.token);
   if (it != s->links.end()) {
-    it->second(LinkEvent::kMessage, {static_cast<const std::byte*>(data), length});
+    it->second(Notification::Kind::kMessage, {static_cast<const std::byte*>(data), length});
   }
   return UCS_OK;
 }
